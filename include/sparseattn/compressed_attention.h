@@ -1,0 +1,44 @@
+// compressed_attention: every query attends to the compressed blocks that end at or before it.
+#pragma once
+
+#include <optional>
+
+#include "sparseattn/sequences.h"
+#include "sparseattn/tensor.h"
+
+namespace sparseattn {
+
+// Query t sees compressed block j iff j*stride + block - 1 <= t. A query that sees no block returns
+// o = 0 and lse = -inf and gets no gradient.
+struct CompressedAttentionParams {
+  TensorView q;      // [B, T, Hq, Dqk] or packed [N, Hq, Dqk]
+  TensorView k_cmp;  // [B, Tc, Hkv, Dqk] or packed [Nc, Hkv, Dqk]; Tc = num_compressed_blocks(T)
+  TensorView v_cmp;  // [B, Tc, Hkv, Dv]  or packed [Nc, Hkv, Dv]
+  TensorView o;      // out: [B, T, Hq, Dv] or packed [N, Hq, Dv]
+  TensorView lse;    // out: [B, Hq, T] or packed [Hq, N]; float32 (float64 for float64 inputs)
+  Sequences seqs;             // of q
+  TensorView cu_seqlens_cmp;  // packed only: int32 [B+1]
+  int block = 32;
+  int stride = 16;
+  std::optional<double> scale;  // default 1/sqrt(Dqk)
+  Stream stream = nullptr;
+};
+
+struct CompressedAttentionBackwardParams {
+  TensorView q, k_cmp, v_cmp, o, lse;  // as in the forward (o and lse are the forward's outputs)
+  TensorView d_o;                      // [B, T, Hq, Dv] or packed [N, Hq, Dv]
+  TensorView dq;                       // out: like q
+  TensorView dk_cmp;                   // out: like k_cmp
+  TensorView dv_cmp;                   // out: like v_cmp
+  Sequences seqs;
+  TensorView cu_seqlens_cmp;
+  int block = 32;
+  int stride = 16;
+  std::optional<double> scale;
+  Stream stream = nullptr;
+};
+
+void compressed_attention(const CompressedAttentionParams& params);
+void compressed_attention_backward(const CompressedAttentionBackwardParams& params);
+
+}  // namespace sparseattn

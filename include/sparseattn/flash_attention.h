@@ -1,0 +1,53 @@
+// flash_attention: dense attention with causal/window masking, broadcastable mask and bias, GQA and varlen.
+// NSA's sliding-window branch is this operation with causal = true, window_left = w - 1.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "sparseattn/sequences.h"
+#include "sparseattn/tensor.h"
+
+namespace sparseattn {
+
+// s = scale * q.k + bias, kept where mask is true, the causal rule and the window allow; o = softmax(s) v.
+// Query t of a sequence with T queries and S keys is aligned to key position a = t + S - T (bottom-right,
+// as FlashAttention): causal keeps keys <= a; the window keeps keys in [a - window_left, a + window_right]
+// (a negative bound means unbounded). A row with no kept key returns o = 0 and lse = -inf.
+// mask and bias are batched-layout only and broadcast as [B|1, Hq|Hkv|1, T|1, S]; with Hkv heads, query
+// head h uses mask/bias head h / (Hq / Hkv).
+struct FlashAttentionParams {
+  TensorView q;     // [B, T, Hq, Dqk] or packed [Nq, Hq, Dqk]
+  TensorView k;     // [B, S, Hkv, Dqk] or packed [Nk, Hkv, Dqk]
+  TensorView v;     // [B, S, Hkv, Dv]  or packed [Nk, Hkv, Dv]
+  TensorView mask;  // optional bool [B|1, Hq|Hkv|1, T|1, S]; true = keep
+  TensorView bias;  // optional, dtype of q, [B|1, Hq|Hkv|1, T|1, S]
+  TensorView o;     // out: [B, T, Hq, Dv] or packed [Nq, Hq, Dv]
+  TensorView lse;   // out: [B, Hq, T] or packed [Hq, Nq]; float32 (float64 for float64 inputs)
+  Sequences seqs_q;
+  Sequences seqs_k;  // packed: cu_seqlens of the keys (both present or both absent)
+  bool causal = false;
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
+  std::optional<double> scale;
+  Stream stream = nullptr;
+};
+
+struct FlashAttentionBackwardParams {
+  TensorView q, k, v, mask, bias, o, lse;  // as in the forward
+  TensorView d_o;                          // like o
+  TensorView dq, dk, dv;                   // out: like q, k, v
+  TensorView dbias;  // optional out: the gradient of bias, reduced to bias's own (broadcast) shape
+  Sequences seqs_q;
+  Sequences seqs_k;
+  bool causal = false;
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
+  std::optional<double> scale;
+  Stream stream = nullptr;
+};
+
+void flash_attention(const FlashAttentionParams& params);
+void flash_attention_backward(const FlashAttentionBackwardParams& params);
+
+}  // namespace sparseattn

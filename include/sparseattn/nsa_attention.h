@@ -1,0 +1,66 @@
+// nsa_attention: the whole Native Sparse Attention pipeline as one call (compression, compressed attention,
+// block selection, selected attention, sliding window, gated combination), forward and backward.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "sparseattn/combine.h"
+#include "sparseattn/sequences.h"
+#include "sparseattn/tensor.h"
+
+namespace sparseattn {
+
+// Defaults are the NSA paper's: l = 32, d = 16, l' = 64, n = 16, 1 initial and 2 local blocks, w = 512.
+struct NsaConfig {
+  int cmp_block = 32;          // l: tokens per compressed block
+  int cmp_stride = 16;         // d: distance between compressed blocks; divides l and l'
+  int sel_block = 64;          // l': tokens per selection block; l <= l'
+  int num_selected = 16;       // n: selected blocks per query and KV head (forced ones included)
+  int num_init = 1;            // forced initial blocks
+  int num_local = 2;           // forced local blocks
+  std::int64_t window = 512;   // w: sliding-window width, the query included
+  std::optional<double> scale; // default 1/sqrt(Dqk); one scale for all three branches
+};
+
+// Branch order of `gates` (and of combine's arrays): compressed, selected, sliding window.
+// A branch whose gate is absent is skipped (compressed attention still runs when selection needs it).
+struct NsaParams {
+  TensorView q;              // [B, T, Hq, Dqk] or packed [N, Hq, Dqk]
+  TensorView k;              // [B, T, Hkv, Dqk] or packed [N, Hkv, Dqk]
+  TensorView v;              // [B, T, Hkv, Dv]  or packed [N, Hkv, Dv]
+  TensorView k_cmp, v_cmp;   // optional, both or neither: user-supplied compressed K/V (else mean pooling),
+                             // [B, Tc, Hkv, D] or packed [Nc, Hkv, D] laid out by cu_seqlens_cmp
+  TensorView block_indices;  // optional: user-supplied selection, int32 [B, T, Hkv, n] (skips selection)
+  std::array<TensorView, kNumBranches> gates;  // [B, T, Hq] or packed [N, Hq]
+  TensorView o;              // out: [B, T, Hq, Dv] or packed [N, Hq, Dv]
+  Sequences seqs;
+  TensorView cu_seqlens_cmp;  // packed only: int32 [B+1], prefix sums of num_compressed_blocks(T_b)
+  NsaConfig config;
+  void* workspace = nullptr;  // on q's device, nsa_workspace_size(params) bytes; backward reads it
+  std::size_t workspace_bytes = 0;
+  Stream stream = nullptr;
+};
+
+struct NsaBackwardParams {
+  NsaParams forward;          // exactly as passed to nsa_attention (o, workspace unchanged since)
+  TensorView d_o;             // like o
+  TensorView dq, dk, dv;      // out: like q, k, v
+  TensorView dk_cmp, dv_cmp;  // out iff k_cmp/v_cmp were supplied: like them
+  std::array<TensorView, kNumBranches> d_gates;  // out, optional for each present gate: like the gate
+  void* scratch = nullptr;    // on q's device, nsa_backward_scratch_size(forward) bytes, any contents
+  std::size_t scratch_bytes = 0;
+};
+
+// Bytes of the workspace nsa_attention fills and nsa_attention_backward reads (intermediate outputs,
+// log-sum-exps and indices). Depends on shapes, dtypes, config and which branches/inputs are present.
+std::size_t nsa_workspace_size(const NsaParams& params);
+// Bytes of temporary memory nsa_attention_backward needs beyond the forward workspace.
+std::size_t nsa_backward_scratch_size(const NsaParams& params);
+
+void nsa_attention(const NsaParams& params);
+void nsa_attention_backward(const NsaBackwardParams& params);
+
+}  // namespace sparseattn

@@ -1,0 +1,36 @@
+// select_blocks: group-shared top-n selection of key blocks from compressed-attention probabilities.
+#pragma once
+
+#include <optional>
+
+#include "sparseattn/sequences.h"
+#include "sparseattn/tensor.h"
+
+namespace sparseattn {
+
+// For query t and KV head h: P[t, j] = sum over the query heads of group h of exp(s - lse) with the
+// compressed-attention logits s and log-sum-exp lse; selection block b (tokens [b*sel_block,
+// (b+1)*sel_block)) scores sum_j overlap_tokens(j, b) / stride * P[t, j]. Candidates are blocks with
+// b*sel_block <= t; blocks 0..num_init-1 and the num_local blocks ending at floor(t/sel_block) are forced;
+// the rest of the min(num_selected, candidates) slots go to the highest scores, ties to the lower index.
+// Indices are written ascending, -1 padded. Not differentiable.
+struct SelectBlocksParams {
+  TensorView q;        // [B, T, Hq, Dqk] or packed [N, Hq, Dqk]
+  TensorView k_cmp;    // [B, Tc, Hkv, Dqk] or packed [Nc, Hkv, Dqk]
+  TensorView lse_cmp;  // [B, Hq, T] or packed [Hq, N]: compressed attention's log-sum-exp
+  TensorView indices;  // out: int32 [B, T, Hkv, num_selected] or packed [N, Hkv, num_selected]
+  Sequences seqs;
+  TensorView cu_seqlens_cmp;
+  int cmp_block = 32;     // l
+  int cmp_stride = 16;    // d; divides cmp_block and sel_block
+  int sel_block = 64;     // l'; cmp_block <= sel_block
+  int num_selected = 16;  // n
+  int num_init = 1;       // forced initial blocks
+  int num_local = 2;      // forced local blocks (the query's own block and the ones before it)
+  std::optional<double> scale;  // must be the scale compressed attention used; default 1/sqrt(Dqk)
+  Stream stream = nullptr;
+};
+
+void select_blocks(const SelectBlocksParams& params);
+
+}  // namespace sparseattn

@@ -1,0 +1,40 @@
+// selected_attention: every query attends to the tokens of its KV head's selected blocks.
+#pragma once
+
+#include <optional>
+
+#include "sparseattn/sequences.h"
+#include "sparseattn/tensor.h"
+
+namespace sparseattn {
+
+// Query t of KV head h attends to the tokens at positions <= t of the blocks listed in
+// indices[t, h, :] (block b covers [b*block, (b+1)*block)). Indices follow the sparse index convention:
+// int32, strictly ascending, -1 padding at the tail, every index < num_selection_blocks(T).
+struct SelectedAttentionParams {
+  TensorView q;        // [B, T, Hq, Dqk] or packed [N, Hq, Dqk]
+  TensorView k;        // [B, T, Hkv, Dqk] or packed [N, Hkv, Dqk]
+  TensorView v;        // [B, T, Hkv, Dv]  or packed [N, Hkv, Dv]
+  TensorView indices;  // int32 [B, T, Hkv, n] or packed [N, Hkv, n]
+  TensorView o;        // out: [B, T, Hq, Dv] or packed [N, Hq, Dv]
+  TensorView lse;      // out: [B, Hq, T] or packed [Hq, N]; float32 (float64 for float64 inputs)
+  Sequences seqs;
+  int block = 64;  // l'
+  std::optional<double> scale;
+  Stream stream = nullptr;
+};
+
+struct SelectedAttentionBackwardParams {
+  TensorView q, k, v, indices, o, lse;  // as in the forward
+  TensorView d_o;                       // like o
+  TensorView dq, dk, dv;                // out: like q, k, v
+  Sequences seqs;
+  int block = 64;
+  std::optional<double> scale;
+  Stream stream = nullptr;
+};
+
+void selected_attention(const SelectedAttentionParams& params);
+void selected_attention_backward(const SelectedAttentionBackwardParams& params);
+
+}  // namespace sparseattn

@@ -1,0 +1,189 @@
+#include "api/check.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace sparseattn::detail {
+
+namespace {
+
+std::string shape_string(const std::vector<std::int64_t>& shape) {
+  std::ostringstream out;
+  out << '[';
+  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << ']';
+  return out.str();
+}
+
+std::string device_string(const TensorView& t) {
+  return t.device == DeviceType::cpu ? "cpu" : "cuda:" + std::to_string(t.device_index);
+}
+
+}  // namespace
+
+std::vector<std::int64_t> TokenLayout::tokens(std::int64_t heads, std::int64_t dim) const {
+  if (packed) return {rows, heads, dim};
+  return {batch, rows, heads, dim};
+}
+
+std::vector<std::int64_t> TokenLayout::lse(std::int64_t heads) const {
+  if (packed) return {heads, rows};
+  return {batch, heads, rows};
+}
+
+std::vector<std::int64_t> TokenLayout::per_head(std::int64_t heads) const {
+  if (packed) return {rows, heads};
+  return {batch, rows, heads};
+}
+
+void Check::fail(ErrorKind kind, const std::string& arg, const std::string& message) const {
+  throw Error(kind, op_, arg, message);
+}
+
+void Check::present(const TensorView& t, const std::string& arg) const {
+  require(t.present(), ErrorKind::shape, arg, "is required but was not given");
+  require(t.data != nullptr || t.numel() == 0, ErrorKind::value, arg, "has elements but a null data pointer");
+  for (int i = 0; i < t.rank; ++i) {
+    require(t.shape[i] >= 0, ErrorKind::shape, arg, "has a negative size " + t.shape_string());
+  }
+}
+
+void Check::absent(const TensorView& t, const std::string& arg, const std::string& why) const {
+  require(!t.present(), ErrorKind::config, arg, "must not be given " + why);
+}
+
+void Check::dtype(const TensorView& t, const std::string& arg, DType expected) const {
+  require(t.dtype == expected, ErrorKind::dtype, arg,
+          std::string("expected dtype ") + dtype_name(expected) + ", got " + dtype_name(t.dtype));
+}
+
+void Check::floating(const TensorView& t, const std::string& arg) const {
+  const bool ok = t.dtype == DType::float16 || t.dtype == DType::bfloat16 || t.dtype == DType::float32 ||
+                  t.dtype == DType::float64;
+  require(ok, ErrorKind::dtype, arg,
+          std::string("expected float16, bfloat16, float32 or float64, got ") + dtype_name(t.dtype));
+}
+
+void Check::shape(const TensorView& t, const std::string& arg, const std::vector<std::int64_t>& expected) const {
+  bool ok = t.rank == static_cast<int>(expected.size());
+  for (int i = 0; ok && i < t.rank; ++i) ok = t.shape[i] == expected[i];
+  require(ok, ErrorKind::shape, arg, "expected shape " + shape_string(expected) + ", got " + t.shape_string());
+}
+
+void Check::same_device(const TensorView& t, const std::string& arg, const TensorView& anchor,
+                        const std::string& anchor_arg) const {
+  require(t.device == anchor.device && t.device_index == anchor.device_index, ErrorKind::device, arg,
+          "is on " + device_string(t) + " but '" + anchor_arg + "' is on " + device_string(anchor));
+}
+
+void Check::inner_contiguous(const TensorView& t, const std::string& arg) const {
+  require(t.rank == 0 || t.shape[t.rank - 1] <= 1 || t.stride[t.rank - 1] == 1, ErrorKind::layout, arg,
+          "expected a contiguous last dimension (stride 1), got stride " +
+              std::to_string(t.stride[t.rank - 1]));
+}
+
+void Check::tensor(const TensorView& t, const std::string& arg, DType dtype_expected, const TensorView& anchor,
+                   const std::string& anchor_arg) const {
+  present(t, arg);
+  dtype(t, arg, dtype_expected);
+  same_device(t, arg, anchor, anchor_arg);
+  inner_contiguous(t, arg);
+}
+
+void Check::positive(std::int64_t value, const std::string& arg) const {
+  require(value > 0, ErrorKind::config, arg, "expected a positive value, got " + std::to_string(value));
+}
+
+namespace {
+
+// Reads cu_seqlens[i] of a CPU int32 tensor of rank 1.
+std::int32_t cu_at(const TensorView& cu, std::int64_t i) {
+  return static_cast<const std::int32_t*>(cu.data)[i * cu.stride[0]];
+}
+
+}  // namespace
+
+TokenLayout Check::layout(const TensorView& tokens, const std::string& arg, const Sequences& seqs,
+                          const std::string& cu_arg) const {
+  present(tokens, arg);
+  TokenLayout layout;
+  layout.packed = seqs.cu_seqlens.present();
+  if (!layout.packed) {
+    require(tokens.rank == 4, ErrorKind::shape, arg,
+            "expected 4 dimensions [B, T, H, D] (or 3 dimensions [N, H, D] with " + cu_arg + "), got " +
+                tokens.shape_string());
+    layout.batch = tokens.shape[0];
+    layout.rows = tokens.shape[1];
+    return layout;
+  }
+  require(tokens.rank == 3, ErrorKind::shape, arg,
+          "expected 3 dimensions [N, H, D] because " + cu_arg + " is given, got " + tokens.shape_string());
+  const TensorView& cu = seqs.cu_seqlens;
+  present(cu, cu_arg);
+  dtype(cu, cu_arg, DType::int32);
+  same_device(cu, cu_arg, tokens, arg);
+  require(cu.rank == 1 && cu.shape[0] >= 1, ErrorKind::shape, cu_arg,
+          "expected shape [B+1], got " + cu.shape_string());
+  layout.batch = cu.shape[0] - 1;
+  layout.rows = tokens.shape[0];
+  require(seqs.max_seqlen >= 0, ErrorKind::config, cu_arg + " max_seqlen",
+          "expected >= 0, got " + std::to_string(seqs.max_seqlen));
+  if (cu.device == DeviceType::cpu) {
+    require(cu_at(cu, 0) == 0, ErrorKind::value, cu_arg, "must start at 0, got " + std::to_string(cu_at(cu, 0)));
+    for (std::int64_t b = 0; b < layout.batch; ++b) {
+      const std::int64_t length = std::int64_t{cu_at(cu, b + 1)} - cu_at(cu, b);
+      require(length >= 0, ErrorKind::value, cu_arg, "must be non-decreasing (entry " + std::to_string(b + 1) + ")");
+      require(seqs.max_seqlen == 0 || length <= seqs.max_seqlen, ErrorKind::value, cu_arg,
+              "sequence " + std::to_string(b) + " has " + std::to_string(length) + " tokens, more than max_seqlen " +
+                  std::to_string(seqs.max_seqlen));
+    }
+    require(cu_at(cu, layout.batch) <= layout.rows, ErrorKind::value, cu_arg,
+            "last entry " + std::to_string(cu_at(cu, layout.batch)) + " exceeds the " +
+                std::to_string(layout.rows) + " rows of '" + arg + "'");
+  }
+  return layout;
+}
+
+void Check::compressed_layout(const TokenLayout& tokens, const Sequences& seqs, const TensorView& cu_cmp,
+                              std::int64_t cmp_rows, std::int64_t block, std::int64_t stride) const {
+  const std::string arg = "cu_seqlens_cmp";
+  if (!tokens.packed) {
+    absent(cu_cmp, arg, "with the batched layout");
+    return;
+  }
+  present(cu_cmp, arg);
+  dtype(cu_cmp, arg, DType::int32);
+  same_device(cu_cmp, arg, seqs.cu_seqlens, "cu_seqlens");
+  shape(cu_cmp, arg, {tokens.batch + 1});
+  if (cu_cmp.device != DeviceType::cpu) return;
+  require(cu_at(cu_cmp, 0) == 0, ErrorKind::value, arg, "must start at 0");
+  for (std::int64_t b = 0; b < tokens.batch; ++b) {
+    const std::int64_t length = std::int64_t{cu_at(seqs.cu_seqlens, b + 1)} - cu_at(seqs.cu_seqlens, b);
+    const std::int64_t expected = num_compressed_blocks(length, block, stride);
+    const std::int64_t got = std::int64_t{cu_at(cu_cmp, b + 1)} - cu_at(cu_cmp, b);
+    require(got == expected, ErrorKind::value, arg,
+            "sequence " + std::to_string(b) + " of " + std::to_string(length) + " tokens has " +
+                std::to_string(expected) + " compressed blocks, but cu_seqlens_cmp gives it " + std::to_string(got));
+  }
+  require(cu_at(cu_cmp, tokens.batch) <= cmp_rows, ErrorKind::value, arg,
+          "last entry exceeds the " + std::to_string(cmp_rows) + " rows of the compressed tensors");
+}
+
+DType lse_dtype(DType input) { return input == DType::float64 ? DType::float64 : DType::float32; }
+
+double resolve_scale(const Check& check, const std::optional<double>& scale, std::int64_t dim) {
+  if (!scale) return 1.0 / std::sqrt(static_cast<double>(dim));
+  check.require(std::isfinite(*scale) && *scale > 0, ErrorKind::config, "scale",
+                "expected a finite positive value, got " + std::to_string(*scale));
+  return *scale;
+}
+
+Backend backend(const Check& check, const TensorView& anchor, const std::string& arg, bool has_cuda_kernels) {
+  if (anchor.device == DeviceType::cpu) return Backend::cpu;
+  check.require(has_cuda_kernels, ErrorKind::unsupported, arg,
+                "is a CUDA tensor, but this build of sparseattn has no CUDA kernels for " + check.op() +
+                    " yet; use CPU tensors (the reference backend)");
+  return Backend::cuda;
+}
+
+}  // namespace sparseattn::detail

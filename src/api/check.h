@@ -1,0 +1,82 @@
+// Validation shared by every operation: each check throws sparseattn::Error naming the operation and the
+// argument, before any work is started or any output written.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sparseattn/error.h"
+#include "sparseattn/sequences.h"
+#include "sparseattn/tensor.h"
+
+namespace sparseattn::detail {
+
+// Where the tokens of a set of sequences live. Batched: `rows` is T. Packed: `batch` is B from
+// cu_seqlens and `rows` is N, the first dimension of the packed tensors.
+struct TokenLayout {
+  bool packed = false;
+  std::int64_t batch = 0;
+  std::int64_t rows = 0;
+  // The token-tensor shape [B, T, heads, dim] or packed [N, heads, dim].
+  std::vector<std::int64_t> tokens(std::int64_t heads, std::int64_t dim) const;
+  // The log-sum-exp shape [B, heads, T] or packed [heads, N].
+  std::vector<std::int64_t> lse(std::int64_t heads) const;
+  // The gate shape [B, T, heads] or packed [N, heads].
+  std::vector<std::int64_t> per_head(std::int64_t heads) const;
+};
+
+class Check {
+ public:
+  explicit Check(std::string op) : op_(std::move(op)) {}
+
+  [[noreturn]] void fail(ErrorKind kind, const std::string& arg, const std::string& message) const;
+  void require(bool ok, ErrorKind kind, const std::string& arg, const std::string& message) const {
+    if (!ok) fail(kind, arg, message);
+  }
+
+  void present(const TensorView& t, const std::string& arg) const;
+  void absent(const TensorView& t, const std::string& arg, const std::string& why) const;
+  void dtype(const TensorView& t, const std::string& arg, DType expected) const;
+  // float16, bfloat16, float32 or float64.
+  void floating(const TensorView& t, const std::string& arg) const;
+  void shape(const TensorView& t, const std::string& arg, const std::vector<std::int64_t>& expected) const;
+  // Same device type and index as `anchor`.
+  void same_device(const TensorView& t, const std::string& arg, const TensorView& anchor,
+                   const std::string& anchor_arg) const;
+  // The innermost dimension has stride 1 (every tensor of the API needs this; other strides are free).
+  void inner_contiguous(const TensorView& t, const std::string& arg) const;
+  // present + dtype + same device + inner stride in one call, the common case for inputs and outputs.
+  void tensor(const TensorView& t, const std::string& arg, DType dtype, const TensorView& anchor,
+              const std::string& anchor_arg) const;
+  void positive(std::int64_t value, const std::string& arg) const;
+
+  // Resolves batched vs packed from the rank of `tokens` (4 or 3) and the presence of cu_seqlens, checks
+  // cu_seqlens (int32 [B+1], device of `tokens`, and on the CPU its contents) and returns the layout.
+  TokenLayout layout(const TensorView& tokens, const std::string& arg, const Sequences& seqs,
+                     const std::string& cu_arg) const;
+  // Checks a packed compressed layout: cu_seqlens_cmp int32 [B+1] whose differences are
+  // num_compressed_blocks of the token sequences (contents checked on the CPU), last value <= rows.
+  void compressed_layout(const TokenLayout& tokens, const Sequences& seqs, const TensorView& cu_seqlens_cmp,
+                         std::int64_t cmp_rows, std::int64_t block, std::int64_t stride) const;
+
+  const std::string& op() const { return op_; }
+
+ private:
+  std::string op_;
+};
+
+// float32 for 16- and 32-bit inputs, float64 for float64 inputs.
+DType lse_dtype(DType input);
+
+// 1/sqrt(dim) unless the caller chose a scale (which must be finite and positive).
+double resolve_scale(const Check& check, const std::optional<double>& scale, std::int64_t dim);
+
+// The backend an operation runs on, from the device of its anchor tensor. CUDA tensors raise
+// ErrorKind::unsupported until the operation has CUDA kernels in this build.
+enum class Backend { cpu, cuda };
+Backend backend(const Check& check, const TensorView& anchor, const std::string& arg, bool has_cuda_kernels);
+
+}  // namespace sparseattn::detail

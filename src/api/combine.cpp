@@ -1,0 +1,81 @@
+#include "sparseattn/combine.h"
+
+#include <string>
+
+#include "api/check.h"
+#include "reference/reference.h"
+
+namespace sparseattn {
+
+namespace {
+
+const char* const kBranch[kNumBranches] = {"cmp", "slc", "swa"};
+
+// Checks the branch outputs and gates against `anchor` (an output-shaped tensor) and returns the layout.
+detail::TokenLayout check_branches(const detail::Check& check, const std::array<TensorView, kNumBranches>& outputs,
+                                   const std::array<TensorView, kNumBranches>& gates, const TensorView& anchor,
+                                   const std::string& anchor_arg) {
+  check.present(anchor, anchor_arg);
+  check.floating(anchor, anchor_arg);
+  check.inner_contiguous(anchor, anchor_arg);
+  check.require(anchor.rank == 3 || anchor.rank == 4, ErrorKind::shape, anchor_arg,
+                "expected [B, T, Hq, Dv] or packed [N, Hq, Dv], got " + anchor.shape_string());
+  detail::TokenLayout layout;
+  layout.packed = anchor.rank == 3;
+  layout.batch = layout.packed ? 1 : anchor.shape[0];
+  layout.rows = anchor.shape[anchor.rank - 3];
+  const std::int64_t heads = anchor.shape[anchor.rank - 2];
+  const std::int64_t dim = anchor.shape[anchor.rank - 1];
+  int branches = 0;
+  for (int i = 0; i < kNumBranches; ++i) {
+    const std::string gate = std::string("g_") + kBranch[i];
+    const std::string out = std::string("o_") + kBranch[i];
+    if (!gates[i].present()) continue;
+    ++branches;
+    check.tensor(gates[i], gate, anchor.dtype, anchor, anchor_arg);
+    check.shape(gates[i], gate, layout.per_head(heads));
+    check.tensor(outputs[i], out, anchor.dtype, anchor, anchor_arg);
+    check.shape(outputs[i], out, layout.tokens(heads, dim));
+  }
+  check.require(branches > 0, ErrorKind::config, "gates", "at least one branch gate must be given");
+  return layout;
+}
+
+}  // namespace
+
+void combine(const CombineParams& params) {
+  const detail::Check check("combine");
+  check_branches(check, params.outputs, params.gates, params.o, "o");
+  switch (detail::backend(check, params.o, "o", /*has_cuda_kernels=*/false)) {
+    case detail::Backend::cpu: reference::combine(params); break;
+    case detail::Backend::cuda: break;
+  }
+}
+
+void combine_backward(const CombineBackwardParams& params) {
+  const detail::Check check("combine_backward");
+  const detail::TokenLayout layout = check_branches(check, params.outputs, params.gates, params.d_o, "d_o");
+  const std::int64_t heads = params.d_o.shape[params.d_o.rank - 2];
+  const std::int64_t dim = params.d_o.shape[params.d_o.rank - 1];
+  for (int i = 0; i < kNumBranches; ++i) {
+    const std::string d_out = std::string("d_o_") + kBranch[i];
+    const std::string d_gate = std::string("d_g_") + kBranch[i];
+    if (!params.gates[i].present()) {
+      check.absent(params.d_outputs[i], d_out, "for a branch without a gate");
+      check.absent(params.d_gates[i], d_gate, "for a branch without a gate");
+      continue;
+    }
+    check.tensor(params.d_outputs[i], d_out, params.d_o.dtype, params.d_o, "d_o");
+    check.shape(params.d_outputs[i], d_out, layout.tokens(heads, dim));
+    if (params.d_gates[i].present()) {
+      check.tensor(params.d_gates[i], d_gate, params.d_o.dtype, params.d_o, "d_o");
+      check.shape(params.d_gates[i], d_gate, layout.per_head(heads));
+    }
+  }
+  switch (detail::backend(check, params.d_o, "d_o", /*has_cuda_kernels=*/false)) {
+    case detail::Backend::cpu: reference::combine_backward(params); break;
+    case detail::Backend::cuda: break;
+  }
+}
+
+}  // namespace sparseattn
