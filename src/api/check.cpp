@@ -183,6 +183,8 @@ Backend backend(const Check& check, const TensorView& anchor, const std::string&
   check.require(has_cuda_kernels, ErrorKind::unsupported, arg,
                 "is a CUDA tensor, but this build of sparseattn has no CUDA kernels for " + check.op() +
                     " yet; use CPU tensors (the reference backend)");
+  check.require(anchor.dtype != DType::float64, ErrorKind::unsupported, arg,
+                "float64 runs on the CPU reference only; the CUDA kernels take float16, bfloat16 or float32");
   return Backend::cuda;
 }
 

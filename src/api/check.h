@@ -74,8 +74,16 @@ DType lse_dtype(DType input);
 // 1/sqrt(dim) unless the caller chose a scale (which must be finite and positive).
 double resolve_scale(const Check& check, const std::optional<double>& scale, std::int64_t dim);
 
+// Whether this build compiled the CUDA backend (src/cuda).
+#ifdef SPARSEATTN_WITH_CUDA
+inline constexpr bool kCudaBuilt = true;
+#else
+inline constexpr bool kCudaBuilt = false;
+#endif
+
 // The backend an operation runs on, from the device of its anchor tensor. CUDA tensors raise
-// ErrorKind::unsupported until the operation has CUDA kernels in this build.
+// ErrorKind::unsupported unless the operation has CUDA kernels in this build (pass kCudaBuilt for an op
+// that has them, false otherwise); the CUDA kernels take float16, bfloat16 and float32, not float64.
 enum class Backend { cpu, cuda };
 Backend backend(const Check& check, const TensorView& anchor, const std::string& arg, bool has_cuda_kernels);
 

@@ -4,6 +4,9 @@
 
 #include "api/check.h"
 #include "reference/reference.h"
+#ifdef SPARSEATTN_WITH_CUDA
+#include "cuda/ops.h"
+#endif
 
 namespace sparseattn {
 
@@ -46,9 +49,13 @@ detail::TokenLayout check_branches(const detail::Check& check, const std::array<
 void combine(const CombineParams& params) {
   const detail::Check check("combine");
   check_branches(check, params.outputs, params.gates, params.o, "o");
-  switch (detail::backend(check, params.o, "o", /*has_cuda_kernels=*/false)) {
+  switch (detail::backend(check, params.o, "o", detail::kCudaBuilt)) {
     case detail::Backend::cpu: reference::combine(params); break;
+#ifdef SPARSEATTN_WITH_CUDA
+    case detail::Backend::cuda: cuda::combine(params); break;
+#else
     case detail::Backend::cuda: break;
+#endif
   }
 }
 
@@ -72,9 +79,13 @@ void combine_backward(const CombineBackwardParams& params) {
       check.shape(params.d_gates[i], d_gate, layout.per_head(heads));
     }
   }
-  switch (detail::backend(check, params.d_o, "d_o", /*has_cuda_kernels=*/false)) {
+  switch (detail::backend(check, params.d_o, "d_o", detail::kCudaBuilt)) {
     case detail::Backend::cpu: reference::combine_backward(params); break;
+#ifdef SPARSEATTN_WITH_CUDA
+    case detail::Backend::cuda: cuda::combine_backward(params); break;
+#else
     case detail::Backend::cuda: break;
+#endif
   }
 }
 

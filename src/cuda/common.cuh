@@ -1,0 +1,101 @@
+// Device helpers shared by the CUDA kernels: element conversion, strided token views, launch checks.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "sparseattn/tensor.h"
+
+namespace sparseattn::cuda {
+
+template <class T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float(float x) { return x; }
+template <> __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+
+// A token tensor [B, T, H, D] (packed [N, H, D] is seen as B = 1) by pointer and element strides; the
+// innermost stride is 1 (validated by the API).
+template <class T>
+struct Tokens {
+  T* data;
+  std::int64_t batch_stride, row_stride, head_stride;
+
+  __device__ __forceinline__ T* row(std::int64_t b, std::int64_t t, std::int64_t h) const {
+    return data + b * batch_stride + t * row_stride + h * head_stride;
+  }
+};
+
+template <class T>
+Tokens<T> tokens_of(const TensorView& view) {
+  const bool packed = view.rank == 3;
+  return {static_cast<T*>(view.data), packed ? 0 : view.stride[0], view.stride[packed ? 0 : 1],
+          view.stride[packed ? 1 : 2]};
+}
+
+// A per-head tensor [B, T, H] (packed [N, H]) such as a gate.
+template <class T>
+struct PerHead {
+  T* data;
+  std::int64_t batch_stride, row_stride, head_stride;
+
+  __device__ __forceinline__ T& at(std::int64_t b, std::int64_t t, std::int64_t h) const {
+    return data[b * batch_stride + t * row_stride + h * head_stride];
+  }
+};
+
+template <class T>
+PerHead<T> per_head_of(const TensorView& view) {
+  const bool packed = view.rank == 2;
+  return {static_cast<T*>(view.data), packed ? 0 : view.stride[0], view.stride[packed ? 0 : 1],
+          view.stride[packed ? 1 : 2]};
+}
+
+// Throws if the last launch failed to start (bad configuration). Asynchronous faults surface later, at
+// the caller's next synchronisation, as with every CUDA library; no host sync happens here.
+inline void check_launch(const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("sparseattn: launch of ") + kernel + " failed: " +
+                             cudaGetErrorString(status));
+  }
+}
+
+// Makes the tensors' device current for the duration of a call (kernels launch on the current device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+// Calls body.template operator()<T>() with the CUDA element type of a 16/32-bit float dtype.
+template <class Body>
+void dispatch_float(DType dtype, Body&& body) {
+  switch (dtype) {
+    case DType::float16: body.template operator()<__half>(); break;
+    case DType::bfloat16: body.template operator()<__nv_bfloat16>(); break;
+    case DType::float32: body.template operator()<float>(); break;
+    default: throw std::logic_error("sparseattn: dtype not dispatched to CUDA (the API validates this)");
+  }
+}
+
+inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace sparseattn::cuda
