@@ -124,6 +124,7 @@ TokenLayout Check::layout(const TensorView& tokens, const std::string& arg, cons
   same_device(cu, cu_arg, tokens, arg);
   require(cu.rank == 1 && cu.shape[0] >= 1, ErrorKind::shape, cu_arg,
           "expected shape [B+1], got " + cu.shape_string());
+  inner_contiguous(cu, cu_arg);
   layout.batch = cu.shape[0] - 1;
   layout.rows = tokens.shape[0];
   require(seqs.max_seqlen >= 0, ErrorKind::config, cu_arg + " max_seqlen",
@@ -155,6 +156,7 @@ void Check::compressed_layout(const TokenLayout& tokens, const Sequences& seqs, 
   dtype(cu_cmp, arg, DType::int32);
   same_device(cu_cmp, arg, seqs.cu_seqlens, "cu_seqlens");
   shape(cu_cmp, arg, {tokens.batch + 1});
+  inner_contiguous(cu_cmp, arg);
   if (cu_cmp.device != DeviceType::cpu) return;
   require(cu_at(cu_cmp, 0) == 0, ErrorKind::value, arg, "must start at 0");
   for (std::int64_t b = 0; b < tokens.batch; ++b) {

@@ -91,7 +91,8 @@ void combine(const CombineParams& params) {
   const DeviceGuard device(params.o.device_index);
   const RowGrid grid = row_grid(params.o);
   if (blocks_for(grid) == 0) return;
-  dispatch_float(params.o.dtype, [&]<class T>() {
+  dispatch_float(params.o.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
     combine_kernel<T><<<blocks_for(grid), kWarpsPerBlock * 32, 0, static_cast<cudaStream_t>(params.stream)>>>(
         branches_of<T>(params.outputs, params.gates), tokens_of<T>(params.o), grid);
     check_launch("combine_kernel");
@@ -102,7 +103,8 @@ void combine_backward(const CombineBackwardParams& params) {
   const DeviceGuard device(params.d_o.device_index);
   const RowGrid grid = row_grid(params.d_o);
   if (blocks_for(grid) == 0) return;
-  dispatch_float(params.d_o.dtype, [&]<class T>() {
+  dispatch_float(params.d_o.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
     Tokens<T> d_outputs[kNumBranches]{};
     PerHead<T> d_gates[kNumBranches]{};
     for (int i = 0; i < kNumBranches; ++i) {

@@ -85,13 +85,19 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
-// Calls body.template operator()<T>() with the CUDA element type of a 16/32-bit float dtype.
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls body(TypeTag<T>{}) with the CUDA element type T of a 16/32-bit float dtype; the body reads it
+// back as `using T = typename decltype(tag)::type;`.
 template <class Body>
 void dispatch_float(DType dtype, Body&& body) {
   switch (dtype) {
-    case DType::float16: body.template operator()<__half>(); break;
-    case DType::bfloat16: body.template operator()<__nv_bfloat16>(); break;
-    case DType::float32: body.template operator()<float>(); break;
+    case DType::float16: body(TypeTag<__half>{}); break;
+    case DType::bfloat16: body(TypeTag<__nv_bfloat16>{}); break;
+    case DType::float32: body(TypeTag<float>{}); break;
     default: throw std::logic_error("sparseattn: dtype not dispatched to CUDA (the API validates this)");
   }
 }

@@ -127,7 +127,8 @@ void compress_kv(const CompressKvParams& p) {
   const Config c{s.heads, s.dim_k, s.dim_v, p.block, p.stride};
   const std::int64_t max_blocks = (s.length >= p.block) ? (s.length - p.block) / p.stride + 1 : 0;
   const auto stream = static_cast<cudaStream_t>(p.stream);
-  dispatch_float(p.k.dtype, [&]<class T>() {
+  dispatch_float(p.k.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
     if (max_blocks > 0 && s.batch > 0) {
       compress_kernel<T><<<grid_of(max_blocks * s.heads, s.batch), kWarpsPerBlock * 32, 0, stream>>>(
           tokens_of<T>(p.k), tokens_of<T>(p.v), tokens_of<T>(p.k_cmp), tokens_of<T>(p.v_cmp),
@@ -149,7 +150,8 @@ void compress_kv_backward(const CompressKvBackwardParams& p) {
   const Shape s = shape_of(p.dk, p.dv, p.seqs);
   const Config c{s.heads, s.dim_k, s.dim_v, p.block, p.stride};
   if (s.length == 0 || s.batch == 0) return;
-  dispatch_float(p.dk.dtype, [&]<class T>() {
+  dispatch_float(p.dk.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
     compress_backward_kernel<T><<<grid_of(s.length * s.heads, s.batch), kWarpsPerBlock * 32, 0,
                                   static_cast<cudaStream_t>(p.stream)>>>(
         tokens_of<T>(p.dk_cmp), tokens_of<T>(p.dv_cmp), tokens_of<T>(p.dk), tokens_of<T>(p.dv),

@@ -1,0 +1,657 @@
+"""torch.library custom ops over the C++ API (namespace ``sparseattn``).
+
+Each operation is a forward custom op returning its outputs and, where it is differentiable, a backward custom
+op; both have fake (meta) implementations, and the forward has autograd registered, so the ops work under
+``torch.compile(fullgraph=True)``. Outputs are allocated here with torch (caching allocator, graph-safe) and
+passed to the binding, which calls the C++ API on the current CUDA stream (0 on the CPU).
+
+Conventions of these low-level ops (the public functions in ``functional.py`` fill them in):
+- ``cu_seqlens`` None means the batched layout [B, T, H, D]; otherwise the packed layout [N, H, D].
+- ``max_seqlen`` 0 means "not known" (the C++ API then uses N).
+- ``scale`` None means 1/sqrt(Dqk).
+- In the packed layout outputs are zero-initialised, because the C++ API leaves rows past the last sequence
+  untouched.
+- Outputs that are not differentiable (log-sum-exps, indices, workspaces) are marked so; a loss that uses
+  them gets no gradient through them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+Tensors = tuple[Tensor, ...]
+
+_DTYPE_NAMES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.int32: "int32",
+    torch.bool: "bool",
+}
+
+
+def _stream(t: Tensor) -> int:
+    """The handle of the current CUDA stream of t's device (0 on the CPU)."""
+    if t.device.type == "cuda":
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return 0
+
+
+def _arr(t: Optional[Tensor]) -> Optional[Tensor]:
+    """A tensor the binding can take through DLPack: detached, with a contiguous last dimension."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.dim() > 0 and t.size(-1) > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def _alloc(shape, like: Tensor, *, packed: bool, dtype: Optional[torch.dtype] = None) -> Tensor:
+    make = torch.zeros if packed else torch.empty
+    return make(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _out_shape(q: Tensor, dim_v: int) -> list:
+    return [*q.shape[:-1], dim_v]
+
+
+def _lse_shape(q: Tensor, packed: bool) -> list:
+    # [B, Hq, T] or packed [Hq, N]
+    return [q.shape[1], q.shape[0]] if packed else [q.shape[0], q.shape[2], q.shape[1]]
+
+
+def _num_compressed(length, block: int, stride: int):
+    return torch.sym_max(0, (length - block) // stride + 1)
+
+
+def _compressed_shape(t: Tensor, packed: bool, block: int, stride: int) -> list:
+    if packed:  # rows laid out by compressed_cu_seqlens; sum_b blocks(T_b) <= N // stride
+        return [t.shape[0] // stride, *t.shape[1:]]
+    return [t.shape[0], _num_compressed(t.shape[1], block, stride), *t.shape[2:]]
+
+
+def _empty_grad(like: Tensor) -> Tensor:
+    """Stand-in output for a gradient that is not computed (custom ops cannot return None)."""
+    return like.new_empty((0,))
+
+
+# ------------------------------------------------------------------------------------------------ compress_kv
+
+
+@torch.library.custom_op("sparseattn::compress_kv", mutates_args=())
+def compress_kv(
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Optional[Tensor],
+    cu_seqlens_cmp: Optional[Tensor],
+    max_seqlen: int,
+    block: int,
+    stride: int,
+) -> tuple[Tensor, Tensor]:
+    packed = cu_seqlens is not None
+    k_cmp = _alloc(_compressed_shape(k, packed, block, stride), k, packed=packed)
+    v_cmp = _alloc(_compressed_shape(v, packed, block, stride), v, packed=packed)
+    _C.compress_kv(_arr(k), _arr(v), k_cmp, v_cmp, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, block,
+                   stride, _stream(k))
+    return k_cmp, v_cmp
+
+
+@compress_kv.register_fake
+def _(k, v, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride):
+    packed = cu_seqlens is not None
+    return (k.new_empty(_compressed_shape(k, packed, block, stride)),
+            v.new_empty(_compressed_shape(v, packed, block, stride)))
+
+
+@torch.library.custom_op("sparseattn::compress_kv_backward", mutates_args=())
+def compress_kv_backward(
+    dk_cmp: Tensor,
+    dv_cmp: Tensor,
+    cu_seqlens: Optional[Tensor],
+    cu_seqlens_cmp: Optional[Tensor],
+    max_seqlen: int,
+    block: int,
+    stride: int,
+    rows: int,
+) -> tuple[Tensor, Tensor]:
+    packed = cu_seqlens is not None
+    dk = _alloc(_token_shape(dk_cmp, packed, rows), dk_cmp, packed=packed)
+    dv = _alloc(_token_shape(dv_cmp, packed, rows), dv_cmp, packed=packed)
+    _C.compress_kv_backward(_arr(dk_cmp), _arr(dv_cmp), dk, dv, _arr(cu_seqlens), _arr(cu_seqlens_cmp),
+                            max_seqlen, block, stride, _stream(dk_cmp))
+    return dk, dv
+
+
+def _token_shape(cmp: Tensor, packed: bool, rows) -> list:
+    return [rows, *cmp.shape[1:]] if packed else [cmp.shape[0], rows, *cmp.shape[2:]]
+
+
+@compress_kv_backward.register_fake
+def _(dk_cmp, dv_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, rows):
+    packed = cu_seqlens is not None
+    return dk_cmp.new_empty(_token_shape(dk_cmp, packed, rows)), dv_cmp.new_empty(_token_shape(dv_cmp, packed, rows))
+
+
+def _compress_kv_setup(ctx, inputs, output):
+    k, v, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride = inputs
+    ctx.save_for_backward(cu_seqlens, cu_seqlens_cmp)
+    ctx.args = (max_seqlen, block, stride, k.shape[-3])
+
+
+def _compress_kv_backward(ctx, dk_cmp, dv_cmp):
+    cu_seqlens, cu_seqlens_cmp = ctx.saved_tensors
+    max_seqlen, block, stride, rows = ctx.args
+    dk, dv = compress_kv_backward(dk_cmp, dv_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, rows)
+    return dk, dv, None, None, None, None, None
+
+
+compress_kv.register_autograd(_compress_kv_backward, setup_context=_compress_kv_setup)
+
+# --------------------------------------------------------------------------------------- compressed_attention
+
+
+@torch.library.custom_op("sparseattn::compressed_attention", mutates_args=())
+def compressed_attention(
+    q: Tensor,
+    k_cmp: Tensor,
+    v_cmp: Tensor,
+    cu_seqlens: Optional[Tensor],
+    cu_seqlens_cmp: Optional[Tensor],
+    max_seqlen: int,
+    block: int,
+    stride: int,
+    scale: Optional[float],
+) -> tuple[Tensor, Tensor]:
+    packed = cu_seqlens is not None
+    o = _alloc(_out_shape(q, v_cmp.shape[-1]), q, packed=packed)
+    lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
+    _C.compressed_attention(_arr(q), _arr(k_cmp), _arr(v_cmp), o, lse, _arr(cu_seqlens), _arr(cu_seqlens_cmp),
+                            max_seqlen, block, stride, scale, _stream(q))
+    return o, lse
+
+
+@compressed_attention.register_fake
+def _(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, scale):
+    packed = cu_seqlens is not None
+    return (q.new_empty(_out_shape(q, v_cmp.shape[-1])),
+            q.new_empty(_lse_shape(q, packed), dtype=_lse_dtype(q.dtype)))
+
+
+@torch.library.custom_op("sparseattn::compressed_attention_backward", mutates_args=())
+def compressed_attention_backward(
+    q: Tensor,
+    k_cmp: Tensor,
+    v_cmp: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    d_o: Tensor,
+    cu_seqlens: Optional[Tensor],
+    cu_seqlens_cmp: Optional[Tensor],
+    max_seqlen: int,
+    block: int,
+    stride: int,
+    scale: Optional[float],
+) -> tuple[Tensor, Tensor, Tensor]:
+    packed = cu_seqlens is not None
+    dq = _alloc(q.shape, q, packed=packed)
+    dk_cmp = _alloc(k_cmp.shape, k_cmp, packed=packed)
+    dv_cmp = _alloc(v_cmp.shape, v_cmp, packed=packed)
+    _C.compressed_attention_backward(_arr(q), _arr(k_cmp), _arr(v_cmp), _arr(o), _arr(lse), _arr(d_o), dq, dk_cmp,
+                                     dv_cmp, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, block, stride,
+                                     scale, _stream(q))
+    return dq, dk_cmp, dv_cmp
+
+
+@compressed_attention_backward.register_fake
+def _(q, k_cmp, v_cmp, o, lse, d_o, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, scale):
+    return torch.empty_like(q), torch.empty_like(k_cmp), torch.empty_like(v_cmp)
+
+
+def _compressed_attention_setup(ctx, inputs, output):
+    q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, scale = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_seqlens_cmp)
+    ctx.args = (max_seqlen, block, stride, scale)
+
+
+def _compressed_attention_backward(ctx, d_o, d_lse):
+    q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_seqlens_cmp = ctx.saved_tensors
+    dq, dk_cmp, dv_cmp = compressed_attention_backward(q, k_cmp, v_cmp, o, lse, d_o, cu_seqlens, cu_seqlens_cmp,
+                                                       *ctx.args)
+    return dq, dk_cmp, dv_cmp, None, None, None, None, None, None
+
+
+compressed_attention.register_autograd(_compressed_attention_backward, setup_context=_compressed_attention_setup)
+
+# ---------------------------------------------------------------------------------------------- select_blocks
+
+
+@torch.library.custom_op("sparseattn::select_blocks", mutates_args=())
+def select_blocks(
+    q: Tensor,
+    k_cmp: Tensor,
+    lse_cmp: Tensor,
+    cu_seqlens: Optional[Tensor],
+    cu_seqlens_cmp: Optional[Tensor],
+    max_seqlen: int,
+    cmp_block: int,
+    cmp_stride: int,
+    sel_block: int,
+    num_selected: int,
+    num_init: int,
+    num_local: int,
+    scale: Optional[float],
+) -> Tensor:
+    shape = [*q.shape[:-2], k_cmp.shape[-2], num_selected]
+    if cu_seqlens is None:
+        indices = torch.empty(shape, dtype=torch.int32, device=q.device)
+    else:
+        indices = torch.full(shape, -1, dtype=torch.int32, device=q.device)
+    _C.select_blocks(_arr(q), _arr(k_cmp), _arr(lse_cmp), indices, _arr(cu_seqlens), _arr(cu_seqlens_cmp),
+                     max_seqlen, cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, scale,
+                     _stream(q))
+    return indices
+
+
+@select_blocks.register_fake
+def _(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block, cmp_stride, sel_block, num_selected,
+      num_init, num_local, scale):
+    return q.new_empty([*q.shape[:-2], k_cmp.shape[-2], num_selected], dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------- selected_attention
+
+
+@torch.library.custom_op("sparseattn::selected_attention", mutates_args=())
+def selected_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    indices: Tensor,
+    cu_seqlens: Optional[Tensor],
+    max_seqlen: int,
+    block: int,
+    scale: Optional[float],
+) -> tuple[Tensor, Tensor]:
+    packed = cu_seqlens is not None
+    o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
+    lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
+    _C.selected_attention(_arr(q), _arr(k), _arr(v), _arr(indices), o, lse, _arr(cu_seqlens), max_seqlen, block,
+                          scale, _stream(q))
+    return o, lse
+
+
+@selected_attention.register_fake
+def _(q, k, v, indices, cu_seqlens, max_seqlen, block, scale):
+    packed = cu_seqlens is not None
+    return q.new_empty(_out_shape(q, v.shape[-1])), q.new_empty(_lse_shape(q, packed), dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("sparseattn::selected_attention_backward", mutates_args=())
+def selected_attention_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    indices: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    d_o: Tensor,
+    cu_seqlens: Optional[Tensor],
+    max_seqlen: int,
+    block: int,
+    scale: Optional[float],
+) -> tuple[Tensor, Tensor, Tensor]:
+    packed = cu_seqlens is not None
+    dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
+    _C.selected_attention_backward(_arr(q), _arr(k), _arr(v), _arr(indices), _arr(o), _arr(lse), _arr(d_o), dq, dk,
+                                   dv, _arr(cu_seqlens), max_seqlen, block, scale, _stream(q))
+    return dq, dk, dv
+
+
+@selected_attention_backward.register_fake
+def _(q, k, v, indices, o, lse, d_o, cu_seqlens, max_seqlen, block, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _selected_attention_setup(ctx, inputs, output):
+    q, k, v, indices, cu_seqlens, max_seqlen, block, scale = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, indices, o, lse, cu_seqlens)
+    ctx.args = (max_seqlen, block, scale)
+
+
+def _selected_attention_backward(ctx, d_o, d_lse):
+    q, k, v, indices, o, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = selected_attention_backward(q, k, v, indices, o, lse, d_o, cu_seqlens, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+selected_attention.register_autograd(_selected_attention_backward, setup_context=_selected_attention_setup)
+
+# -------------------------------------------------------------------------------------------- flash_attention
+
+
+@torch.library.custom_op("sparseattn::flash_attention", mutates_args=())
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor],
+    bias: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: Optional[float],
+) -> tuple[Tensor, Tensor]:
+    packed = cu_seqlens_q is not None
+    o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
+    lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
+    _C.flash_attention(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(cu_seqlens_q),
+                       _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
+                       _stream(q))
+    return o, lse
+
+
+@flash_attention.register_fake
+def _(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+      window_right, scale):
+    packed = cu_seqlens_q is not None
+    return q.new_empty(_out_shape(q, v.shape[-1])), q.new_empty(_lse_shape(q, packed), dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("sparseattn::flash_attention_backward", mutates_args=())
+def flash_attention_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor],
+    bias: Optional[Tensor],
+    o: Tensor,
+    lse: Tensor,
+    d_o: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: Optional[float],
+    compute_dbias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dbias); dbias has bias's shape if compute_dbias, else it is empty."""
+    packed = cu_seqlens_q is not None
+    dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
+    with_dbias = compute_dbias and bias is not None
+    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if with_dbias else _empty_grad(q)
+    _C.flash_attention_backward(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), _arr(o), _arr(lse), _arr(d_o),
+                                dq, dk, dv, dbias if with_dbias else None, _arr(cu_seqlens_q), _arr(cu_seqlens_k),
+                                max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, _stream(q))
+    return dq, dk, dv, dbias
+
+
+@flash_attention_backward.register_fake
+def _(q, k, v, mask, bias, o, lse, d_o, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+      window_right, scale, compute_dbias):
+    with_dbias = compute_dbias and bias is not None
+    dbias = bias.new_empty(bias.shape) if with_dbias else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+def _flash_attention_setup(ctx, inputs, output):
+    (q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+     window_right, scale) = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.args = (max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale)
+
+
+def _flash_attention_backward(ctx, d_o, d_lse):
+    q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    compute_dbias = bias is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, dbias = flash_attention_backward(q, k, v, mask, bias, o, lse, d_o, cu_seqlens_q, cu_seqlens_k,
+                                                 *ctx.args, compute_dbias)
+    return dq, dk, dv, None, (dbias if compute_dbias else None), None, None, None, None, None, None, None, None
+
+
+flash_attention.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)
+
+# ---------------------------------------------------------------------------------------------------- combine
+
+
+@torch.library.custom_op("sparseattn::combine", mutates_args=())
+def combine(
+    o_cmp: Optional[Tensor],
+    o_slc: Optional[Tensor],
+    o_swa: Optional[Tensor],
+    g_cmp: Optional[Tensor],
+    g_slc: Optional[Tensor],
+    g_swa: Optional[Tensor],
+) -> Tensor:
+    anchor = _combine_anchor(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
+    o = torch.empty(anchor.shape, dtype=anchor.dtype, device=anchor.device)
+    _C.combine(_arr(o_cmp), _arr(o_slc), _arr(o_swa), _arr(g_cmp), _arr(g_slc), _arr(g_swa), o, _stream(anchor))
+    return o
+
+
+def _combine_anchor(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa) -> Tensor:
+    """The output of the first branch that takes part (the shape and dtype of the result)."""
+    for o, g in ((o_cmp, g_cmp), (o_slc, g_slc), (o_swa, g_swa)):
+        if g is not None and o is not None:
+            return o
+    for o in (o_cmp, o_slc, o_swa):
+        if o is not None:
+            return o
+    from ._errors import SparseAttnError, make_error
+
+    raise make_error(SparseAttnError, "config", "combine", "gates", "at least one branch gate must be given")
+
+
+@combine.register_fake
+def _(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
+    return torch.empty_like(_combine_anchor(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa))
+
+
+@torch.library.custom_op("sparseattn::combine_backward", mutates_args=())
+def combine_backward(
+    o_cmp: Optional[Tensor],
+    o_slc: Optional[Tensor],
+    o_swa: Optional[Tensor],
+    g_cmp: Optional[Tensor],
+    g_slc: Optional[Tensor],
+    g_swa: Optional[Tensor],
+    d_o: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (d_o_cmp, d_o_slc, d_o_swa, d_g_cmp, d_g_slc, d_g_swa); a branch without a gate gets empties."""
+    outputs, gates = (o_cmp, o_slc, o_swa), (g_cmp, g_slc, g_swa)
+    d_outputs = [torch.empty_like(d_o) if g is not None else None for g in gates]
+    d_gates = [torch.empty(g.shape, dtype=g.dtype, device=g.device) if g is not None else None for g in gates]
+    _C.combine_backward(*(_arr(t) for t in outputs), *(_arr(t) for t in gates), _arr(d_o), *d_outputs, *d_gates,
+                        _stream(d_o))
+    return tuple(t if t is not None else _empty_grad(d_o) for t in (*d_outputs, *d_gates))
+
+
+@combine_backward.register_fake
+def _(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, d_o):
+    gates = (g_cmp, g_slc, g_swa)
+    d_outputs = [torch.empty_like(d_o) if g is not None else d_o.new_empty((0,)) for g in gates]
+    d_gates = [torch.empty_like(g) if g is not None else d_o.new_empty((0,)) for g in gates]
+    return (*d_outputs, *d_gates)
+
+
+def _combine_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _combine_backward(ctx, d_o):
+    inputs = ctx.saved_tensors
+    grads = combine_backward(*inputs, d_o)
+    gates = inputs[3:]
+    return tuple(grad if gates[i % 3] is not None else None for i, grad in enumerate(grads))
+
+
+combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+# ---------------------------------------------------------------------------------------------- nsa_attention
+
+
+def _spec(t: Optional[Tensor]):
+    """(dtype name, shape) of a tensor for the binding's size queries, or None."""
+    if t is None:
+        return None
+    return (_DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")), tuple(t.shape))
+
+
+def _nsa_size(query, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp,
+              max_seqlen, config) -> int:
+    device = "cuda" if q.device.type == "cuda" else "cpu"
+    index = (q.device.index or 0) if device == "cuda" else 0
+    return query(device, index, *(_spec(t) for t in (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o,
+                                                      cu_seqlens, cu_seqlens_cmp)), max_seqlen, *config)
+
+
+def _has_symbolic_shape(*tensors) -> bool:
+    return any(not isinstance(s, int) for t in tensors if t is not None for s in t.shape)
+
+
+@torch.library.custom_op("sparseattn::nsa_attention", mutates_args=())
+def nsa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cmp: Optional[Tensor],
+    v_cmp: Optional[Tensor],
+    block_indices: Optional[Tensor],
+    g_cmp: Optional[Tensor],
+    g_slc: Optional[Tensor],
+    g_swa: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    cu_seqlens_cmp: Optional[Tensor],
+    max_seqlen: int,
+    cmp_block: int,
+    cmp_stride: int,
+    sel_block: int,
+    num_selected: int,
+    num_init: int,
+    num_local: int,
+    window: int,
+    scale: Optional[float],
+) -> tuple[Tensor, Tensor]:
+    """Returns (o, workspace); the uint8 workspace holds what the backward reads."""
+    config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
+    packed = cu_seqlens is not None
+    o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
+    size = _nsa_size(_C.nsa_workspace_size, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o,
+                     cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+    workspace = torch.empty((size,), dtype=torch.uint8, device=q.device)
+    _C.nsa_attention(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
+                     _arr(g_slc), _arr(g_swa), o, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, *config,
+                     workspace, _stream(q))
+    return o, workspace
+
+
+@nsa_attention.register_fake
+def _(q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block,
+      cmp_stride, sel_block, num_selected, num_init, num_local, window, scale):
+    o = q.new_empty(_out_shape(q, v.shape[-1]))
+    tensors = (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp)
+    if _has_symbolic_shape(*tensors):
+        # The size is a C++ function of the shapes; with symbolic shapes it is an unbacked size.
+        size = torch.library.get_ctx().new_dynamic_size()
+    else:
+        config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
+        size = _nsa_size(_C.nsa_workspace_size, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o,
+                         cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+    return o, q.new_empty((size,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("sparseattn::nsa_attention_backward", mutates_args=())
+def nsa_attention_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cmp: Optional[Tensor],
+    v_cmp: Optional[Tensor],
+    block_indices: Optional[Tensor],
+    g_cmp: Optional[Tensor],
+    g_slc: Optional[Tensor],
+    g_swa: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    cu_seqlens_cmp: Optional[Tensor],
+    max_seqlen: int,
+    cmp_block: int,
+    cmp_stride: int,
+    sel_block: int,
+    num_selected: int,
+    num_init: int,
+    num_local: int,
+    window: int,
+    scale: Optional[float],
+    o: Tensor,
+    workspace: Tensor,
+    d_o: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dk_cmp, dv_cmp, d_g_cmp, d_g_slc, d_g_swa); absent ones are empty."""
+    config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
+    packed = cu_seqlens is not None
+    dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
+    dk_cmp, dv_cmp = (_alloc(t.shape, t, packed=packed) if t is not None else None for t in (k_cmp, v_cmp))
+    d_gates = [_alloc(g.shape, g, packed=packed) if g is not None else None for g in (g_cmp, g_slc, g_swa)]
+    scratch_size = _nsa_size(_C.nsa_backward_scratch_size, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc,
+                             g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+    scratch = torch.empty((scratch_size,), dtype=torch.uint8, device=q.device)
+    _C.nsa_attention_backward(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
+                              _arr(g_slc), _arr(g_swa), _arr(o), _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen,
+                              *config, workspace, _arr(d_o), dq, dk, dv, dk_cmp, dv_cmp, *d_gates, scratch,
+                              _stream(q))
+    return tuple(t if t is not None else _empty_grad(q) for t in (dq, dk, dv, dk_cmp, dv_cmp, *d_gates))
+
+
+@nsa_attention_backward.register_fake
+def _(q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block,
+      cmp_stride, sel_block, num_selected, num_init, num_local, window, scale, o, workspace, d_o):
+    return tuple(torch.empty_like(t) if t is not None else q.new_empty((0,))
+                 for t in (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa))
+
+
+_NSA_GRAD_INPUTS = (0, 1, 2, 3, 4, 6, 7, 8)  # positions of q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa
+_NSA_NUM_INPUTS = 20
+
+
+def _nsa_setup(ctx, inputs, output):
+    o, workspace = output
+    ctx.mark_non_differentiable(workspace)
+    tensors = inputs[:11]  # q .. cu_seqlens_cmp
+    ctx.save_for_backward(*tensors, o, workspace)
+    ctx.args = inputs[11:]  # max_seqlen and the config
+
+
+def _nsa_backward(ctx, d_o, d_workspace):
+    *tensors, o, workspace = ctx.saved_tensors
+    grads = nsa_attention_backward(*tensors, *ctx.args, o, workspace, d_o)
+    result = [None] * _NSA_NUM_INPUTS
+    for position, grad in zip(_NSA_GRAD_INPUTS, grads):
+        if tensors[position] is not None:
+            result[position] = grad
+    return tuple(result)
+
+
+nsa_attention.register_autograd(_nsa_backward, setup_context=_nsa_setup)

@@ -1,0 +1,21 @@
+// accumulate: the elementwise sum of same-shaped tensors. Internal: composed operations use it to add up
+// contributions (nsa_attention_backward sums the gradients of its branches).
+#pragma once
+
+#include <vector>
+
+#include "sparseattn/tensor.h"
+
+namespace sparseattn::detail {
+
+struct AccumulateParams {
+  TensorView out;                 // out: any rank, float; out = the sum of `terms` (0 when there are none)
+  std::vector<TensorView> terms;  // like out (shape, dtype, device); none of them is `out`
+  TensorView cu_seqlens;          // optional int32 [B+1]: `out` is packed and its rows past cu_seqlens[B]
+                                  // are left untouched
+  Stream stream = nullptr;
+};
+
+void accumulate(const AccumulateParams& params);
+
+}  // namespace sparseattn::detail

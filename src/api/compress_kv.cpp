@@ -1,0 +1,68 @@
+#include "sparseattn/compress_kv.h"
+
+#include "api/block_checks.h"
+#include "api/check.h"
+#include "reference/reference.h"
+#ifdef SPARSEATTN_WITH_CUDA
+#include "cuda/ops.h"
+#endif
+
+namespace sparseattn {
+
+namespace {
+
+// Checks the config, the token tensors (k and v, or their gradients) and the compressed pair; the first
+// token tensor fixes the layout, dtype and device of all four.
+void check_pair(const detail::Check& check, const TensorView& k, const std::string& k_arg, const TensorView& v,
+                const std::string& v_arg, const TensorView& k_cmp, const std::string& k_cmp_arg,
+                const TensorView& v_cmp, const std::string& v_cmp_arg, const Sequences& seqs,
+                const TensorView& cu_seqlens_cmp, int block, int stride) {
+  detail::check_compression(check, block, "block", stride, "stride");
+  const detail::TokenLayout layout = check.layout(k, k_arg, seqs, "cu_seqlens");
+  check.floating(k, k_arg);
+  check.inner_contiguous(k, k_arg);
+  const std::int64_t heads = k.shape[k.rank - 2];
+  const std::int64_t dim_k = k.shape[k.rank - 1];
+  check.tensor(v, v_arg, k.dtype, k, k_arg);
+  const std::int64_t dim_v = v.shape[v.rank - 1];
+  check.shape(v, v_arg, layout.tokens(heads, dim_v));
+
+  check.tensor(k_cmp, k_cmp_arg, k.dtype, k, k_arg);
+  const std::int64_t rows = detail::compressed_rows(check, layout, k_cmp, k_cmp_arg, block, stride);
+  check.shape(k_cmp, k_cmp_arg, detail::compressed_shape(layout, rows, heads, dim_k));
+  check.tensor(v_cmp, v_cmp_arg, k.dtype, k, k_arg);
+  check.shape(v_cmp, v_cmp_arg, detail::compressed_shape(layout, rows, heads, dim_v));
+  check.compressed_layout(layout, seqs, cu_seqlens_cmp, rows, block, stride);
+}
+
+}  // namespace
+
+void compress_kv(const CompressKvParams& params) {
+  const detail::Check check("compress_kv");
+  check_pair(check, params.k, "k", params.v, "v", params.k_cmp, "k_cmp", params.v_cmp, "v_cmp", params.seqs,
+             params.cu_seqlens_cmp, params.block, params.stride);
+  switch (detail::backend(check, params.k, "k", detail::kCudaBuilt)) {
+    case detail::Backend::cpu: reference::compress_kv(params); break;
+#ifdef SPARSEATTN_WITH_CUDA
+    case detail::Backend::cuda: cuda::compress_kv(params); break;
+#else
+    case detail::Backend::cuda: break;
+#endif
+  }
+}
+
+void compress_kv_backward(const CompressKvBackwardParams& params) {
+  const detail::Check check("compress_kv_backward");
+  check_pair(check, params.dk, "dk", params.dv, "dv", params.dk_cmp, "dk_cmp", params.dv_cmp, "dv_cmp", params.seqs,
+             params.cu_seqlens_cmp, params.block, params.stride);
+  switch (detail::backend(check, params.dk, "dk", detail::kCudaBuilt)) {
+    case detail::Backend::cpu: reference::compress_kv_backward(params); break;
+#ifdef SPARSEATTN_WITH_CUDA
+    case detail::Backend::cuda: cuda::compress_kv_backward(params); break;
+#else
+    case detail::Backend::cuda: break;
+#endif
+  }
+}
+
+}  // namespace sparseattn

@@ -1,0 +1,111 @@
+#include "sparseattn/compressed_attention.h"
+
+#include <string>
+#include <vector>
+
+#include "api/check.h"
+#include "reference/reference.h"
+
+namespace sparseattn {
+
+namespace {
+
+struct CompressedShapes {
+  detail::TokenLayout layout;
+  std::int64_t q_heads = 0, kv_heads = 0, dim_qk = 0, dim_v = 0;
+  std::int64_t block = 0, stride = 0;
+  std::int64_t cmp_rows = 0;  // Tc (batched) or Nc (packed)
+
+  std::vector<std::int64_t> cmp_tokens(std::int64_t dim) const {
+    if (layout.packed) return {cmp_rows, kv_heads, dim};
+    return {layout.batch, cmp_rows, kv_heads, dim};
+  }
+};
+
+// Checks what the forward and the backward share (for the backward, o and lse are inputs).
+template <class Params>
+CompressedShapes check_common(const detail::Check& check, const Params& params) {
+  const TensorView& q = params.q;
+  check.present(q, "q");
+  check.floating(q, "q");
+  const DType dtype = q.dtype;
+  check.tensor(q, "q", dtype, q, "q");
+  CompressedShapes shapes;
+  shapes.layout = check.layout(q, "q", params.seqs, "cu_seqlens");
+  check.positive(params.block, "block");
+  check.positive(params.stride, "stride");
+  check.require(params.block % params.stride == 0, ErrorKind::config, "stride",
+                "must divide block, got block " + std::to_string(params.block) + " and stride " +
+                    std::to_string(params.stride));
+  shapes.block = params.block;
+  shapes.stride = params.stride;
+  shapes.q_heads = q.shape[q.rank - 2];
+  shapes.dim_qk = q.shape[q.rank - 1];
+  check.require(shapes.dim_qk > 0, ErrorKind::shape, "q", "needs a positive head dim, got " + q.shape_string());
+
+  const TensorView& k_cmp = params.k_cmp;
+  check.tensor(k_cmp, "k_cmp", dtype, q, "q");
+  const int cmp_rank = shapes.layout.packed ? 3 : 4;
+  check.require(k_cmp.rank == cmp_rank, ErrorKind::shape, "k_cmp",
+                std::string("expected ") +
+                    (shapes.layout.packed ? "3 dimensions [Nc, Hkv, Dqk]" : "4 dimensions [B, Tc, Hkv, Dqk]") +
+                    ", got " + k_cmp.shape_string());
+  shapes.kv_heads = k_cmp.shape[cmp_rank - 2];
+  check.require(shapes.kv_heads > 0, ErrorKind::shape, "k_cmp", "needs at least one head, got " + k_cmp.shape_string());
+  check.require(shapes.q_heads % shapes.kv_heads == 0, ErrorKind::shape, "k_cmp",
+                "has " + std::to_string(shapes.kv_heads) + " heads, which must divide the " +
+                    std::to_string(shapes.q_heads) + " query heads of q (group size Hq / Hkv)");
+  shapes.cmp_rows = shapes.layout.packed
+                        ? k_cmp.shape[0]
+                        : num_compressed_blocks(shapes.layout.rows, shapes.block, shapes.stride);
+  check.compressed_layout(shapes.layout, params.seqs, params.cu_seqlens_cmp, shapes.cmp_rows, shapes.block,
+                          shapes.stride);
+  if (!shapes.layout.packed) {
+    check.require(k_cmp.shape[1] == shapes.cmp_rows, ErrorKind::shape, "k_cmp",
+                  "has " + std::to_string(k_cmp.shape[1]) + " compressed blocks, but sequences of " +
+                      std::to_string(shapes.layout.rows) + " tokens have num_compressed_blocks(T, block " +
+                      std::to_string(shapes.block) + ", stride " + std::to_string(shapes.stride) +
+                      ") = " + std::to_string(shapes.cmp_rows));
+  }
+  check.shape(k_cmp, "k_cmp", shapes.cmp_tokens(shapes.dim_qk));
+  check.tensor(params.v_cmp, "v_cmp", dtype, q, "q");
+  shapes.dim_v = params.v_cmp.shape[params.v_cmp.rank - 1];
+  check.shape(params.v_cmp, "v_cmp", shapes.cmp_tokens(shapes.dim_v));
+  check.tensor(params.o, "o", dtype, q, "q");
+  check.shape(params.o, "o", shapes.layout.tokens(shapes.q_heads, shapes.dim_v));
+  check.tensor(params.lse, "lse", detail::lse_dtype(dtype), q, "q");
+  check.shape(params.lse, "lse", shapes.layout.lse(shapes.q_heads));
+  detail::resolve_scale(check, params.scale, shapes.dim_qk);
+  return shapes;
+}
+
+}  // namespace
+
+void compressed_attention(const CompressedAttentionParams& params) {
+  const detail::Check check("compressed_attention");
+  check_common(check, params);
+  switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
+    case detail::Backend::cpu: reference::compressed_attention(params); break;
+    case detail::Backend::cuda: break;
+  }
+}
+
+void compressed_attention_backward(const CompressedAttentionBackwardParams& params) {
+  const detail::Check check("compressed_attention_backward");
+  const CompressedShapes shapes = check_common(check, params);
+  const DType dtype = params.q.dtype;
+  check.tensor(params.d_o, "d_o", dtype, params.q, "q");
+  check.shape(params.d_o, "d_o", shapes.layout.tokens(shapes.q_heads, shapes.dim_v));
+  check.tensor(params.dq, "dq", dtype, params.q, "q");
+  check.shape(params.dq, "dq", shapes.layout.tokens(shapes.q_heads, shapes.dim_qk));
+  check.tensor(params.dk_cmp, "dk_cmp", dtype, params.q, "q");
+  check.shape(params.dk_cmp, "dk_cmp", shapes.cmp_tokens(shapes.dim_qk));
+  check.tensor(params.dv_cmp, "dv_cmp", dtype, params.q, "q");
+  check.shape(params.dv_cmp, "dv_cmp", shapes.cmp_tokens(shapes.dim_v));
+  switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
+    case detail::Backend::cpu: reference::compressed_attention_backward(params); break;
+    case detail::Backend::cuda: break;
+  }
+}
+
+}  // namespace sparseattn

@@ -1,0 +1,118 @@
+#include "sparseattn/flash_attention.h"
+
+#include <string>
+#include <vector>
+
+#include "api/check.h"
+#include "reference/reference.h"
+
+namespace sparseattn {
+
+namespace {
+
+struct FlashShapes {
+  detail::TokenLayout layout_q, layout_k;
+  std::int64_t q_heads = 0, kv_heads = 0, dim_qk = 0, dim_v = 0;
+
+  // The shape of a key-side token tensor: batched key tensors share q's batch size.
+  std::vector<std::int64_t> key_tokens(std::int64_t heads, std::int64_t dim) const {
+    std::vector<std::int64_t> shape = layout_k.tokens(heads, dim);
+    if (!layout_k.packed) shape[0] = layout_q.batch;
+    return shape;
+  }
+};
+
+// mask and bias broadcast as [B|1, Hq|Hkv|1, T|1, S] and exist in the batched layout only.
+void check_broadcast(const detail::Check& check, const TensorView& t, const std::string& arg, DType dtype,
+                     const TensorView& q, const FlashShapes& shapes) {
+  if (!t.present()) return;
+  if (shapes.layout_q.packed) {
+    check.absent(t, arg, "with the packed layout (mask and bias are batched-layout only)");
+  }
+  check.tensor(t, arg, dtype, q, "q");
+  const std::int64_t batch = shapes.layout_q.batch, rows = shapes.layout_q.rows, keys = shapes.layout_k.rows;
+  const bool ok = t.rank == 4 && (t.shape[0] == batch || t.shape[0] == 1) &&
+                  (t.shape[1] == shapes.q_heads || t.shape[1] == shapes.kv_heads || t.shape[1] == 1) &&
+                  (t.shape[2] == rows || t.shape[2] == 1) && t.shape[3] == keys;
+  check.require(ok, ErrorKind::shape, arg,
+                "expected a shape broadcastable as [B|1, Hq|Hkv|1, T|1, S] = [" + std::to_string(batch) + "|1, " +
+                    std::to_string(shapes.q_heads) + "|" + std::to_string(shapes.kv_heads) + "|1, " +
+                    std::to_string(rows) + "|1, " + std::to_string(keys) + "], got " + t.shape_string());
+}
+
+// Checks what the forward and the backward share (for the backward, o and lse are inputs).
+template <class Params>
+FlashShapes check_common(const detail::Check& check, const Params& params) {
+  const TensorView& q = params.q;
+  check.present(q, "q");
+  check.floating(q, "q");
+  const DType dtype = q.dtype;
+  const bool packed = params.seqs_q.cu_seqlens.present();
+  check.require(packed == params.seqs_k.cu_seqlens.present(), ErrorKind::config,
+                packed ? "cu_seqlens_k" : "cu_seqlens_q",
+                "cu_seqlens_q and cu_seqlens_k must be given together (packed layout) or not at all (batched)");
+  FlashShapes shapes;
+  check.tensor(q, "q", dtype, q, "q");
+  shapes.layout_q = check.layout(q, "q", params.seqs_q, "cu_seqlens_q");
+  check.tensor(params.k, "k", dtype, q, "q");
+  shapes.layout_k = check.layout(params.k, "k", params.seqs_k, "cu_seqlens_k");
+  if (packed) check.shape(params.seqs_k.cu_seqlens, "cu_seqlens_k", {shapes.layout_q.batch + 1});
+
+  shapes.q_heads = q.shape[q.rank - 2];
+  shapes.dim_qk = q.shape[q.rank - 1];
+  shapes.kv_heads = params.k.shape[params.k.rank - 2];
+  check.require(shapes.dim_qk > 0, ErrorKind::shape, "q", "needs a positive head dim, got " + q.shape_string());
+  check.require(shapes.kv_heads > 0, ErrorKind::shape, "k", "needs at least one head, got " + params.k.shape_string());
+  check.require(shapes.q_heads % shapes.kv_heads == 0, ErrorKind::shape, "k",
+                "has " + std::to_string(shapes.kv_heads) + " heads, which must divide the " +
+                    std::to_string(shapes.q_heads) + " query heads of q (group size Hq / Hkv)");
+  check.shape(params.k, "k", shapes.key_tokens(shapes.kv_heads, shapes.dim_qk));
+  check.tensor(params.v, "v", dtype, q, "q");
+  shapes.dim_v = params.v.shape[params.v.rank - 1];
+  check.shape(params.v, "v", shapes.key_tokens(shapes.kv_heads, shapes.dim_v));
+  check.tensor(params.o, "o", dtype, q, "q");
+  check.shape(params.o, "o", shapes.layout_q.tokens(shapes.q_heads, shapes.dim_v));
+  check.tensor(params.lse, "lse", detail::lse_dtype(dtype), q, "q");
+  check.shape(params.lse, "lse", shapes.layout_q.lse(shapes.q_heads));
+  check_broadcast(check, params.mask, "mask", DType::boolean, q, shapes);
+  check_broadcast(check, params.bias, "bias", dtype, q, shapes);
+  detail::resolve_scale(check, params.scale, shapes.dim_qk);
+  return shapes;
+}
+
+}  // namespace
+
+void flash_attention(const FlashAttentionParams& params) {
+  const detail::Check check("flash_attention");
+  check_common(check, params);
+  switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
+    case detail::Backend::cpu: reference::flash_attention(params); break;
+    case detail::Backend::cuda: break;
+  }
+}
+
+void flash_attention_backward(const FlashAttentionBackwardParams& params) {
+  const detail::Check check("flash_attention_backward");
+  const FlashShapes shapes = check_common(check, params);
+  const DType dtype = params.q.dtype;
+  check.tensor(params.d_o, "d_o", dtype, params.q, "q");
+  check.shape(params.d_o, "d_o", shapes.layout_q.tokens(shapes.q_heads, shapes.dim_v));
+  check.tensor(params.dq, "dq", dtype, params.q, "q");
+  check.shape(params.dq, "dq", shapes.layout_q.tokens(shapes.q_heads, shapes.dim_qk));
+  check.tensor(params.dk, "dk", dtype, params.q, "q");
+  check.shape(params.dk, "dk", shapes.key_tokens(shapes.kv_heads, shapes.dim_qk));
+  check.tensor(params.dv, "dv", dtype, params.q, "q");
+  check.shape(params.dv, "dv", shapes.key_tokens(shapes.kv_heads, shapes.dim_v));
+  if (params.dbias.present()) {
+    check.require(params.bias.present(), ErrorKind::config, "dbias", "is given but bias is not");
+    check.tensor(params.dbias, "dbias", dtype, params.q, "q");
+    const TensorView& bias = params.bias;
+    check.shape(params.dbias, "dbias", std::vector<std::int64_t>(bias.shape.begin(), bias.shape.begin() + bias.rank));
+  }
+  switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
+    case detail::Backend::cpu: reference::flash_attention_backward(params); break;
+    case detail::Backend::cuda: break;
+  }
+}
+
+}  // namespace sparseattn

@@ -1,0 +1,192 @@
+// nsa_attention composes the public operations on views of the caller's workspace and scratch, so it runs
+// on every device its steps run on and allocates nothing.
+#include "sparseattn/nsa_attention.h"
+
+#include <array>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "api/accumulate.h"
+#include "api/check.h"
+#include "api/nsa_plan.h"
+#include "sparseattn/compress_kv.h"
+#include "sparseattn/compressed_attention.h"
+#include "sparseattn/flash_attention.h"
+#include "sparseattn/select_blocks.h"
+#include "sparseattn/selected_attention.h"
+
+namespace sparseattn {
+
+namespace {
+
+const char* const kGradGate[kNumBranches] = {"d_g_cmp", "d_g_slc", "d_g_swa"};
+
+void check_buffer(const detail::Check& check, const void* data, std::size_t bytes, std::size_t needed,
+                  const std::string& arg, const std::string& size_query) {
+  check.require(bytes >= needed, ErrorKind::config, arg,
+                "has " + std::to_string(bytes) + " bytes, but this call needs " + std::to_string(needed) + " (" +
+                    size_query + ")");
+  check.require(data != nullptr, ErrorKind::value, arg, "is null");
+}
+
+// Validates the forward params and the workspace; returns the plan and the workspace views.
+std::pair<detail::NsaPlan, detail::NsaWorkspace> prepare(const detail::Check& check, const NsaParams& params) {
+  detail::NsaPlan plan = detail::plan_nsa(check, params, /*read_contents=*/true);
+  detail::NsaWorkspace workspace = detail::nsa_workspace(plan, params.workspace);
+  check_buffer(check, params.workspace, params.workspace_bytes, workspace.bytes, "workspace", "nsa_workspace_size");
+  return {plan, workspace};
+}
+
+std::vector<std::int64_t> shape_of(const TensorView& t) { return {t.shape.begin(), t.shape.begin() + t.rank}; }
+
+void check_gradients(const detail::Check& check, const NsaBackwardParams& params, const detail::NsaPlan& plan) {
+  const NsaParams& forward = params.forward;
+  const auto like = [&](const TensorView& t, const std::string& arg, const TensorView& model) {
+    check.tensor(t, arg, plan.dtype, forward.q, "q");
+    check.shape(t, arg, shape_of(model));
+  };
+  like(params.d_o, "d_o", forward.o);
+  like(params.dq, "dq", forward.q);
+  like(params.dk, "dk", forward.k);
+  like(params.dv, "dv", forward.v);
+  if (plan.user_cmp) {
+    like(params.dk_cmp, "dk_cmp", forward.k_cmp);
+    like(params.dv_cmp, "dv_cmp", forward.v_cmp);
+  } else {
+    check.absent(params.dk_cmp, "dk_cmp", "without a user-supplied k_cmp");
+    check.absent(params.dv_cmp, "dv_cmp", "without a user-supplied v_cmp");
+  }
+  for (int i = 0; i < kNumBranches; ++i) {
+    if (!plan.branch[i]) {
+      check.absent(params.d_gates[i], kGradGate[i], "for a branch without a gate");
+    } else if (params.d_gates[i].present()) {
+      like(params.d_gates[i], kGradGate[i], forward.gates[i]);
+    }
+  }
+}
+
+// out = the sum of the present views among `terms` (0 if none).
+void sum_into(const TensorView& out, const std::array<TensorView, kNumBranches>& terms, const TensorView& cu_seqlens,
+              Stream stream) {
+  detail::AccumulateParams params{.out = out, .terms = {}, .cu_seqlens = cu_seqlens, .stream = stream};
+  for (const TensorView& term : terms) {
+    if (term.present()) params.terms.push_back(term);
+  }
+  detail::accumulate(params);
+}
+
+}  // namespace
+
+std::size_t nsa_workspace_size(const NsaParams& params) {
+  const detail::Check check("nsa_workspace_size");
+  return detail::nsa_workspace(detail::plan_nsa(check, params, /*read_contents=*/false), nullptr).bytes;
+}
+
+std::size_t nsa_backward_scratch_size(const NsaParams& params) {
+  const detail::Check check("nsa_backward_scratch_size");
+  return detail::nsa_scratch(detail::plan_nsa(check, params, /*read_contents=*/false), nullptr).bytes;
+}
+
+void nsa_attention(const NsaParams& params) {
+  const detail::Check check("nsa_attention");
+  const auto [plan, ws] = prepare(check, params);
+  // The pipeline runs wherever all of its steps have kernels; until then CUDA tensors stop here.
+  detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false);
+
+  const NsaConfig& c = params.config;
+  const TensorView k_cmp = plan.user_cmp ? params.k_cmp : ws.k_cmp;
+  const TensorView v_cmp = plan.user_cmp ? params.v_cmp : ws.v_cmp;
+  if (plan.run_compression) {
+    compress_kv({.k = params.k, .v = params.v, .k_cmp = ws.k_cmp, .v_cmp = ws.v_cmp, .seqs = params.seqs,
+                 .cu_seqlens_cmp = params.cu_seqlens_cmp, .block = c.cmp_block, .stride = c.cmp_stride,
+                 .stream = params.stream});
+  }
+  if (plan.run_compressed_attention) {
+    compressed_attention({.q = params.q, .k_cmp = k_cmp, .v_cmp = v_cmp, .o = ws.o[0], .lse = ws.lse[0],
+                          .seqs = params.seqs, .cu_seqlens_cmp = params.cu_seqlens_cmp, .block = c.cmp_block,
+                          .stride = c.cmp_stride, .scale = c.scale, .stream = params.stream});
+  }
+  if (plan.run_selection) {
+    select_blocks({.q = params.q, .k_cmp = k_cmp, .lse_cmp = ws.lse[0], .indices = ws.indices, .seqs = params.seqs,
+                   .cu_seqlens_cmp = params.cu_seqlens_cmp, .cmp_block = c.cmp_block, .cmp_stride = c.cmp_stride,
+                   .sel_block = c.sel_block, .num_selected = c.num_selected, .num_init = c.num_init,
+                   .num_local = c.num_local, .scale = c.scale, .stream = params.stream});
+  }
+  if (plan.branch[1]) {
+    selected_attention({.q = params.q, .k = params.k, .v = params.v,
+                        .indices = plan.run_selection ? ws.indices : params.block_indices, .o = ws.o[1],
+                        .lse = ws.lse[1], .seqs = params.seqs, .block = c.sel_block, .scale = c.scale,
+                        .stream = params.stream});
+  }
+  if (plan.branch[2]) {
+    flash_attention({.q = params.q, .k = params.k, .v = params.v, .mask = {}, .bias = {}, .o = ws.o[2],
+                     .lse = ws.lse[2], .seqs_q = params.seqs, .seqs_k = params.seqs, .causal = true,
+                     .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .stream = params.stream});
+  }
+  if (!plan.layout.packed) {
+    combine({.outputs = ws.o, .gates = params.gates, .o = params.o, .stream = params.stream});
+    return;
+  }
+  combine({.outputs = ws.o, .gates = params.gates, .o = ws.combined, .stream = params.stream});
+  sum_into(params.o, {ws.combined}, params.seqs.cu_seqlens, params.stream);
+}
+
+void nsa_attention_backward(const NsaBackwardParams& params) {
+  const detail::Check check("nsa_attention_backward");
+  const NsaParams& f = params.forward;
+  const auto [plan, ws] = prepare(check, f);
+  const detail::NsaScratch scratch = detail::nsa_scratch(plan, params.scratch);
+  check_buffer(check, params.scratch, params.scratch_bytes, scratch.bytes, "scratch", "nsa_backward_scratch_size");
+  check_gradients(check, params, plan);
+  detail::backend(check, f.q, "q", /*has_cuda_kernels=*/false);
+
+  const NsaConfig& c = f.config;
+  // Packed: the gate gradients go through scratch so that rows past cu_seqlens[B] stay untouched.
+  std::array<TensorView, kNumBranches> d_gates = params.d_gates;
+  for (int i = 0; i < kNumBranches; ++i) {
+    if (plan.layout.packed && d_gates[i].present()) d_gates[i] = scratch.d_gates[i];
+  }
+  combine_backward({.outputs = ws.o, .gates = f.gates, .d_o = params.d_o, .d_outputs = scratch.d_o,
+                    .d_gates = d_gates, .stream = f.stream});
+  for (int i = 0; i < kNumBranches; ++i) {
+    if (plan.layout.packed && params.d_gates[i].present()) {
+      sum_into(params.d_gates[i], {scratch.d_gates[i]}, f.seqs.cu_seqlens, f.stream);
+    }
+  }
+  if (plan.branch[0]) {
+    compressed_attention_backward(
+        {.q = f.q, .k_cmp = plan.user_cmp ? f.k_cmp : ws.k_cmp, .v_cmp = plan.user_cmp ? f.v_cmp : ws.v_cmp,
+         .o = ws.o[0], .lse = ws.lse[0], .d_o = scratch.d_o[0], .dq = scratch.dq[0],
+         .dk_cmp = plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
+         .dv_cmp = plan.user_cmp ? params.dv_cmp : scratch.dv_cmp, .seqs = f.seqs,
+         .cu_seqlens_cmp = f.cu_seqlens_cmp, .block = c.cmp_block, .stride = c.cmp_stride, .scale = c.scale,
+         .stream = f.stream});
+    if (!plan.user_cmp) {
+      compress_kv_backward({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = scratch.dk[0],
+                            .dv = scratch.dv[0], .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
+                            .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream});
+    }
+  } else if (plan.user_cmp) {  // the compressed branch is skipped: the caller's k_cmp/v_cmp get no gradient
+    sum_into(params.dk_cmp, {}, f.cu_seqlens_cmp, f.stream);
+    sum_into(params.dv_cmp, {}, f.cu_seqlens_cmp, f.stream);
+  }
+  if (plan.branch[1]) {
+    selected_attention_backward({.q = f.q, .k = f.k, .v = f.v,
+                                 .indices = plan.run_selection ? ws.indices : f.block_indices, .o = ws.o[1],
+                                 .lse = ws.lse[1], .d_o = scratch.d_o[1], .dq = scratch.dq[1], .dk = scratch.dk[1],
+                                 .dv = scratch.dv[1], .seqs = f.seqs, .block = c.sel_block, .scale = c.scale,
+                                 .stream = f.stream});
+  }
+  if (plan.branch[2]) {
+    flash_attention_backward({.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = ws.o[2], .lse = ws.lse[2],
+                              .d_o = scratch.d_o[2], .dq = scratch.dq[2], .dk = scratch.dk[2], .dv = scratch.dv[2],
+                              .dbias = {}, .seqs_q = f.seqs, .seqs_k = f.seqs, .causal = true,
+                              .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .stream = f.stream});
+  }
+  sum_into(params.dq, scratch.dq, f.seqs.cu_seqlens, f.stream);
+  sum_into(params.dk, scratch.dk, f.seqs.cu_seqlens, f.stream);
+  sum_into(params.dv, scratch.dv, f.seqs.cu_seqlens, f.stream);
+}
+
+}  // namespace sparseattn

@@ -1,0 +1,62 @@
+// How one nsa_attention call runs: its validated shapes, which steps run, and where every intermediate
+// lives in the caller's workspace and scratch. nsa_attention, nsa_attention_backward and the two size
+// queries all go through these functions, so the sizes they compute cannot disagree.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "api/check.h"
+#include "sparseattn/nsa_attention.h"
+
+namespace sparseattn::detail {
+
+struct NsaPlan {
+  TokenLayout layout;
+  DType dtype = DType::float32;      // of every float tensor and intermediate
+  DType lse_dtype = DType::float32;  // of the log-sum-exps
+  DeviceType device = DeviceType::cpu;
+  int device_index = 0;
+  std::int64_t heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
+  std::int64_t cmp_rows = 0;      // first dimension of compressed K/V: Tc (batched) or Nc (packed)
+  std::int64_t num_selected = 0;  // slots per row of the indices selected attention reads
+  std::array<bool, kNumBranches> branch{};  // which gates are given
+  bool user_cmp = false;                    // k_cmp and v_cmp come from the caller
+  bool run_compression = false;             // mean pooling into the workspace
+  bool run_compressed_attention = false;    // for the compressed branch or for selection
+  bool run_selection = false;               // the selected branch without user block_indices
+};
+
+// Validates everything nsa_attention needs: config, shapes, dtypes, devices and strides; with
+// `read_contents`, also data pointers and (on the CPU) the contents of cu_seqlens, cu_seqlens_cmp and
+// block_indices. The size queries pass false: they may be called with shape-only views (null data).
+NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents);
+
+// The forward's intermediates, which the backward reads again. Views are absent where a step does not run.
+struct NsaWorkspace {
+  TensorView k_cmp, v_cmp;                         // when compression runs
+  std::array<TensorView, kNumBranches> o, lse;     // [0] when compressed attention runs, others per gate
+  TensorView indices;                              // when selection runs
+  TensorView combined;  // packed layout: combine's output, whose rows of sequences are then copied to o
+                        // (combine writes every row; rows past cu_seqlens[B] of o must stay untouched)
+  std::size_t bytes = 0;
+};
+
+// The backward's temporaries.
+struct NsaScratch {
+  std::array<TensorView, kNumBranches> d_o;         // per gate: the branch's output gradient
+  std::array<TensorView, kNumBranches> dq, dk, dv;  // per gate: the branch's contribution (no dk, dv from
+                                                    // the compressed branch when k_cmp/v_cmp are the caller's)
+  TensorView dk_cmp, dv_cmp;                        // compressed branch with pooled K/V: their gradient
+  std::array<TensorView, kNumBranches> d_gates;     // packed layout, per gate: combine_backward's gate
+                                                    // gradient, copied to the caller's like `combined`
+  std::size_t bytes = 0;
+};
+
+// Views carved from `base` (null: sizes only, views with null data). Slices start on 256-byte boundaries,
+// the first at or after `base`, so any pointer works: `bytes` includes up to 255 bytes to reach it.
+NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base);
+NsaScratch nsa_scratch(const NsaPlan& plan, void* base);
+
+}  // namespace sparseattn::detail

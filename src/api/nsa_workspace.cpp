@@ -1,0 +1,92 @@
+#include <cstdint>
+#include <vector>
+
+#include "api/block_checks.h"
+#include "api/nsa_plan.h"
+
+namespace sparseattn::detail {
+
+namespace {
+
+constexpr std::size_t kAlignment = 256;
+
+// Hands out consecutive 256-byte aligned slices as contiguous views on the plan's device.
+class Carver {
+ public:
+  Carver(const NsaPlan& plan, void* base) : plan_(plan) {
+    if (base == nullptr) return;
+    const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(base);
+    base_ = static_cast<char*>(base) + (kAlignment - address % kAlignment) % kAlignment;
+  }
+
+  TensorView take(DType dtype, const std::vector<std::int64_t>& shape) {
+    TensorView t;
+    t.dtype = dtype;
+    t.device = plan_.device;
+    t.device_index = plan_.device_index;
+    t.rank = static_cast<int>(shape.size());
+    std::int64_t elements = 1;
+    for (int i = t.rank - 1; i >= 0; --i) {
+      t.shape[i] = shape[i];
+      t.stride[i] = elements;
+      elements *= shape[i];
+    }
+    t.data = base_ == nullptr ? nullptr : base_ + offset_;
+    const std::size_t bytes = static_cast<std::size_t>(elements) * element_size(dtype);
+    offset_ += (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    return t;
+  }
+
+  // The slices plus the worst-case distance from the caller's pointer to its first aligned byte.
+  std::size_t bytes() const { return offset_ + kAlignment - 1; }
+
+ private:
+  const NsaPlan& plan_;
+  char* base_ = nullptr;
+  std::size_t offset_ = 0;
+};
+
+}  // namespace
+
+NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base) {
+  Carver carve(plan, base);
+  const TokenLayout& layout = plan.layout;
+  NsaWorkspace ws;
+  if (plan.run_compression) {
+    ws.k_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
+    ws.v_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
+  }
+  for (int i = 0; i < kNumBranches; ++i) {
+    if (i == 0 ? !plan.run_compressed_attention : !plan.branch[i]) continue;
+    ws.o[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+    ws.lse[i] = carve.take(plan.lse_dtype, layout.lse(plan.heads_q));
+  }
+  if (plan.run_selection) ws.indices = carve.take(DType::int32, layout.tokens(plan.heads_kv, plan.num_selected));
+  if (layout.packed) ws.combined = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+  ws.bytes = carve.bytes();
+  return ws;
+}
+
+NsaScratch nsa_scratch(const NsaPlan& plan, void* base) {
+  Carver carve(plan, base);
+  const TokenLayout& layout = plan.layout;
+  NsaScratch scratch;
+  const bool pooled_cmp = plan.branch[0] && !plan.user_cmp;
+  if (pooled_cmp) {
+    scratch.dk_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
+    scratch.dv_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
+  }
+  for (int i = 0; i < kNumBranches; ++i) {
+    if (!plan.branch[i]) continue;
+    scratch.d_o[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+    if (layout.packed) scratch.d_gates[i] = carve.take(plan.dtype, layout.per_head(plan.heads_q));
+    scratch.dq[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_qk));
+    if (i == 0 && !pooled_cmp) continue;
+    scratch.dk[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_qk));
+    scratch.dv[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_v));
+  }
+  scratch.bytes = carve.bytes();
+  return scratch;
+}
+
+}  // namespace sparseattn::detail

@@ -1,0 +1,603 @@
+// sparseattn._C: the nanobind binding of the C++ API. No torch headers: tensors of any framework arrive as
+// DLPack arrays (nb::ndarray), become TensorViews, and the C++ operation runs with the GIL released on the
+// stream the caller passes (a cudaStream_t as an integer, 0 on the CPU). Outputs and workspaces are
+// allocated by the caller (python/sparseattn/_ops.py) and passed in; this layer never allocates tensors.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "sparseattn/sparseattn.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace sparseattn::binding {
+namespace {
+
+using Array = nb::ndarray<>;
+using OptArray = std::optional<Array>;
+
+// The operation whose arguments are being converted, for error messages.
+thread_local const char* g_op = "binding";
+
+[[noreturn]] void fail(ErrorKind kind, const std::string& arg, const std::string& message) {
+  throw Error(kind, g_op, arg, message);
+}
+
+// Names the operation in conversion errors for the rest of the enclosing scope.
+struct OpName {
+  explicit OpName(const char* op) : previous(g_op) { g_op = op; }
+  ~OpName() { g_op = previous; }
+  const char* previous;
+};
+
+DType to_dtype(nb::dlpack::dtype dt, const char* arg) {
+  using Code = nb::dlpack::dtype_code;
+  if (dt.lanes == 1) {
+    const auto code = static_cast<Code>(dt.code);
+    if (code == Code::Float && dt.bits == 16) return DType::float16;
+    if (code == Code::Float && dt.bits == 32) return DType::float32;
+    if (code == Code::Float && dt.bits == 64) return DType::float64;
+    if (code == Code::Bfloat && dt.bits == 16) return DType::bfloat16;
+    if (code == Code::Int && dt.bits == 32) return DType::int32;
+    if (code == Code::Bool && dt.bits == 8) return DType::boolean;
+  }
+  fail(ErrorKind::dtype, arg,
+       "unsupported DLPack dtype (code " + std::to_string(dt.code) + ", " + std::to_string(dt.bits) +
+           " bits); expected float16, bfloat16, float32, float64, int32 or bool");
+}
+
+DType dtype_from_name(const std::string& name, const char* arg) {
+  for (DType d : {DType::float16, DType::bfloat16, DType::float32, DType::float64, DType::int32, DType::boolean}) {
+    if (name == dtype_name(d)) return d;
+  }
+  fail(ErrorKind::dtype, arg, "unknown dtype name '" + name + "'");
+}
+
+TensorView view(const Array& a, const char* arg) {
+  TensorView t;
+  if (a.ndim() < 1 || a.ndim() > static_cast<std::size_t>(kMaxRank)) {
+    fail(ErrorKind::shape, arg, "expected 1 to 4 dimensions, got " + std::to_string(a.ndim()));
+  }
+  t.dtype = to_dtype(a.dtype(), arg);
+  switch (a.device_type()) {
+    case nb::device::cpu::value: t.device = DeviceType::cpu; break;
+    case nb::device::cuda::value: t.device = DeviceType::cuda; break;
+    default: fail(ErrorKind::device, arg, "unsupported DLPack device type " + std::to_string(a.device_type()));
+  }
+  t.device_index = a.device_id();
+  t.rank = static_cast<int>(a.ndim());
+  for (int i = 0; i < t.rank; ++i) {
+    t.shape[i] = static_cast<std::int64_t>(a.shape(i));
+    t.stride[i] = a.stride(i);
+  }
+  t.data = a.size() == 0 ? nullptr : a.data();
+  return t;
+}
+
+TensorView view(const OptArray& a, const char* arg) { return a ? view(*a, arg) : TensorView{}; }
+
+Stream as_stream(std::uintptr_t stream) { return reinterpret_cast<Stream>(stream); }
+
+Sequences seqs(const OptArray& cu_seqlens, std::int64_t max_seqlen, const char* arg = "cu_seqlens") {
+  return Sequences{view(cu_seqlens, arg), max_seqlen};
+}
+
+// A workspace passed as a contiguous byte array: returns its data pointer and size in bytes.
+std::pair<void*, std::size_t> bytes(const OptArray& a, const char* arg) {
+  if (!a || a->size() == 0) return {nullptr, 0};
+  std::int64_t expected = 1;
+  for (std::size_t i = a->ndim(); i-- > 0;) {
+    if (a->shape(i) != 1 && a->stride(i) != expected) fail(ErrorKind::layout, arg, "must be contiguous");
+    expected *= static_cast<std::int64_t>(a->shape(i));
+  }
+  return {a->data(), a->nbytes()};
+}
+
+// ---- Shape-only descriptions for fake/meta implementations: None or (dtype name, shape). ----
+// The views have null data; only the size queries accept them.
+TensorView spec_view(const nb::handle& spec, const char* arg, DeviceType device, int device_index) {
+  TensorView t;
+  if (spec.is_none()) return t;
+  auto tuple = nb::cast<nb::tuple>(spec);
+  if (tuple.size() != 2) fail(ErrorKind::shape, arg, "expected a (dtype name, shape) pair");
+  t.dtype = dtype_from_name(nb::cast<std::string>(tuple[0]), arg);
+  auto shape = nb::cast<std::vector<std::int64_t>>(tuple[1]);
+  if (shape.empty() || shape.size() > static_cast<std::size_t>(kMaxRank)) {
+    fail(ErrorKind::shape, arg, "expected 1 to 4 dimensions, got " + std::to_string(shape.size()));
+  }
+  t.device = device;
+  t.device_index = device_index;
+  t.rank = static_cast<int>(shape.size());
+  std::int64_t stride = 1;
+  for (int i = t.rank - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.stride[i] = stride;
+    stride *= shape[i];
+  }
+  return t;
+}
+
+DeviceType device_from_name(const std::string& name) {
+  if (name == "cpu") return DeviceType::cpu;
+  if (name == "cuda") return DeviceType::cuda;
+  fail(ErrorKind::device, "device", "unsupported device type '" + name + "'");
+}
+
+NsaConfig nsa_config(int cmp_block, int cmp_stride, int sel_block, int num_selected, int num_init, int num_local,
+                     std::int64_t window, std::optional<double> scale) {
+  NsaConfig c;
+  c.cmp_block = cmp_block;
+  c.cmp_stride = cmp_stride;
+  c.sel_block = sel_block;
+  c.num_selected = num_selected;
+  c.num_init = num_init;
+  c.num_local = num_local;
+  c.window = window;
+  c.scale = scale;
+  return c;
+}
+
+NsaParams nsa_spec_params(const std::string& device, int device_index, nb::handle q, nb::handle k, nb::handle v,
+                          nb::handle k_cmp, nb::handle v_cmp, nb::handle block_indices, nb::handle g_cmp,
+                          nb::handle g_slc, nb::handle g_swa, nb::handle o, nb::handle cu_seqlens,
+                          nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride,
+                          int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
+                          std::optional<double> scale) {
+  const DeviceType dev = device_from_name(device);
+  auto sv = [&](nb::handle h, const char* arg) { return spec_view(h, arg, dev, device_index); };
+  NsaParams p;
+  p.q = sv(q, "q");
+  p.k = sv(k, "k");
+  p.v = sv(v, "v");
+  p.k_cmp = sv(k_cmp, "k_cmp");
+  p.v_cmp = sv(v_cmp, "v_cmp");
+  p.block_indices = sv(block_indices, "block_indices");
+  p.gates = {sv(g_cmp, "g_cmp"), sv(g_slc, "g_slc"), sv(g_swa, "g_swa")};
+  p.o = sv(o, "o");
+  p.seqs = Sequences{sv(cu_seqlens, "cu_seqlens"), max_seqlen};
+  p.cu_seqlens_cmp = sv(cu_seqlens_cmp, "cu_seqlens_cmp");
+  p.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
+  return p;
+}
+
+// ---- Exceptions: sparseattn::Error -> the package's exception classes (registered at import). ----
+PyObject* g_error_types[3] = {nullptr, nullptr, nullptr};  // base, dtype, unsupported (strong refs, leaked)
+
+void set_error_types(nb::handle base, nb::handle dtype, nb::handle unsupported) {
+  nb::handle types[3] = {base, dtype, unsupported};
+  for (int i = 0; i < 3; ++i) {
+    if (!PyType_Check(types[i].ptr()) || !PyType_IsSubtype((PyTypeObject*)types[i].ptr(),
+                                                            (PyTypeObject*)PyExc_ValueError)) {
+      throw nb::type_error("_set_error_types: expected subclasses of ValueError");
+    }
+    Py_XDECREF(g_error_types[i]);
+    g_error_types[i] = types[i].inc_ref().ptr();
+  }
+}
+
+void translate(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const Error& e) {
+    const int slot = e.kind() == ErrorKind::dtype ? 1 : e.kind() == ErrorKind::unsupported ? 2 : 0;
+    PyObject* fallback = slot == 1 ? PyExc_TypeError : slot == 2 ? PyExc_NotImplementedError : PyExc_ValueError;
+    PyObject* type = g_error_types[slot] ? g_error_types[slot] : fallback;
+    PyObject* instance = PyObject_CallFunction(type, "s", e.what());
+    if (!instance) return;  // the constructor raised; that error stands
+    if (PyObject_SetAttrString(instance, "kind", nb::str(error_kind_name(e.kind())).ptr()) != 0 ||
+        PyObject_SetAttrString(instance, "argument", nb::str(e.argument().c_str()).ptr()) != 0 ||
+        PyObject_SetAttrString(instance, "op", nb::str(e.op().c_str()).ptr()) != 0) {
+      PyErr_Clear();
+    }
+    PyErr_SetObject(type, instance);
+    Py_DECREF(instance);
+  }
+}
+
+// Runs an operation with the GIL released (the CPU reference is multi-threaded; CUDA launches are async).
+template <class Params>
+void run(void (*op)(const Params&), const Params& params) {
+  nb::gil_scoped_release release;
+  op(params);
+}
+
+}  // namespace
+}  // namespace sparseattn::binding
+
+NB_MODULE(_C, m) {
+  using namespace sparseattn;
+  using namespace sparseattn::binding;
+  m.doc() = "sparseattn C++ API binding (torch-free; tensors via DLPack). Use the `sparseattn` package.";
+  m.attr("__version__") = kVersion;
+  m.def("built_with_cuda", &sparseattn::built_with_cuda);
+  m.def("_set_error_types", &set_error_types, "base"_a, "dtype"_a, "unsupported"_a);
+  nb::register_exception_translator(&translate);
+
+  m.def("num_compressed_blocks", &num_compressed_blocks, "length"_a, "block"_a, "stride"_a);
+
+  // ---- compress_kv ----
+  m.def(
+      "compress_kv",
+      [](const Array& k, const Array& v, const Array& k_cmp, const Array& v_cmp, const OptArray& cu_seqlens,
+         const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int block, int stride, std::uintptr_t stream) {
+        const OpName op_name("compress_kv");
+        CompressKvParams p;
+        p.k = view(k, "k");
+        p.v = view(v, "v");
+        p.k_cmp = view(k_cmp, "k_cmp");
+        p.v_cmp = view(v_cmp, "v_cmp");
+        p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
+        p.block = block;
+        p.stride = stride;
+        p.stream = as_stream(stream);
+        run(compress_kv, p);
+      },
+      "k"_a, "v"_a, "k_cmp"_a, "v_cmp"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a,
+      "block"_a, "stride"_a, "stream"_a);
+  m.def(
+      "compress_kv_backward",
+      [](const Array& dk_cmp, const Array& dv_cmp, const Array& dk, const Array& dv, const OptArray& cu_seqlens,
+         const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int block, int stride, std::uintptr_t stream) {
+        const OpName op_name("compress_kv_backward");
+        CompressKvBackwardParams p;
+        p.dk_cmp = view(dk_cmp, "dk_cmp");
+        p.dv_cmp = view(dv_cmp, "dv_cmp");
+        p.dk = view(dk, "dk");
+        p.dv = view(dv, "dv");
+        p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
+        p.block = block;
+        p.stride = stride;
+        p.stream = as_stream(stream);
+        run(compress_kv_backward, p);
+      },
+      "dk_cmp"_a, "dv_cmp"_a, "dk"_a, "dv"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a,
+      "block"_a, "stride"_a, "stream"_a);
+
+  // ---- compressed_attention ----
+  m.def(
+      "compressed_attention",
+      [](const Array& q, const Array& k_cmp, const Array& v_cmp, const Array& o, const Array& lse,
+         const OptArray& cu_seqlens, const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int block,
+         int stride, std::optional<double> scale, std::uintptr_t stream) {
+        const OpName op_name("compressed_attention");
+        CompressedAttentionParams p;
+        p.q = view(q, "q");
+        p.k_cmp = view(k_cmp, "k_cmp");
+        p.v_cmp = view(v_cmp, "v_cmp");
+        p.o = view(o, "o");
+        p.lse = view(lse, "lse");
+        p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
+        p.block = block;
+        p.stride = stride;
+        p.scale = scale;
+        p.stream = as_stream(stream);
+        run(compressed_attention, p);
+      },
+      "q"_a, "k_cmp"_a, "v_cmp"_a, "o"_a, "lse"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
+      "max_seqlen"_a, "block"_a, "stride"_a, "scale"_a.none(), "stream"_a);
+  m.def(
+      "compressed_attention_backward",
+      [](const Array& q, const Array& k_cmp, const Array& v_cmp, const Array& o, const Array& lse,
+         const Array& d_o, const Array& dq, const Array& dk_cmp, const Array& dv_cmp, const OptArray& cu_seqlens,
+         const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int block, int stride,
+         std::optional<double> scale, std::uintptr_t stream) {
+        const OpName op_name("compressed_attention_backward");
+        CompressedAttentionBackwardParams p;
+        p.q = view(q, "q");
+        p.k_cmp = view(k_cmp, "k_cmp");
+        p.v_cmp = view(v_cmp, "v_cmp");
+        p.o = view(o, "o");
+        p.lse = view(lse, "lse");
+        p.d_o = view(d_o, "d_o");
+        p.dq = view(dq, "dq");
+        p.dk_cmp = view(dk_cmp, "dk_cmp");
+        p.dv_cmp = view(dv_cmp, "dv_cmp");
+        p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
+        p.block = block;
+        p.stride = stride;
+        p.scale = scale;
+        p.stream = as_stream(stream);
+        run(compressed_attention_backward, p);
+      },
+      "q"_a, "k_cmp"_a, "v_cmp"_a, "o"_a, "lse"_a, "d_o"_a, "dq"_a, "dk_cmp"_a, "dv_cmp"_a,
+      "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "block"_a, "stride"_a,
+      "scale"_a.none(), "stream"_a);
+
+  // ---- select_blocks (no backward) ----
+  m.def(
+      "select_blocks",
+      [](const Array& q, const Array& k_cmp, const Array& lse_cmp, const Array& indices, const OptArray& cu_seqlens,
+         const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride, int sel_block,
+         int num_selected, int num_init, int num_local, std::optional<double> scale, std::uintptr_t stream) {
+        const OpName op_name("select_blocks");
+        SelectBlocksParams p;
+        p.q = view(q, "q");
+        p.k_cmp = view(k_cmp, "k_cmp");
+        p.lse_cmp = view(lse_cmp, "lse_cmp");
+        p.indices = view(indices, "indices");
+        p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
+        p.cmp_block = cmp_block;
+        p.cmp_stride = cmp_stride;
+        p.sel_block = sel_block;
+        p.num_selected = num_selected;
+        p.num_init = num_init;
+        p.num_local = num_local;
+        p.scale = scale;
+        p.stream = as_stream(stream);
+        run(select_blocks, p);
+      },
+      "q"_a, "k_cmp"_a, "lse_cmp"_a, "indices"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
+      "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
+      "num_local"_a, "scale"_a.none(), "stream"_a);
+
+  // ---- selected_attention ----
+  m.def(
+      "selected_attention",
+      [](const Array& q, const Array& k, const Array& v, const Array& indices, const Array& o, const Array& lse,
+         const OptArray& cu_seqlens, std::int64_t max_seqlen, int block, std::optional<double> scale,
+         std::uintptr_t stream) {
+        const OpName op_name("selected_attention");
+        SelectedAttentionParams p;
+        p.q = view(q, "q");
+        p.k = view(k, "k");
+        p.v = view(v, "v");
+        p.indices = view(indices, "indices");
+        p.o = view(o, "o");
+        p.lse = view(lse, "lse");
+        p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.block = block;
+        p.scale = scale;
+        p.stream = as_stream(stream);
+        run(selected_attention, p);
+      },
+      "q"_a, "k"_a, "v"_a, "indices"_a, "o"_a, "lse"_a, "cu_seqlens"_a.none(), "max_seqlen"_a, "block"_a,
+      "scale"_a.none(), "stream"_a);
+  m.def(
+      "selected_attention_backward",
+      [](const Array& q, const Array& k, const Array& v, const Array& indices, const Array& o, const Array& lse,
+         const Array& d_o, const Array& dq, const Array& dk, const Array& dv, const OptArray& cu_seqlens,
+         std::int64_t max_seqlen, int block, std::optional<double> scale, std::uintptr_t stream) {
+        const OpName op_name("selected_attention_backward");
+        SelectedAttentionBackwardParams p;
+        p.q = view(q, "q");
+        p.k = view(k, "k");
+        p.v = view(v, "v");
+        p.indices = view(indices, "indices");
+        p.o = view(o, "o");
+        p.lse = view(lse, "lse");
+        p.d_o = view(d_o, "d_o");
+        p.dq = view(dq, "dq");
+        p.dk = view(dk, "dk");
+        p.dv = view(dv, "dv");
+        p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.block = block;
+        p.scale = scale;
+        p.stream = as_stream(stream);
+        run(selected_attention_backward, p);
+      },
+      "q"_a, "k"_a, "v"_a, "indices"_a, "o"_a, "lse"_a, "d_o"_a, "dq"_a, "dk"_a, "dv"_a, "cu_seqlens"_a.none(),
+      "max_seqlen"_a, "block"_a, "scale"_a.none(), "stream"_a);
+
+  // ---- flash_attention ----
+  m.def(
+      "flash_attention",
+      [](const Array& q, const Array& k, const Array& v, const OptArray& mask, const OptArray& bias,
+         const Array& o, const Array& lse, const OptArray& cu_seqlens_q, const OptArray& cu_seqlens_k,
+         std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, bool causal, std::int64_t window_left,
+         std::int64_t window_right, std::optional<double> scale, std::uintptr_t stream) {
+        const OpName op_name("flash_attention");
+        FlashAttentionParams p;
+        p.q = view(q, "q");
+        p.k = view(k, "k");
+        p.v = view(v, "v");
+        p.mask = view(mask, "mask");
+        p.bias = view(bias, "bias");
+        p.o = view(o, "o");
+        p.lse = view(lse, "lse");
+        p.seqs_q = seqs(cu_seqlens_q, max_seqlen_q, "cu_seqlens_q");
+        p.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
+        p.causal = causal;
+        p.window_left = window_left;
+        p.window_right = window_right;
+        p.scale = scale;
+        p.stream = as_stream(stream);
+        run(flash_attention, p);
+      },
+      "q"_a, "k"_a, "v"_a, "mask"_a.none(), "bias"_a.none(), "o"_a, "lse"_a, "cu_seqlens_q"_a.none(),
+      "cu_seqlens_k"_a.none(), "max_seqlen_q"_a, "max_seqlen_k"_a, "causal"_a, "window_left"_a,
+      "window_right"_a, "scale"_a.none(), "stream"_a);
+  m.def(
+      "flash_attention_backward",
+      [](const Array& q, const Array& k, const Array& v, const OptArray& mask, const OptArray& bias,
+         const Array& o, const Array& lse, const Array& d_o, const Array& dq, const Array& dk, const Array& dv,
+         const OptArray& dbias, const OptArray& cu_seqlens_q, const OptArray& cu_seqlens_k,
+         std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, bool causal, std::int64_t window_left,
+         std::int64_t window_right, std::optional<double> scale, std::uintptr_t stream) {
+        const OpName op_name("flash_attention_backward");
+        FlashAttentionBackwardParams p;
+        p.q = view(q, "q");
+        p.k = view(k, "k");
+        p.v = view(v, "v");
+        p.mask = view(mask, "mask");
+        p.bias = view(bias, "bias");
+        p.o = view(o, "o");
+        p.lse = view(lse, "lse");
+        p.d_o = view(d_o, "d_o");
+        p.dq = view(dq, "dq");
+        p.dk = view(dk, "dk");
+        p.dv = view(dv, "dv");
+        p.dbias = view(dbias, "dbias");
+        p.seqs_q = seqs(cu_seqlens_q, max_seqlen_q, "cu_seqlens_q");
+        p.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
+        p.causal = causal;
+        p.window_left = window_left;
+        p.window_right = window_right;
+        p.scale = scale;
+        p.stream = as_stream(stream);
+        run(flash_attention_backward, p);
+      },
+      "q"_a, "k"_a, "v"_a, "mask"_a.none(), "bias"_a.none(), "o"_a, "lse"_a, "d_o"_a, "dq"_a, "dk"_a, "dv"_a,
+      "dbias"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "max_seqlen_q"_a, "max_seqlen_k"_a,
+      "causal"_a, "window_left"_a, "window_right"_a, "scale"_a.none(), "stream"_a);
+
+  // ---- combine ----
+  m.def(
+      "combine",
+      [](const OptArray& o_cmp, const OptArray& o_slc, const OptArray& o_swa, const OptArray& g_cmp,
+         const OptArray& g_slc, const OptArray& g_swa, const Array& o, std::uintptr_t stream) {
+        const OpName op_name("combine");
+        CombineParams p;
+        p.outputs = {view(o_cmp, "o_cmp"), view(o_slc, "o_slc"), view(o_swa, "o_swa")};
+        p.gates = {view(g_cmp, "g_cmp"), view(g_slc, "g_slc"), view(g_swa, "g_swa")};
+        p.o = view(o, "o");
+        p.stream = as_stream(stream);
+        run(combine, p);
+      },
+      "o_cmp"_a.none(), "o_slc"_a.none(), "o_swa"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(),
+      "g_swa"_a.none(), "o"_a, "stream"_a);
+  m.def(
+      "combine_backward",
+      [](const OptArray& o_cmp, const OptArray& o_slc, const OptArray& o_swa, const OptArray& g_cmp,
+         const OptArray& g_slc, const OptArray& g_swa, const Array& d_o, const OptArray& d_o_cmp,
+         const OptArray& d_o_slc, const OptArray& d_o_swa, const OptArray& d_g_cmp, const OptArray& d_g_slc,
+         const OptArray& d_g_swa, std::uintptr_t stream) {
+        const OpName op_name("combine_backward");
+        CombineBackwardParams p;
+        p.outputs = {view(o_cmp, "o_cmp"), view(o_slc, "o_slc"), view(o_swa, "o_swa")};
+        p.gates = {view(g_cmp, "g_cmp"), view(g_slc, "g_slc"), view(g_swa, "g_swa")};
+        p.d_o = view(d_o, "d_o");
+        p.d_outputs = {view(d_o_cmp, "d_o_cmp"), view(d_o_slc, "d_o_slc"), view(d_o_swa, "d_o_swa")};
+        p.d_gates = {view(d_g_cmp, "d_g_cmp"), view(d_g_slc, "d_g_slc"), view(d_g_swa, "d_g_swa")};
+        p.stream = as_stream(stream);
+        run(combine_backward, p);
+      },
+      "o_cmp"_a.none(), "o_slc"_a.none(), "o_swa"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(),
+      "g_swa"_a.none(), "d_o"_a, "d_o_cmp"_a.none(), "d_o_slc"_a.none(), "d_o_swa"_a.none(),
+      "d_g_cmp"_a.none(), "d_g_slc"_a.none(), "d_g_swa"_a.none(), "stream"_a);
+
+  // ---- nsa_attention ----
+  // Sizes from shapes only (usable from fake/meta implementations): every tensor is None or a
+  // (dtype name, shape) pair; `device` is "cpu" or "cuda".
+  m.def(
+      "nsa_workspace_size",
+      [](const std::string& device, int device_index, nb::handle q, nb::handle k, nb::handle v, nb::handle k_cmp,
+         nb::handle v_cmp, nb::handle block_indices, nb::handle g_cmp, nb::handle g_slc, nb::handle g_swa,
+         nb::handle o, nb::handle cu_seqlens, nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block,
+         int cmp_stride, int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
+         std::optional<double> scale) {
+        const OpName op_name("nsa_workspace_size");
+        return nsa_workspace_size(nsa_spec_params(device, device_index, q, k, v, k_cmp, v_cmp, block_indices,
+                                                  g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen,
+                                                  cmp_block, cmp_stride, sel_block, num_selected, num_init,
+                                                  num_local, window, scale));
+      },
+      "device"_a, "device_index"_a, "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(),
+      "block_indices"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(), "g_swa"_a.none(), "o"_a,
+      "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a,
+      "sel_block"_a, "num_selected"_a, "num_init"_a, "num_local"_a, "window"_a, "scale"_a.none());
+  m.def(
+      "nsa_backward_scratch_size",
+      [](const std::string& device, int device_index, nb::handle q, nb::handle k, nb::handle v, nb::handle k_cmp,
+         nb::handle v_cmp, nb::handle block_indices, nb::handle g_cmp, nb::handle g_slc, nb::handle g_swa,
+         nb::handle o, nb::handle cu_seqlens, nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block,
+         int cmp_stride, int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
+         std::optional<double> scale) {
+        const OpName op_name("nsa_backward_scratch_size");
+        return nsa_backward_scratch_size(nsa_spec_params(device, device_index, q, k, v, k_cmp, v_cmp,
+                                                         block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens,
+                                                         cu_seqlens_cmp, max_seqlen, cmp_block, cmp_stride,
+                                                         sel_block, num_selected, num_init, num_local, window,
+                                                         scale));
+      },
+      "device"_a, "device_index"_a, "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(),
+      "block_indices"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(), "g_swa"_a.none(), "o"_a,
+      "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a,
+      "sel_block"_a, "num_selected"_a, "num_init"_a, "num_local"_a, "window"_a, "scale"_a.none());
+
+  m.def(
+      "nsa_attention",
+      [](const Array& q, const Array& k, const Array& v, const OptArray& k_cmp, const OptArray& v_cmp,
+         const OptArray& block_indices, const OptArray& g_cmp, const OptArray& g_slc, const OptArray& g_swa,
+         const Array& o, const OptArray& cu_seqlens, const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen,
+         int cmp_block, int cmp_stride, int sel_block, int num_selected, int num_init, int num_local,
+         std::int64_t window, std::optional<double> scale, const OptArray& workspace, std::uintptr_t stream) {
+        const OpName op_name("nsa_attention");
+        NsaParams p;
+        p.q = view(q, "q");
+        p.k = view(k, "k");
+        p.v = view(v, "v");
+        p.k_cmp = view(k_cmp, "k_cmp");
+        p.v_cmp = view(v_cmp, "v_cmp");
+        p.block_indices = view(block_indices, "block_indices");
+        p.gates = {view(g_cmp, "g_cmp"), view(g_slc, "g_slc"), view(g_swa, "g_swa")};
+        p.o = view(o, "o");
+        p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
+        p.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
+        std::tie(p.workspace, p.workspace_bytes) = bytes(workspace, "workspace");
+        p.stream = as_stream(stream);
+        run(nsa_attention, p);
+      },
+      "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(), "block_indices"_a.none(), "g_cmp"_a.none(),
+      "g_slc"_a.none(), "g_swa"_a.none(), "o"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
+      "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
+      "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "stream"_a);
+  m.def(
+      "nsa_attention_backward",
+      [](const Array& q, const Array& k, const Array& v, const OptArray& k_cmp, const OptArray& v_cmp,
+         const OptArray& block_indices, const OptArray& g_cmp, const OptArray& g_slc, const OptArray& g_swa,
+         const Array& o, const OptArray& cu_seqlens, const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen,
+         int cmp_block, int cmp_stride, int sel_block, int num_selected, int num_init, int num_local,
+         std::int64_t window, std::optional<double> scale, const OptArray& workspace, const Array& d_o,
+         const Array& dq, const Array& dk, const Array& dv, const OptArray& dk_cmp, const OptArray& dv_cmp,
+         const OptArray& d_g_cmp, const OptArray& d_g_slc, const OptArray& d_g_swa, const OptArray& scratch,
+         std::uintptr_t stream) {
+        const OpName op_name("nsa_attention_backward");
+        NsaBackwardParams p;
+        NsaParams& f = p.forward;
+        f.q = view(q, "q");
+        f.k = view(k, "k");
+        f.v = view(v, "v");
+        f.k_cmp = view(k_cmp, "k_cmp");
+        f.v_cmp = view(v_cmp, "v_cmp");
+        f.block_indices = view(block_indices, "block_indices");
+        f.gates = {view(g_cmp, "g_cmp"), view(g_slc, "g_slc"), view(g_swa, "g_swa")};
+        f.o = view(o, "o");
+        f.seqs = seqs(cu_seqlens, max_seqlen);
+        f.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
+        f.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
+        std::tie(f.workspace, f.workspace_bytes) = bytes(workspace, "workspace");
+        f.stream = as_stream(stream);
+        p.d_o = view(d_o, "d_o");
+        p.dq = view(dq, "dq");
+        p.dk = view(dk, "dk");
+        p.dv = view(dv, "dv");
+        p.dk_cmp = view(dk_cmp, "dk_cmp");
+        p.dv_cmp = view(dv_cmp, "dv_cmp");
+        p.d_gates = {view(d_g_cmp, "d_g_cmp"), view(d_g_slc, "d_g_slc"), view(d_g_swa, "d_g_swa")};
+        std::tie(p.scratch, p.scratch_bytes) = bytes(scratch, "scratch");
+        run(nsa_attention_backward, p);
+      },
+      "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(), "block_indices"_a.none(), "g_cmp"_a.none(),
+      "g_slc"_a.none(), "g_swa"_a.none(), "o"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
+      "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
+      "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "d_o"_a, "dq"_a, "dk"_a, "dv"_a,
+      "dk_cmp"_a.none(), "dv_cmp"_a.none(), "d_g_cmp"_a.none(), "d_g_slc"_a.none(), "d_g_swa"_a.none(),
+      "scratch"_a.none(), "stream"_a);
+}

@@ -1,0 +1,10 @@
+// The reference backend of the internal accumulate operation (src/api/accumulate.h).
+#pragma once
+
+#include "api/accumulate.h"
+
+namespace sparseattn::reference {
+
+void accumulate(const detail::AccumulateParams& params);
+
+}  // namespace sparseattn::reference

@@ -1,0 +1,66 @@
+#include <algorithm>
+#include <cmath>
+
+#include "reference/attention_core.h"
+#include "reference/dense.h"
+#include "reference/reference.h"
+
+namespace sparseattn::reference {
+
+namespace {
+
+// Query t of KV head h sees the tokens at positions <= t of the blocks listed in indices[t, h, :].
+struct SelectedProblem {
+  detail::TokenLayout layout;
+  Dense q, k, v;
+  std::vector<std::int32_t> indices;  // row-major [B, T, Hkv, n] or [N, Hkv, n]
+  std::int64_t kv_heads, count;
+  AttentionProblem problem;
+
+  template <class Params>
+  explicit SelectedProblem(const Params& params)
+      : layout(token_layout(params.q, params.seqs.cu_seqlens)),
+        q(load_tokens(params.q, layout.packed)),
+        k(load_tokens(params.k, layout.packed)),
+        v(load_tokens(params.v, layout.packed)),
+        indices(load_int32(params.indices)),
+        kv_heads(k.dim(2)),
+        count(params.indices.shape[params.indices.rank - 1]),
+        problem{q, k, v, spans(layout, params.seqs.cu_seqlens), spans(layout, params.seqs.cu_seqlens),
+                params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(q.dim(3))), {}, {}} {
+    problem.visible_keys = [this, block = std::int64_t{params.block}](std::int64_t seq, std::int64_t t,
+                                                                       std::int64_t kv_head,
+                                                                       std::vector<std::int64_t>& keys) {
+      const Span& span = problem.q_spans[seq];
+      const std::int32_t* row =
+          indices.data() + ((span.batch * layout.rows + span.begin + t) * kv_heads + kv_head) * count;
+      keys.clear();
+      for (std::int64_t j = 0; j < count && row[j] >= 0; ++j) {
+        const std::int64_t end = std::min((row[j] + 1) * block, t + 1);
+        for (std::int64_t s = row[j] * block; s < end; ++s) keys.push_back(s);
+      }
+    };
+  }
+  SelectedProblem(const SelectedProblem&) = delete;
+};
+
+}  // namespace
+
+void selected_attention(const SelectedAttentionParams& params) {
+  const SelectedProblem slc(params);
+  const AttentionOutputs out = attention_forward(slc.problem);
+  store_tokens(out.o, params.o, slc.layout.packed, slc.problem.q_spans);
+  store_lse(out.lse, params.lse, slc.layout.packed, slc.problem.q_spans);
+}
+
+void selected_attention_backward(const SelectedAttentionBackwardParams& params) {
+  const SelectedProblem slc(params);
+  const bool packed = slc.layout.packed;
+  const AttentionGradients grads = attention_backward(slc.problem, load_tokens(params.o, packed),
+                                                      load_tokens(params.lse, packed), load_tokens(params.d_o, packed));
+  store_tokens(grads.dq, params.dq, packed, slc.problem.q_spans);
+  store_tokens(grads.dk, params.dk, packed, slc.problem.k_spans);
+  store_tokens(grads.dv, params.dv, packed, slc.problem.k_spans);
+}
+
+}  // namespace sparseattn::reference

@@ -1,0 +1,119 @@
+"""torch.compile(fullgraph=True) over the custom ops (aot_eager backend: traces the fake impls and the
+registered autograd, without Inductor codegen), forward and backward equal to eager; torch.library.opcheck."""
+
+import pytest
+import torch
+
+from helpers import assert_close64, cu_seqlens_of, gates, grads, leaf_clones, pack, qkv, randn, require_sparseattn
+
+sa = require_sparseattn()
+
+TINY = dict(cmp_block=8, cmp_stride=4, sel_block=16, num_selected=3, num_init=1, num_local=1, window=16)
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def eager_vs_compiled(fn, inputs):
+    outs = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        leaves = leaf_clones(*inputs)
+        o = f(*leaves)
+        do = torch.ones_like(o) if not outs else outs[0][2]
+        if not outs:
+            do = torch.randn_like(o)
+        outs.append((o, grads(o, leaves, do), do))
+    (o_e, g_e, _), (o_c, g_c, _) = outs
+    assert_close64(o_c, o_e, name="o")
+    for i, (a, b) in enumerate(zip(g_c, g_e)):
+        assert_close64(a, b, name=f"grad[{i}]")
+
+
+def test_compile_nsa_batched():
+    cfg = sa.NSAConfig(**TINY)
+    q, k, v = qkv(2, 50, 4, 2, 32)
+    gs = [gates(2, 50, 4) for _ in range(3)]
+
+    def fn(q, k, v, a, b, c):
+        return sa.nsa_attention(q, k, v, a, b, c, config=cfg) * 2.0
+
+    eager_vs_compiled(fn, [q, k, v, *gs])
+
+
+def test_compile_nsa_packed_user_cmp():
+    cfg = sa.NSAConfig(**TINY)
+    lengths = [5, 40, 23]
+    cu = cu_seqlens_of(lengths)
+    q, k, v = qkv(3, 40, 4, 2, 32)
+    q, k, v = pack(q, lengths), pack(k, lengths), pack(v, lengths)
+    n = q.shape[0]
+    kc, vc = randn(n // 4, 2, 32), randn(n // 4, 2, 32)
+    gs = [gates(n, 4) for _ in range(3)]
+
+    def fn(q, k, v, kc, vc, a, b, c):
+        return sa.nsa_attention(q, k, v, a, b, c, config=cfg, k_cmp=kc, v_cmp=vc, cu_seqlens=cu, max_seqlen=40)
+
+    eager_vs_compiled(fn, [q, k, v, kc, vc, *gs])
+
+
+def test_compile_pipeline_of_ops():
+    """compress -> compressed attention -> select -> selected attention -> flash (window) -> combine."""
+    q, k, v = qkv(1, 60, 4, 2, 32)
+    gs = [gates(1, 60, 4) for _ in range(3)]
+    bias = randn(1, 1, 60, 60)
+
+    def fn(q, k, v, bias, a, b, c):
+        kc, vc = sa.compress_kv(k, v, block=8, stride=4)
+        o_c, lse = sa.compressed_attention(q, kc, vc, block=8, stride=4)
+        idx = sa.select_blocks(q, kc, lse, cmp_block=8, cmp_stride=4, sel_block=16, num_selected=3)
+        o_s, _ = sa.selected_attention(q, k, v, idx, block=16)
+        o_w = sa.flash_attention(q, k, v, causal=True, window=(15, 0), bias=bias)
+        return sa.combine(o_c, o_s, o_w, a, b, c)
+
+    eager_vs_compiled(fn, [q, k, v, bias, *gs])
+
+
+OPS = ["compress_kv", "compressed_attention", "select_blocks", "selected_attention", "flash_attention", "combine",
+       "nsa_attention"]
+
+
+@pytest.fixture(scope="module")
+def recorded_calls():
+    """Every sparseattn op as the functional API calls it (captured with a dispatch-mode recorder)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = {}
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace == "sparseattn":
+                calls.setdefault(func.name().split("::")[-1].split(".")[0], (func, args, kwargs))
+            return func(*args, **kwargs)
+
+    torch.manual_seed(0)
+    cfg = sa.NSAConfig(**TINY)
+    q, k, v = qkv(1, 40, 4, 2, 16, requires_grad=True)
+    gs = [gates(1, 40, 4, requires_grad=True) for _ in range(3)]
+    bias = randn(1, 2, 40, 40, requires_grad=True)
+    with Recorder():
+        kc, vc = sa.compress_kv(k, v, block=8, stride=4)
+        _, lse = sa.compressed_attention(q, kc, vc, block=8, stride=4)
+        idx = sa.select_blocks(q, kc, lse, cmp_block=8, cmp_stride=4, sel_block=16, num_selected=3)
+        sa.selected_attention(q, k, v, idx, block=16)
+        sa.flash_attention(q, k, v, causal=True, bias=bias, mask=torch.rand(1, 1, 40, 40) > 0.2)
+        sa.combine(q, q, q, *gs)
+        sa.nsa_attention(q, k, v, *gs, config=cfg)
+    return calls
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(op, recorded_calls):
+    """torch.library.opcheck: schema, fake impl, autograd registration, AOT dispatch (static and dynamic)."""
+    assert op in recorded_calls, f"sparseattn::{op} was not dispatched; recorded: {sorted(recorded_calls)}"
+    func, args, kwargs = recorded_calls[op]
+    torch.library.opcheck(func, args, kwargs)
