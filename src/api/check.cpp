@@ -171,6 +171,52 @@ void Check::compressed_layout(const TokenLayout& tokens, const Sequences& seqs, 
           "last entry exceeds the " + std::to_string(cmp_rows) + " rows of the compressed tensors");
 }
 
+void Check::index_contents(const TensorView& indices, const std::string& arg, const TokenLayout& layout,
+                           const Sequences& seqs, std::int64_t block) const {
+  const auto* data = static_cast<const std::int32_t*>(indices.data);
+  const auto cu = [&](std::int64_t i) {
+    return std::int64_t{static_cast<const std::int32_t*>(seqs.cu_seqlens.data)[i * seqs.cu_seqlens.stride[0]]};
+  };
+  const int r = indices.rank;
+  const std::int64_t kv_heads = indices.shape[r - 2], count = indices.shape[r - 1];
+  for (std::int64_t b = 0; b < layout.batch; ++b) {
+    const std::int64_t begin = layout.packed ? cu(b) : 0;
+    const std::int64_t length = layout.packed ? cu(b + 1) - begin : layout.rows;
+    const std::int64_t blocks = num_selection_blocks(length, block);
+    for (std::int64_t t = 0; t < length; ++t) {
+      for (std::int64_t h = 0; h < kv_heads; ++h) {
+        const std::int64_t base = layout.packed ? (begin + t) * indices.stride[0] + h * indices.stride[1]
+                                                : b * indices.stride[0] + t * indices.stride[1] + h * indices.stride[2];
+        const auto where = [&](std::int64_t j) {
+          return "row (sequence " + std::to_string(b) + ", token " + std::to_string(t) + ", KV head " +
+                 std::to_string(h) + "), entry " + std::to_string(j) + ": ";
+        };
+        std::int64_t previous = -1;
+        bool padding = false;
+        for (std::int64_t j = 0; j < count; ++j) {
+          const std::int64_t index = data[base + j * indices.stride[r - 1]];
+          if (index == -1) {
+            padding = true;
+            continue;
+          }
+          require(index >= 0, ErrorKind::value, arg,
+                        where(j) + std::to_string(index) + " is negative (only -1 pads)");
+          require(!padding, ErrorKind::value, arg,
+                        where(j) + std::to_string(index) + " follows a -1 (padding must be at the tail)");
+          require(index > previous, ErrorKind::value, arg,
+                        where(j) + std::to_string(index) + " is not above the previous entry " +
+                            std::to_string(previous) + " (entries must be strictly ascending)");
+          require(index < blocks, ErrorKind::value, arg,
+                        where(j) + std::to_string(index) + " is out of range: a sequence of " +
+                            std::to_string(length) + " tokens has " + std::to_string(blocks) +
+                            " selection blocks of " + std::to_string(block));
+          previous = index;
+        }
+      }
+    }
+  }
+}
+
 DType lse_dtype(DType input) { return input == DType::float64 ? DType::float64 : DType::float32; }
 
 double resolve_scale(const Check& check, const std::optional<double>& scale, std::int64_t dim) {

@@ -62,6 +62,12 @@ class Check {
   void compressed_layout(const TokenLayout& tokens, const Sequences& seqs, const TensorView& cu_seqlens_cmp,
                          std::int64_t cmp_rows, std::int64_t block, std::int64_t stride) const;
 
+  // The sparse index convention on a CPU index tensor [B, T, Hkv, n] (packed [N, Hkv, n]), row by row:
+  // entries strictly ascending in [0, num_selection_blocks(T_b, block)), -1 only as tail padding.
+  // Packed rows past cu_seqlens[B] are ignored.
+  void index_contents(const TensorView& indices, const std::string& arg, const TokenLayout& layout,
+                      const Sequences& seqs, std::int64_t block) const;
+
   const std::string& op() const { return op_; }
 
  private:

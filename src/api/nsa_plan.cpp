@@ -75,43 +75,6 @@ class Validator {
   bool read_;
 };
 
-// The sparse index convention on a CPU tensor, row by row: entries strictly ascending in
-// [0, num_selection_blocks(T_b)), -1 only as tail padding. Packed rows past cu_seqlens[B] are ignored.
-void check_index_contents(const Check& check, const TensorView& indices, const TokenLayout& layout,
-                          const Sequences& seqs, std::int64_t sel_block) {
-  const auto* data = static_cast<const std::int32_t*>(indices.data);
-  const auto cu = [&](std::int64_t b) {
-    return std::int64_t{static_cast<const std::int32_t*>(seqs.cu_seqlens.data)[b * seqs.cu_seqlens.stride[0]]};
-  };
-  const int rank = indices.rank;
-  const std::int64_t heads = indices.shape[rank - 2], count = indices.shape[rank - 1];
-  for (std::int64_t b = 0; b < layout.batch; ++b) {
-    const std::int64_t begin = layout.packed ? cu(b) : 0;
-    const std::int64_t length = layout.packed ? cu(b + 1) - begin : layout.rows;
-    const std::int64_t blocks = num_selection_blocks(length, sel_block);
-    for (std::int64_t t = 0; t < length; ++t) {
-      for (std::int64_t h = 0; h < heads; ++h) {
-        const std::int64_t row = layout.packed ? (begin + t) * indices.stride[0] + h * indices.stride[1]
-                                               : b * indices.stride[0] + t * indices.stride[1] + h * indices.stride[2];
-        std::int64_t previous = -1;
-        bool padding = false;
-        for (std::int64_t j = 0; j < count; ++j) {
-          const std::int64_t index = data[row + j * indices.stride[rank - 1]];
-          if (index == -1) {
-            padding = true;
-            continue;
-          }
-          check.require(!padding && index > previous && index < blocks, ErrorKind::value, "block_indices",
-                        "row (sequence " + std::to_string(b) + ", token " + std::to_string(t) + ", KV head " +
-                            std::to_string(h) + ") entry " + std::to_string(j) + " is " + std::to_string(index) +
-                            ": entries must be strictly ascending in [0, " + std::to_string(blocks) +
-                            ") (the selection blocks of the sequence) with -1 only as tail padding");
-          previous = index;
-        }
-      }
-    }
-  }
-}
 
 }  // namespace
 
@@ -198,7 +161,7 @@ NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents
                             config.cmp_stride);
   }
   if (indices.present() && read_contents && indices.device == DeviceType::cpu) {
-    check_index_contents(check, indices, layout, params.seqs, config.sel_block);
+    check.index_contents(indices, "block_indices", layout, params.seqs, config.sel_block);
   }
   return plan;
 }

@@ -15,54 +15,6 @@ struct SelectedShapes {
   std::int64_t q_heads = 0, kv_heads = 0, dim_qk = 0, dim_v = 0;
 };
 
-// Checks the sparse index convention row by row on the CPU: non-negative entries strictly ascending, -1
-// only as tail padding, every entry < num_selection_blocks(T_b). Packed rows past cu_seqlens[B] are ignored.
-void check_index_contents(const detail::Check& check, const TensorView& indices, const detail::TokenLayout& layout,
-                          const Sequences& seqs, std::int64_t block) {
-  const auto* data = static_cast<const std::int32_t*>(indices.data);
-  const auto cu = [&](std::int64_t i) {
-    return std::int64_t{static_cast<const std::int32_t*>(seqs.cu_seqlens.data)[i * seqs.cu_seqlens.stride[0]]};
-  };
-  const int r = indices.rank;
-  const std::int64_t kv_heads = indices.shape[r - 2], count = indices.shape[r - 1];
-  for (std::int64_t b = 0; b < layout.batch; ++b) {
-    const std::int64_t begin = layout.packed ? cu(b) : 0;
-    const std::int64_t length = layout.packed ? cu(b + 1) - begin : layout.rows;
-    const std::int64_t blocks = num_selection_blocks(length, block);
-    for (std::int64_t t = 0; t < length; ++t) {
-      for (std::int64_t h = 0; h < kv_heads; ++h) {
-        const std::int64_t base = layout.packed ? (begin + t) * indices.stride[0] + h * indices.stride[1]
-                                                : b * indices.stride[0] + t * indices.stride[1] + h * indices.stride[2];
-        const auto where = [&](std::int64_t j) {
-          return "row (sequence " + std::to_string(b) + ", token " + std::to_string(t) + ", KV head " +
-                 std::to_string(h) + "), entry " + std::to_string(j) + ": ";
-        };
-        std::int64_t previous = -1;
-        bool padding = false;
-        for (std::int64_t j = 0; j < count; ++j) {
-          const std::int64_t index = data[base + j * indices.stride[r - 1]];
-          if (index == -1) {
-            padding = true;
-            continue;
-          }
-          check.require(index >= 0, ErrorKind::value, "indices",
-                        where(j) + std::to_string(index) + " is negative (only -1 pads)");
-          check.require(!padding, ErrorKind::value, "indices",
-                        where(j) + std::to_string(index) + " follows a -1 (padding must be at the tail)");
-          check.require(index > previous, ErrorKind::value, "indices",
-                        where(j) + std::to_string(index) + " is not above the previous entry " +
-                            std::to_string(previous) + " (entries must be strictly ascending)");
-          check.require(index < blocks, ErrorKind::value, "indices",
-                        where(j) + std::to_string(index) + " is out of range: a sequence of " +
-                            std::to_string(length) + " tokens has " + std::to_string(blocks) +
-                            " selection blocks of " + std::to_string(block));
-          previous = index;
-        }
-      }
-    }
-  }
-}
-
 // Checks what the forward and the backward share (for the backward, o and lse are inputs).
 template <class Params>
 SelectedShapes check_common(const detail::Check& check, const Params& params) {
@@ -104,7 +56,7 @@ SelectedShapes check_common(const detail::Check& check, const Params& params) {
   check.shape(params.lse, "lse", shapes.layout.lse(shapes.q_heads));
   detail::resolve_scale(check, params.scale, shapes.dim_qk);
   if (indices.device == DeviceType::cpu) {
-    check_index_contents(check, indices, shapes.layout, params.seqs, params.block);
+    check.index_contents(indices, "indices", shapes.layout, params.seqs, params.block);
   }
   return shapes;
 }

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On a GPU machine whose python3 already has torch, nanobind, scikit-build-core, cmake, ninja and pytest
+# (no network needed): build the package with CUDA kernels, run the whole Python suite (GPU tests
+# included) and the demo, and list the kernels in the built extension. Logs go to $OUT (or /tmp/sparseattn-gpu).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-/tmp/sparseattn-gpu}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 SPARSEATTN_ARCHS="${SPARSEATTN_ARCHS:-90a}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -m pip install -q --no-build-isolation --no-deps . >"$out/build.log" 2>&1 || {
+  tail -40 "$out/build.log"; exit 1; }
+python3 -c "import sparseattn, torch; print('sparseattn', sparseattn.__version__, 'cuda build:', \
+sparseattn._C.built_with_cuda(), 'torch', torch.__version__, torch.cuda.get_device_name())"
+status=0
+python3 -m pytest tests/python -q -n 8 -p no:cacheprovider --junitxml="$out/pytest.xml" "$@" 2>&1 |
+  tee "$out/pytest.log" | tail -25 || status=1
+[[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+python3 -m sparseattn.demo 2>&1 | tee "$out/demo.log" | tail -20
+[[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+so="$(python3 -c 'import sparseattn._C as c; print(c.__file__)')"
+cuobjdump -lelf "$so" 2>/dev/null | head -5
+cuobjdump -sass "$so" 2>/dev/null | grep -E "Function :" | sed 's/.*Function : //' | c++filt | sort -u | head -20
+exit $status
