@@ -39,7 +39,8 @@ struct NsaParams {
   Sequences seqs;
   TensorView cu_seqlens_cmp;  // packed only: int32 [B+1], prefix sums of num_compressed_blocks(T_b)
   NsaConfig config;
-  void* workspace = nullptr;  // on q's device, nsa_workspace_size(params) bytes; backward reads it
+  void* workspace = nullptr;  // on q's device, 16-byte aligned, nsa_workspace_size(params) bytes; the
+                              // backward reads it
   std::size_t workspace_bytes = 0;
   Stream stream = nullptr;
 };
@@ -50,7 +51,7 @@ struct NsaBackwardParams {
   TensorView dq, dk, dv;      // out: like q, k, v
   TensorView dk_cmp, dv_cmp;  // out iff k_cmp/v_cmp were supplied: like them
   std::array<TensorView, kNumBranches> d_gates;  // out, optional for each present gate: like the gate
-  void* scratch = nullptr;    // on q's device, nsa_backward_scratch_size(forward) bytes, any contents
+  void* scratch = nullptr;    // on q's device, 16-byte aligned, nsa_backward_scratch_size(forward) bytes
   std::size_t scratch_bytes = 0;
 };
 

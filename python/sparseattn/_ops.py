@@ -49,7 +49,8 @@ def _arr(t: Optional[Tensor]) -> Optional[Tensor]:
         return None
     t = t.detach()
     if t.dim() > 0 and t.size(-1) > 1 and t.stride(-1) != 1:
-        t = t.contiguous()
+        # torch treats every empty tensor as contiguous, so .contiguous() would keep its strides.
+        t = t.new_empty(t.shape) if t.numel() == 0 else t.contiguous()
     return t
 
 
@@ -76,6 +77,8 @@ def _num_compressed(length, block: int, stride: int):
 
 
 def _compressed_shape(t: Tensor, packed: bool, block: int, stride: int) -> list:
+    if stride <= 0:  # an invalid config: any shape will do, the C++ API reports the config error
+        return [0, *t.shape[1:]] if packed else [t.shape[0], 0, *t.shape[2:]]
     if packed:  # rows laid out by compressed_cu_seqlens; sum_b blocks(T_b) <= N // stride
         return [t.shape[0] // stride, *t.shape[1:]]
     return [t.shape[0], _num_compressed(t.shape[1], block, stride), *t.shape[2:]]
@@ -561,7 +564,9 @@ def nsa_attention(
     o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
     size = _nsa_size(_C.nsa_workspace_size, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o,
                      cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
-    workspace = torch.empty((size,), dtype=torch.uint8, device=q.device)
+    # Zero-filled, not empty: alignment padding and unused packed rows are never written, and an output
+    # of a custom op must not change from run to run (determinism; torch.library.opcheck checks it).
+    workspace = torch.zeros((size,), dtype=torch.uint8, device=q.device)
     _C.nsa_attention(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
                      _arr(g_slc), _arr(g_swa), o, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, *config,
                      workspace, _stream(q))

@@ -115,6 +115,14 @@ def compressed_cu_seqlens(cu_seqlens: Tensor, block: int = 32, stride: int = 16)
     return torch.cat([cu_seqlens[:1] * 0, torch.cumsum(blocks, 0, dtype=torch.int32)])
 
 
+def _cu_cmp(cu_seqlens: Tensor, block: int, stride: int) -> Tensor:
+    """compressed_cu_seqlens for an op's own call. With an invalid block or stride it returns a placeholder
+    so that the op's C++ validation reports the config error under the caller's argument name."""
+    if block <= 0 or stride <= 0:
+        return cu_seqlens
+    return compressed_cu_seqlens(cu_seqlens, block, stride)
+
+
 def compress_kv(k: Tensor, v: Tensor, *, block: int = 32, stride: int = 16,
                 cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Mean-pool k and v over compressed blocks (block j covers tokens [j*stride, j*stride + block)).
@@ -128,7 +136,7 @@ def compress_kv(k: Tensor, v: Tensor, *, block: int = 32, stride: int = 16,
     _check_tokens(op, "k", k, packed)
     _require_tensor(op, "v", v)
     _check_cu_seqlens(op, "cu_seqlens", cu_seqlens, k, "k")
-    cu_cmp = compressed_cu_seqlens(cu_seqlens, block, stride) if packed else None
+    cu_cmp = _cu_cmp(cu_seqlens, block, stride) if packed else None
     return _ops.compress_kv(k, v, cu_seqlens, cu_cmp, 0, block, stride)
 
 
@@ -149,7 +157,7 @@ def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, *, block: int 
     _require_tensor(op, "v_cmp", v_cmp)
     _check_cu_seqlens(op, "cu_seqlens", cu_seqlens, q, "q")
     if packed and cu_seqlens_cmp is None:
-        cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, block, stride)
+        cu_seqlens_cmp = _cu_cmp(cu_seqlens, block, stride)
     _check_cu_seqlens(op, "cu_seqlens_cmp", cu_seqlens_cmp, q, "q")
     return _ops.compressed_attention(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, 0, block, stride, _scale(scale))
 
@@ -171,7 +179,7 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, *, cmp_block: int =
     _require_tensor(op, "lse_cmp", lse_cmp)
     _check_cu_seqlens(op, "cu_seqlens", cu_seqlens, q, "q")
     if packed and cu_seqlens_cmp is None:
-        cu_seqlens_cmp = compressed_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
+        cu_seqlens_cmp = _cu_cmp(cu_seqlens, cmp_block, cmp_stride)
     _check_cu_seqlens(op, "cu_seqlens_cmp", cu_seqlens_cmp, q, "q")
     return _ops.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), cu_seqlens, cu_seqlens_cmp, 0,
                               cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, _scale(scale))
@@ -271,7 +279,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
                     ("block_indices", block_indices)):
         _require_tensor(op, name, t, optional=True)
     _check_cu_seqlens(op, "cu_seqlens", cu_seqlens, q, "q")
-    cu_cmp = compressed_cu_seqlens(cu_seqlens, config.cmp_block, config.cmp_stride) if packed else None
+    cu_cmp = _cu_cmp(cu_seqlens, config.cmp_block, config.cmp_stride) if packed else None
     if block_indices is not None:
         block_indices = block_indices.detach()
     o, _workspace = _ops.nsa_attention(

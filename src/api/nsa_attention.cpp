@@ -3,6 +3,7 @@
 #include "sparseattn/nsa_attention.h"
 
 #include <array>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,7 +28,12 @@ void check_buffer(const detail::Check& check, const void* data, std::size_t byte
   check.require(bytes >= needed, ErrorKind::config, arg,
                 "has " + std::to_string(bytes) + " bytes, but this call needs " + std::to_string(needed) + " (" +
                     size_query + ")");
+  if (needed == 0) return;
   check.require(data != nullptr, ErrorKind::value, arg, "is null");
+  // Every allocator (new, malloc, cudaMalloc, torch) returns at least 16-byte aligned memory; 16 bytes
+  // lets kernels use vector loads on every slice.
+  check.require(reinterpret_cast<std::uintptr_t>(data) % 16 == 0, ErrorKind::layout, arg,
+                "must be 16-byte aligned");
 }
 
 // Validates the forward params and the workspace; returns the plan and the workspace views.

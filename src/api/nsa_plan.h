@@ -54,8 +54,8 @@ struct NsaScratch {
   std::size_t bytes = 0;
 };
 
-// Views carved from `base` (null: sizes only, views with null data). Slices start on 256-byte boundaries,
-// the first at or after `base`, so any pointer works: `bytes` includes up to 255 bytes to reach it.
+// Views carved from `base` (null: sizes only, views with null data). Slices start at 256-byte offsets
+// from `base`, which must be 16-byte aligned (checked by nsa_attention).
 NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base);
 NsaScratch nsa_scratch(const NsaPlan& plan, void* base);
 

@@ -10,14 +10,12 @@ namespace {
 
 constexpr std::size_t kAlignment = 256;
 
-// Hands out consecutive 256-byte aligned slices as contiguous views on the plan's device.
+// Hands out consecutive slices at 256-byte offsets from the base as contiguous views on the plan's
+// device. Offsets are relative to the base, not to addresses, so the layout (and every byte the forward
+// writes) is the same wherever the buffer lives.
 class Carver {
  public:
-  Carver(const NsaPlan& plan, void* base) : plan_(plan) {
-    if (base == nullptr) return;
-    const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(base);
-    base_ = static_cast<char*>(base) + (kAlignment - address % kAlignment) % kAlignment;
-  }
+  Carver(const NsaPlan& plan, void* base) : plan_(plan), base_(static_cast<char*>(base)) {}
 
   TensorView take(DType dtype, const std::vector<std::int64_t>& shape) {
     TensorView t;
@@ -37,8 +35,7 @@ class Carver {
     return t;
   }
 
-  // The slices plus the worst-case distance from the caller's pointer to its first aligned byte.
-  std::size_t bytes() const { return offset_ + kAlignment - 1; }
+  std::size_t bytes() const { return offset_; }
 
  private:
   const NsaPlan& plan_;

@@ -310,17 +310,25 @@ TEST(NsaValidation, WorkspaceHoldsOnlyWhatRuns) {
   EXPECT_EQ(sizes().first, window_only.first);
 }
 
-TEST(NsaValidation, AnyWorkspaceAlignmentWorks) {
+TEST(NsaValidation, WorkspaceNeedsSixteenByteAlignment) {
   std::mt19937_64 rng(26);
   NsaCase c = NsaCase::batched(1, 40, 3, 1, rng);
   const HostF64 expected = c.forward();
   HostF64 o = c.new_output();
   std::vector<std::byte> unused;
   NsaParams p = c.params(o, unused);
-  std::vector<std::byte> buffer(p.workspace_bytes + 8);
-  p.workspace = buffer.data() + 8;
+  std::vector<std::byte> buffer(p.workspace_bytes + 16);
+  p.workspace = buffer.data() + 16;
   nsa_attention(p);
   EXPECT_EQ(o.data, expected.data);
+  p.workspace = buffer.data() + 8;
+  try {
+    nsa_attention(p);
+    FAIL() << "expected an alignment error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::layout);
+    EXPECT_EQ(e.argument(), "workspace");
+  }
 }
 
 }  // namespace

@@ -53,6 +53,32 @@ def pytest_report_header(config):
             f"torch {torch.__version__}, CUDA device: {torch.cuda.is_available()}"]
 
 
+def _sparseattn_import_error():
+    try:
+        import sparseattn  # noqa: F401
+    except Exception as exc:
+        return exc
+    return None
+
+
+_IMPORT_ERROR = _sparseattn_import_error()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """With SPARSEATTN_ALLOW_MISSING set and sparseattn not importable, a test module that fails to import
+    because of it (e.g. a plain top-level `import sparseattn`) is reported as skipped, with the reason,
+    instead of as a collection error. Without the variable the error stands (fails loudly)."""
+    rep = yield
+    if (rep.failed and _IMPORT_ERROR is not None and os.environ.get(ALLOW_MISSING_ENV)
+            and isinstance(collector, pytest.Module)):
+        reason = (f"sparseattn cannot be imported ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}); skipped "
+                  f"because {ALLOW_MISSING_ENV} is set")
+        rep.outcome = "skipped"
+        rep.longrepr = (str(collector.path), None, reason)
+    return rep
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

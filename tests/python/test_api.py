@@ -381,6 +381,7 @@ def test_error_compress_config(block, stride, names):
     ("cmp_stride", 5, ("cmp_stride", "cmp_block")),
     ("cmp_block", 64, ("cmp_block", "sel_block")),  # l > l'
     ("sel_block", 36, ("sel_block", "cmp_stride")),  # d does not divide l'
+    ("cmp_stride", 0, ("cmp_stride",)),
     ("num_selected", 0, ("num_selected",)),
     ("num_selected", 2, ("num_selected", "num_init", "num_local")),  # fewer than the forced blocks
     ("num_init", -1, ("num_init",)),
@@ -392,6 +393,24 @@ def test_error_nsa_config(field, value, names):
     cfg = dict(SMALL, **{field: value})
     with raises_arg(Err, *names):  # either the config itself or the call rejects it
         sa.nsa_attention(a["q"], a["k"], a["v"], a["g"], a["g"], a["g"], config=sa.NSAConfig(**cfg))
+
+
+@pytest.mark.parametrize("field,value,names", [
+    ("cmp_stride", 0, ("cmp_stride",)),
+    ("cmp_stride", 5, ("cmp_stride", "cmp_block")),
+    ("cmp_block", 0, ("cmp_block",)),
+    ("window", 0, ("window",)),
+])
+def test_error_nsa_config_packed(field, value, names):
+    """Packed inputs: the config error still names the NSAConfig field (not an internal helper's argument)."""
+    lengths = [5, 35]
+    n = sum(lengths)
+    q, k, v = randn(n, 4, 16, dtype=torch.float32), randn(n, 2, 16, dtype=torch.float32), \
+        randn(n, 2, 16, dtype=torch.float32)
+    g = gates(n, 4, dtype=torch.float32)
+    with raises_arg(Err, *names):
+        sa.nsa_attention(q, k, v, g, g, g, config=sa.NSAConfig(**dict(SMALL, **{field: value})),
+                         cu_seqlens=cu_seqlens_of(lengths))
 
 
 @pytest.mark.parametrize("field,value,names", [

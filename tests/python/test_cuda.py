@@ -8,7 +8,7 @@ with the CPU reference. Mixed devices are an argument error.
 import pytest
 import torch
 
-from helpers import cu_seqlens_of, gates, qkv, raises_arg, randn, require_sparseattn
+from helpers import cu_seqlens_of, gates, qkv, raises_arg, require_sparseattn
 
 sa = require_sparseattn()
 pytestmark = pytest.mark.gpu

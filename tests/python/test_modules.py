@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import naive_nsa as nv
-from helpers import assert_close, assert_close64, cu_seqlens_of, gates, pack, qkv, randn, require_sparseattn, unpack
+from helpers import assert_close64, cu_seqlens_of, gates, pack, qkv, randn, require_sparseattn, unpack
 
 sa = require_sparseattn()
 

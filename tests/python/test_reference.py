@@ -102,8 +102,9 @@ def test_nsa_default_config(T):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("G,dims,cfg", [(2, (64, 64), SMALL), (4, (128, 128), DEFAULT_N6)],
-                         ids=["small-G2-d64", "defaultn6-G4-d128"])
+@pytest.mark.parametrize("G,dims,cfg", [(2, (64, 64), SMALL), (4, (128, 128), DEFAULT_N6), (16, (64, 64), TINY),
+                                        (1, (192, 128), DEFAULT)],
+                         ids=["small-G2-d64", "defaultn6-G4-d128", "tiny-G16-d64", "default-G1-d192v128"])
 def test_nsa_long(G, dims, cfg):
     compare_nsa(1, 1000, G, dims[0], dims[1], cfg_of(cfg))
 
@@ -337,11 +338,11 @@ def test_varlen_selected_attention(generator):
         assert_close64(a, b, name=f"d{nm}")
 
 
-@pytest.mark.parametrize("cfgd", [TINY, SMALL], ids=["tiny", "small"])
+@pytest.mark.parametrize("cfgd,lengths", [(TINY, LENGTHS), (SMALL, LENGTHS), (DEFAULT_N6, [1000, 1, 63, 0, 129])],
+                         ids=["tiny", "small", "default-n6-long"])
 @pytest.mark.parametrize("user_cmp", [False, True], ids=["mean", "user-cmp"])
-def test_varlen_nsa_equals_batched(cfgd, user_cmp):
+def test_varlen_nsa_equals_batched(cfgd, lengths, user_cmp):
     cfg = cfg_of(cfgd)
-    lengths = LENGTHS
     B, Tm, Hq, Hkv, D = len(lengths), max(lengths), 4, 2, 64
     q, k, v = qkv(B, Tm, Hq, Hkv, D)
     gs = [gates(B, Tm, Hq) for _ in range(3)]
