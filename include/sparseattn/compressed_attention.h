@@ -1,6 +1,7 @@
 // compressed_attention: every query attends to the compressed blocks that end at or before it.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 
 #include "sparseattn/sequences.h"
@@ -35,10 +36,14 @@ struct CompressedAttentionBackwardParams {
   int block = 32;
   int stride = 16;
   std::optional<double> scale;
+  void* workspace = nullptr;  // on q's device, 16-byte aligned, of the size the function below gives
+  std::size_t workspace_bytes = 0;
   Stream stream = nullptr;
 };
 
 void compressed_attention(const CompressedAttentionParams& params);
+// Bytes of device scratch the backward needs (0 on the CPU); depends on shapes, dtypes and device only.
+std::size_t compressed_attention_backward_workspace_size(const CompressedAttentionBackwardParams& params);
 void compressed_attention_backward(const CompressedAttentionBackwardParams& params);
 
 }  // namespace sparseattn

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstddef>
 #include <optional>
 
 #include "sparseattn/sequences.h"
@@ -44,10 +45,14 @@ struct FlashAttentionBackwardParams {
   std::int64_t window_left = -1;
   std::int64_t window_right = -1;
   std::optional<double> scale;
+  void* workspace = nullptr;  // on q's device, 16-byte aligned, of the size the function below gives
+  std::size_t workspace_bytes = 0;
   Stream stream = nullptr;
 };
 
 void flash_attention(const FlashAttentionParams& params);
+// Bytes of device scratch the backward needs (0 on the CPU); depends on shapes, dtypes and device only.
+std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& params);
 void flash_attention_backward(const FlashAttentionBackwardParams& params);
 
 }  // namespace sparseattn

@@ -1,6 +1,7 @@
 // selected_attention: every query attends to the tokens of its KV head's selected blocks.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 
 #include "sparseattn/sequences.h"
@@ -31,10 +32,14 @@ struct SelectedAttentionBackwardParams {
   Sequences seqs;
   int block = 64;
   std::optional<double> scale;
+  void* workspace = nullptr;  // on q's device, 16-byte aligned, of the size the function below gives
+  std::size_t workspace_bytes = 0;
   Stream stream = nullptr;
 };
 
 void selected_attention(const SelectedAttentionParams& params);
+// Bytes of device scratch the backward needs (0 on the CPU); depends on shapes, dtypes and device only.
+std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBackwardParams& params);
 void selected_attention_backward(const SelectedAttentionBackwardParams& params);
 
 }  // namespace sparseattn

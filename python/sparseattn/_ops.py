@@ -36,6 +36,11 @@ _DTYPE_NAMES = {
 }
 
 
+def _workspace_allocator(like: Tensor):
+    """The allocator the binding calls for an operation's scratch workspace (torch's caching allocator)."""
+    return lambda nbytes: torch.empty((nbytes,), dtype=torch.uint8, device=like.device)
+
+
 def _stream(t: Tensor) -> int:
     """The handle of the current CUDA stream of t's device (0 on the CPU)."""
     if t.device.type == "cuda":
@@ -212,7 +217,7 @@ def compressed_attention_backward(
     dv_cmp = _alloc(v_cmp.shape, v_cmp, packed=packed)
     _C.compressed_attention_backward(_arr(q), _arr(k_cmp), _arr(v_cmp), _arr(o), _arr(lse), _arr(d_o), dq, dk_cmp,
                                      dv_cmp, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, block, stride,
-                                     scale, _stream(q))
+                                     scale, _workspace_allocator(q), _stream(q))
     return dq, dk_cmp, dv_cmp
 
 
@@ -319,7 +324,7 @@ def selected_attention_backward(
     packed = cu_seqlens is not None
     dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
     _C.selected_attention_backward(_arr(q), _arr(k), _arr(v), _arr(indices), _arr(o), _arr(lse), _arr(d_o), dq, dk,
-                                   dv, _arr(cu_seqlens), max_seqlen, block, scale, _stream(q))
+                                   dv, _arr(cu_seqlens), max_seqlen, block, scale, _workspace_allocator(q), _stream(q))
     return dq, dk, dv
 
 
@@ -406,7 +411,8 @@ def flash_attention_backward(
     dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if with_dbias else _empty_grad(q)
     _C.flash_attention_backward(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), _arr(o), _arr(lse), _arr(d_o),
                                 dq, dk, dv, dbias if with_dbias else None, _arr(cu_seqlens_q), _arr(cu_seqlens_k),
-                                max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, _stream(q))
+                                max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
+                                _workspace_allocator(q), _stream(q))
     return dq, dk, dv, dbias
 
 

@@ -217,6 +217,18 @@ void Check::index_contents(const TensorView& indices, const std::string& arg, co
   }
 }
 
+void Check::buffer(const void* data, std::size_t bytes, std::size_t needed, const std::string& arg,
+                   const std::string& size_query) const {
+  require(bytes >= needed, ErrorKind::config, arg,
+          "has " + std::to_string(bytes) + " bytes, but this call needs " + std::to_string(needed) + " (" +
+              size_query + ")");
+  if (needed == 0) return;
+  require(data != nullptr, ErrorKind::value, arg, "is null");
+  // Every allocator (new, malloc, cudaMalloc, torch) returns at least 16-byte aligned memory; 16 bytes
+  // lets kernels use vector loads on every slice.
+  require(reinterpret_cast<std::uintptr_t>(data) % 16 == 0, ErrorKind::layout, arg, "must be 16-byte aligned");
+}
+
 DType lse_dtype(DType input) { return input == DType::float64 ? DType::float64 : DType::float32; }
 
 double resolve_scale(const Check& check, const std::optional<double>& scale, std::int64_t dim) {

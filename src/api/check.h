@@ -62,6 +62,11 @@ class Check {
   void compressed_layout(const TokenLayout& tokens, const Sequences& seqs, const TensorView& cu_seqlens_cmp,
                          std::int64_t cmp_rows, std::int64_t block, std::int64_t stride) const;
 
+  // A caller-supplied scratch buffer: at least `needed` bytes (as `size_query` reports), 16-byte aligned,
+  // not null unless nothing is needed.
+  void buffer(const void* data, std::size_t bytes, std::size_t needed, const std::string& arg,
+              const std::string& size_query) const;
+
   // The sparse index convention on a CPU index tensor [B, T, Hkv, n] (packed [N, Hkv, n]), row by row:
   // entries strictly ascending in [0, num_selection_blocks(T_b, block)), -1 only as tail padding.
   // Packed rows past cu_seqlens[B] are ignored.

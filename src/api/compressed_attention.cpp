@@ -90,6 +90,12 @@ void compressed_attention(const CompressedAttentionParams& params) {
   }
 }
 
+std::size_t compressed_attention_backward_workspace_size(const CompressedAttentionBackwardParams& params) {
+  // Only the CPU reference exists so far, and it keeps its scratch on the host.
+  (void)params;
+  return 0;
+}
+
 void compressed_attention_backward(const CompressedAttentionBackwardParams& params) {
   const detail::Check check("compressed_attention_backward");
   const CompressedShapes shapes = check_common(check, params);
@@ -102,6 +108,8 @@ void compressed_attention_backward(const CompressedAttentionBackwardParams& para
   check.shape(params.dk_cmp, "dk_cmp", shapes.cmp_tokens(shapes.dim_qk));
   check.tensor(params.dv_cmp, "dv_cmp", dtype, params.q, "q");
   check.shape(params.dv_cmp, "dv_cmp", shapes.cmp_tokens(shapes.dim_v));
+  check.buffer(params.workspace, params.workspace_bytes, compressed_attention_backward_workspace_size(params), "workspace",
+               "compressed_attention_backward_workspace_size");
   switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
     case detail::Backend::cpu: reference::compressed_attention_backward(params); break;
     case detail::Backend::cuda: break;

@@ -91,6 +91,12 @@ void flash_attention(const FlashAttentionParams& params) {
   }
 }
 
+std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& params) {
+  // Only the CPU reference exists so far, and it keeps its scratch on the host.
+  (void)params;
+  return 0;
+}
+
 void flash_attention_backward(const FlashAttentionBackwardParams& params) {
   const detail::Check check("flash_attention_backward");
   const FlashShapes shapes = check_common(check, params);
@@ -109,6 +115,8 @@ void flash_attention_backward(const FlashAttentionBackwardParams& params) {
     const TensorView& bias = params.bias;
     check.shape(params.dbias, "dbias", std::vector<std::int64_t>(bias.shape.begin(), bias.shape.begin() + bias.rank));
   }
+  check.buffer(params.workspace, params.workspace_bytes, flash_attention_backward_workspace_size(params), "workspace",
+               "flash_attention_backward_workspace_size");
   switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
     case detail::Backend::cpu: reference::flash_attention_backward(params); break;
     case detail::Backend::cuda: break;

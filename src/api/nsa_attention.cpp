@@ -23,24 +23,12 @@ namespace {
 
 const char* const kGradGate[kNumBranches] = {"d_g_cmp", "d_g_slc", "d_g_swa"};
 
-void check_buffer(const detail::Check& check, const void* data, std::size_t bytes, std::size_t needed,
-                  const std::string& arg, const std::string& size_query) {
-  check.require(bytes >= needed, ErrorKind::config, arg,
-                "has " + std::to_string(bytes) + " bytes, but this call needs " + std::to_string(needed) + " (" +
-                    size_query + ")");
-  if (needed == 0) return;
-  check.require(data != nullptr, ErrorKind::value, arg, "is null");
-  // Every allocator (new, malloc, cudaMalloc, torch) returns at least 16-byte aligned memory; 16 bytes
-  // lets kernels use vector loads on every slice.
-  check.require(reinterpret_cast<std::uintptr_t>(data) % 16 == 0, ErrorKind::layout, arg,
-                "must be 16-byte aligned");
-}
 
 // Validates the forward params and the workspace; returns the plan and the workspace views.
 std::pair<detail::NsaPlan, detail::NsaWorkspace> prepare(const detail::Check& check, const NsaParams& params) {
   detail::NsaPlan plan = detail::plan_nsa(check, params, /*read_contents=*/true);
   detail::NsaWorkspace workspace = detail::nsa_workspace(plan, params.workspace);
-  check_buffer(check, params.workspace, params.workspace_bytes, workspace.bytes, "workspace", "nsa_workspace_size");
+  check.buffer(params.workspace, params.workspace_bytes, workspace.bytes, "workspace", "nsa_workspace_size");
   return {plan, workspace};
 }
 
@@ -143,7 +131,7 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
   const NsaParams& f = params.forward;
   const auto [plan, ws] = prepare(check, f);
   const detail::NsaScratch scratch = detail::nsa_scratch(plan, params.scratch);
-  check_buffer(check, params.scratch, params.scratch_bytes, scratch.bytes, "scratch", "nsa_backward_scratch_size");
+  check.buffer(params.scratch, params.scratch_bytes, scratch.bytes, "scratch", "nsa_backward_scratch_size");
   check_gradients(check, params, plan);
   detail::backend(check, f.q, "q", /*has_cuda_kernels=*/false);
 

@@ -72,6 +72,12 @@ void selected_attention(const SelectedAttentionParams& params) {
   }
 }
 
+std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBackwardParams& params) {
+  // Only the CPU reference exists so far, and it keeps its scratch on the host.
+  (void)params;
+  return 0;
+}
+
 void selected_attention_backward(const SelectedAttentionBackwardParams& params) {
   const detail::Check check("selected_attention_backward");
   const SelectedShapes shapes = check_common(check, params);
@@ -84,6 +90,8 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& params) 
   check.shape(params.dk, "dk", shapes.layout.tokens(shapes.kv_heads, shapes.dim_qk));
   check.tensor(params.dv, "dv", dtype, params.q, "q");
   check.shape(params.dv, "dv", shapes.layout.tokens(shapes.kv_heads, shapes.dim_v));
+  check.buffer(params.workspace, params.workspace_bytes, selected_attention_backward_workspace_size(params), "workspace",
+               "selected_attention_backward_workspace_size");
   switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
     case detail::Backend::cpu: reference::selected_attention_backward(params); break;
     case detail::Backend::cuda: break;

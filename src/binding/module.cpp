@@ -212,6 +212,22 @@ void run(void (*op)(const Params&), const Params& params) {
   op(params);
 }
 
+// Runs an operation whose params carry a scratch workspace: sizes it with `size_of`, asks the caller's
+// `allocate(nbytes)` for a uint8 array on the tensors' device (torch's caching allocator from Python), then
+// runs without the GIL. The array is kept alive until the operation has been enqueued.
+template <class Params>
+void run_with_workspace(void (*op)(const Params&), std::size_t (*size_of)(const Params&), Params& params,
+                        const nb::callable& allocate) {
+  const std::size_t bytes = size_of(params);
+  nb::object storage;
+  if (bytes > 0) {
+    storage = allocate(bytes);
+    params.workspace = view(nb::cast<Array>(storage), "workspace").data;
+    params.workspace_bytes = bytes;
+  }
+  run(op, params);
+}
+
 }  // namespace
 }  // namespace sparseattn::binding
 
@@ -294,7 +310,7 @@ NB_MODULE(_C, m) {
       [](const Array& q, const Array& k_cmp, const Array& v_cmp, const Array& o, const Array& lse,
          const Array& d_o, const Array& dq, const Array& dk_cmp, const Array& dv_cmp, const OptArray& cu_seqlens,
          const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int block, int stride,
-         std::optional<double> scale, std::uintptr_t stream) {
+         std::optional<double> scale, const nb::callable& allocate, std::uintptr_t stream) {
         const OpName op_name("compressed_attention_backward");
         CompressedAttentionBackwardParams p;
         p.q = view(q, "q");
@@ -312,11 +328,11 @@ NB_MODULE(_C, m) {
         p.stride = stride;
         p.scale = scale;
         p.stream = as_stream(stream);
-        run(compressed_attention_backward, p);
+        run_with_workspace(compressed_attention_backward, compressed_attention_backward_workspace_size, p, allocate);
       },
       "q"_a, "k_cmp"_a, "v_cmp"_a, "o"_a, "lse"_a, "d_o"_a, "dq"_a, "dk_cmp"_a, "dv_cmp"_a,
       "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "block"_a, "stride"_a,
-      "scale"_a.none(), "stream"_a);
+      "scale"_a.none(), "allocate"_a, "stream"_a);
 
   // ---- select_blocks (no backward) ----
   m.def(
@@ -372,7 +388,8 @@ NB_MODULE(_C, m) {
       "selected_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const Array& indices, const Array& o, const Array& lse,
          const Array& d_o, const Array& dq, const Array& dk, const Array& dv, const OptArray& cu_seqlens,
-         std::int64_t max_seqlen, int block, std::optional<double> scale, std::uintptr_t stream) {
+         std::int64_t max_seqlen, int block, std::optional<double> scale, const nb::callable& allocate,
+         std::uintptr_t stream) {
         const OpName op_name("selected_attention_backward");
         SelectedAttentionBackwardParams p;
         p.q = view(q, "q");
@@ -389,10 +406,10 @@ NB_MODULE(_C, m) {
         p.block = block;
         p.scale = scale;
         p.stream = as_stream(stream);
-        run(selected_attention_backward, p);
+        run_with_workspace(selected_attention_backward, selected_attention_backward_workspace_size, p, allocate);
       },
       "q"_a, "k"_a, "v"_a, "indices"_a, "o"_a, "lse"_a, "d_o"_a, "dq"_a, "dk"_a, "dv"_a, "cu_seqlens"_a.none(),
-      "max_seqlen"_a, "block"_a, "scale"_a.none(), "stream"_a);
+      "max_seqlen"_a, "block"_a, "scale"_a.none(), "allocate"_a, "stream"_a);
 
   // ---- flash_attention ----
   m.def(
@@ -428,7 +445,7 @@ NB_MODULE(_C, m) {
          const Array& o, const Array& lse, const Array& d_o, const Array& dq, const Array& dk, const Array& dv,
          const OptArray& dbias, const OptArray& cu_seqlens_q, const OptArray& cu_seqlens_k,
          std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, bool causal, std::int64_t window_left,
-         std::int64_t window_right, std::optional<double> scale, std::uintptr_t stream) {
+         std::int64_t window_right, std::optional<double> scale, const nb::callable& allocate, std::uintptr_t stream) {
         const OpName op_name("flash_attention_backward");
         FlashAttentionBackwardParams p;
         p.q = view(q, "q");
@@ -450,11 +467,11 @@ NB_MODULE(_C, m) {
         p.window_right = window_right;
         p.scale = scale;
         p.stream = as_stream(stream);
-        run(flash_attention_backward, p);
+        run_with_workspace(flash_attention_backward, flash_attention_backward_workspace_size, p, allocate);
       },
       "q"_a, "k"_a, "v"_a, "mask"_a.none(), "bias"_a.none(), "o"_a, "lse"_a, "d_o"_a, "dq"_a, "dk"_a, "dv"_a,
       "dbias"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "max_seqlen_q"_a, "max_seqlen_k"_a,
-      "causal"_a, "window_left"_a, "window_right"_a, "scale"_a.none(), "stream"_a);
+      "causal"_a, "window_left"_a, "window_right"_a, "scale"_a.none(), "allocate"_a, "stream"_a);
 
   // ---- combine ----
   m.def(
