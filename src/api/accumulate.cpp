@@ -5,6 +5,9 @@
 
 #include "api/check.h"
 #include "reference/accumulate.h"
+#ifdef SPARSEATTN_WITH_CUDA
+#include "cuda/ops.h"
+#endif
 
 namespace sparseattn::detail {
 
@@ -32,9 +35,16 @@ void accumulate(const AccumulateParams& params) {
                         " rows of 'out'");
     }
   }
-  switch (backend(check, out, "out", /*has_cuda_kernels=*/false)) {
+  switch (backend(check, out, "out", kCudaBuilt)) {
     case Backend::cpu: reference::accumulate(params); break;
-    case Backend::cuda: break;
+    case Backend::cuda:
+      check.require(params.terms.size() <= kMaxAccumulateTerms, ErrorKind::unsupported, "terms",
+                    "at most " + std::to_string(kMaxAccumulateTerms) + " terms per call on CUDA");
+      check.inner_contiguous(params.cu_seqlens, "cu_seqlens");
+#ifdef SPARSEATTN_WITH_CUDA
+      cuda::accumulate(params);
+#endif
+      break;
   }
 }
 

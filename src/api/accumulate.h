@@ -8,6 +8,9 @@
 
 namespace sparseattn::detail {
 
+// Terms one call takes on CUDA (nsa_attention sums at most three).
+inline constexpr int kMaxAccumulateTerms = 4;
+
 struct AccumulateParams {
   TensorView out;                 // out: any rank, float; out = the sum of `terms` (0 when there are none)
   std::vector<TensorView> terms;  // like out (shape, dtype, device); none of them is `out`

@@ -2,6 +2,7 @@
 // on every device its steps run on and allocates nothing.
 #include "sparseattn/nsa_attention.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -70,6 +71,47 @@ void sum_into(const TensorView& out, const std::array<TensorView, kNumBranches>&
   detail::accumulate(params);
 }
 
+// The backward calls of the three branches, built in one place so that the scratch size covers exactly the
+// workspaces they ask for. `dk_cmp`/`dv_cmp` receive the compressed branch's K/V gradient.
+struct BranchBackward {
+  CompressedAttentionBackwardParams cmp;
+  SelectedAttentionBackwardParams slc;
+  FlashAttentionBackwardParams swa;
+};
+
+BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
+                               const detail::NsaScratch& scratch, const TensorView& dk_cmp, const TensorView& dv_cmp) {
+  const NsaConfig& c = f.config;
+  void* workspace = scratch.branch_workspace.data;
+  const std::size_t workspace_bytes = scratch.branch_workspace.present() ? scratch.branch_workspace.numel() : 0;
+  BranchBackward b;
+  b.cmp = {.q = f.q, .k_cmp = plan.user_cmp ? f.k_cmp : ws.k_cmp, .v_cmp = plan.user_cmp ? f.v_cmp : ws.v_cmp,
+           .o = ws.o[0], .lse = ws.lse[0], .d_o = scratch.d_o[0], .dq = scratch.dq[0], .dk_cmp = dk_cmp,
+           .dv_cmp = dv_cmp, .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp, .block = c.cmp_block,
+           .stride = c.cmp_stride, .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes,
+           .stream = f.stream};
+  b.slc = {.q = f.q, .k = f.k, .v = f.v, .indices = plan.run_selection ? ws.indices : f.block_indices,
+           .o = ws.o[1], .lse = ws.lse[1], .d_o = scratch.d_o[1], .dq = scratch.dq[1], .dk = scratch.dk[1],
+           .dv = scratch.dv[1], .seqs = f.seqs, .block = c.sel_block, .scale = c.scale, .workspace = workspace,
+           .workspace_bytes = workspace_bytes, .stream = f.stream};
+  b.swa = {.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = ws.o[2], .lse = ws.lse[2],
+           .d_o = scratch.d_o[2], .dq = scratch.dq[2], .dk = scratch.dk[2], .dv = scratch.dv[2], .dbias = {},
+           .seqs_q = f.seqs, .seqs_k = f.seqs, .causal = true, .window_left = c.window - 1, .window_right = 0,
+           .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = f.stream};
+  return b;
+}
+
+// The scratch views, the last slice sized for the largest branch workspace (found from shape-only views).
+detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
+                               void* base) {
+  const BranchBackward sizing = branch_backward(plan, f, ws, detail::nsa_scratch(plan, nullptr, 0), f.k_cmp, f.v_cmp);
+  std::size_t bytes = 0;
+  if (plan.branch[0]) bytes = std::max(bytes, compressed_attention_backward_workspace_size(sizing.cmp));
+  if (plan.branch[1]) bytes = std::max(bytes, selected_attention_backward_workspace_size(sizing.slc));
+  if (plan.branch[2]) bytes = std::max(bytes, flash_attention_backward_workspace_size(sizing.swa));
+  return detail::nsa_scratch(plan, base, bytes);
+}
+
 }  // namespace
 
 std::size_t nsa_workspace_size(const NsaParams& params) {
@@ -79,7 +121,8 @@ std::size_t nsa_workspace_size(const NsaParams& params) {
 
 std::size_t nsa_backward_scratch_size(const NsaParams& params) {
   const detail::Check check("nsa_backward_scratch_size");
-  return detail::nsa_scratch(detail::plan_nsa(check, params, /*read_contents=*/false), nullptr).bytes;
+  const detail::NsaPlan plan = detail::plan_nsa(check, params, /*read_contents=*/false);
+  return scratch_for(plan, params, detail::nsa_workspace(plan, nullptr), nullptr).bytes;
 }
 
 void nsa_attention(const NsaParams& params) {
@@ -130,7 +173,7 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
   const detail::Check check("nsa_attention_backward");
   const NsaParams& f = params.forward;
   const auto [plan, ws] = prepare(check, f);
-  const detail::NsaScratch scratch = detail::nsa_scratch(plan, params.scratch);
+  const detail::NsaScratch scratch = scratch_for(plan, f, ws, params.scratch);
   check.buffer(params.scratch, params.scratch_bytes, scratch.bytes, "scratch", "nsa_backward_scratch_size");
   check_gradients(check, params, plan);
   detail::backend(check, f.q, "q", /*has_cuda_kernels=*/false);
@@ -148,14 +191,10 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
       sum_into(params.d_gates[i], {scratch.d_gates[i]}, f.seqs.cu_seqlens, f.stream);
     }
   }
+  const BranchBackward branches = branch_backward(plan, f, ws, scratch, plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
+                                                  plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
   if (plan.branch[0]) {
-    compressed_attention_backward(
-        {.q = f.q, .k_cmp = plan.user_cmp ? f.k_cmp : ws.k_cmp, .v_cmp = plan.user_cmp ? f.v_cmp : ws.v_cmp,
-         .o = ws.o[0], .lse = ws.lse[0], .d_o = scratch.d_o[0], .dq = scratch.dq[0],
-         .dk_cmp = plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
-         .dv_cmp = plan.user_cmp ? params.dv_cmp : scratch.dv_cmp, .seqs = f.seqs,
-         .cu_seqlens_cmp = f.cu_seqlens_cmp, .block = c.cmp_block, .stride = c.cmp_stride, .scale = c.scale,
-         .stream = f.stream});
+    compressed_attention_backward(branches.cmp);
     if (!plan.user_cmp) {
       compress_kv_backward({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = scratch.dk[0],
                             .dv = scratch.dv[0], .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
@@ -165,19 +204,8 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
     sum_into(params.dk_cmp, {}, f.cu_seqlens_cmp, f.stream);
     sum_into(params.dv_cmp, {}, f.cu_seqlens_cmp, f.stream);
   }
-  if (plan.branch[1]) {
-    selected_attention_backward({.q = f.q, .k = f.k, .v = f.v,
-                                 .indices = plan.run_selection ? ws.indices : f.block_indices, .o = ws.o[1],
-                                 .lse = ws.lse[1], .d_o = scratch.d_o[1], .dq = scratch.dq[1], .dk = scratch.dk[1],
-                                 .dv = scratch.dv[1], .seqs = f.seqs, .block = c.sel_block, .scale = c.scale,
-                                 .stream = f.stream});
-  }
-  if (plan.branch[2]) {
-    flash_attention_backward({.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = ws.o[2], .lse = ws.lse[2],
-                              .d_o = scratch.d_o[2], .dq = scratch.dq[2], .dk = scratch.dk[2], .dv = scratch.dv[2],
-                              .dbias = {}, .seqs_q = f.seqs, .seqs_k = f.seqs, .causal = true,
-                              .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .stream = f.stream});
-  }
+  if (plan.branch[1]) selected_attention_backward(branches.slc);
+  if (plan.branch[2]) flash_attention_backward(branches.swa);
   sum_into(params.dq, scratch.dq, f.seqs.cu_seqlens, f.stream);
   sum_into(params.dk, scratch.dk, f.seqs.cu_seqlens, f.stream);
   sum_into(params.dv, scratch.dv, f.seqs.cu_seqlens, f.stream);

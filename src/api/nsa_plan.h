@@ -51,12 +51,14 @@ struct NsaScratch {
   TensorView dk_cmp, dv_cmp;                        // compressed branch with pooled K/V: their gradient
   std::array<TensorView, kNumBranches> d_gates;     // packed layout, per gate: combine_backward's gate
                                                     // gradient, copied to the caller's like `combined`
+  TensorView branch_workspace;  // uint8: the workspace of each branch's backward in turn (they run in order)
   std::size_t bytes = 0;
 };
 
 // Views carved from `base` (null: sizes only, views with null data). Slices start at 256-byte offsets
 // from `base`, which must be 16-byte aligned (checked by nsa_attention).
 NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base);
-NsaScratch nsa_scratch(const NsaPlan& plan, void* base);
+// `branch_workspace_bytes`: the largest workspace a branch's backward asks for (0 while sizing).
+NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_workspace_bytes);
 
 }  // namespace sparseattn::detail

@@ -64,7 +64,7 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base) {
   return ws;
 }
 
-NsaScratch nsa_scratch(const NsaPlan& plan, void* base) {
+NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_workspace_bytes) {
   Carver carve(plan, base);
   const TokenLayout& layout = plan.layout;
   NsaScratch scratch;
@@ -81,6 +81,9 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base) {
     if (i == 0 && !pooled_cmp) continue;
     scratch.dk[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_qk));
     scratch.dv[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_v));
+  }
+  if (branch_workspace_bytes > 0) {
+    scratch.branch_workspace = carve.take(DType::boolean, {static_cast<std::int64_t>(branch_workspace_bytes)});
   }
   scratch.bytes = carve.bytes();
   return scratch;
