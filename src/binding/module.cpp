@@ -222,8 +222,8 @@ void run_with_workspace(void (*op)(const Params&), std::size_t (*size_of)(const 
   nb::object storage;
   if (bytes > 0) {
     storage = allocate(bytes);
-    params.workspace = view(nb::cast<Array>(storage), "workspace").data;
-    params.workspace_bytes = bytes;
+    // A byte array: read with bytes() (view() takes only the typed dtypes of the API's tensors).
+    std::tie(params.workspace, params.workspace_bytes) = sparseattn::binding::bytes(nb::cast<Array>(storage), "workspace");
   }
   run(op, params);
 }

@@ -1,0 +1,204 @@
+// Host entry points of flash_attention and compressed_attention on CUDA: params -> kernel arguments, head
+// dims -> template constants (the kernels are instantiated in inst_*.cu). No host synchronisation.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "cuda/attention/instantiations.h"
+#include "cuda/attention/ops.h"
+
+namespace sparseattn::cuda {
+
+using attention::AttnArgs;
+using attention::CompressedMask;
+using attention::FlashMask;
+using attention::i64;
+using attention::Launch;
+using attention::Rows;
+
+bool attention_head_dims_supported(std::int64_t dim_qk, std::int64_t dim_v) {
+#define SPARSEATTN_ATTENTION_MATCH(DQK, DV) \
+  if (dim_qk == DQK && dim_v == DV) return true;
+  SPARSEATTN_ATTENTION_CONFIGS(SPARSEATTN_ATTENTION_MATCH)
+#undef SPARSEATTN_ATTENTION_MATCH
+  return false;
+}
+
+namespace {
+
+Rows rows_of(const TensorView& view) {
+  if (view.rank == 2) return {static_cast<float*>(view.data), 0, view.stride[0]};
+  return {static_cast<float*>(view.data), view.stride[0], view.stride[1]};
+}
+
+// The delta workspace: [B, Hq, T] or packed [Hq, N], float32, contiguous.
+Rows delta_rows(void* workspace, const TensorView& q) {
+  const i64 heads = q.shape[q.rank - 2];
+  if (q.rank == 3) return {static_cast<float*>(workspace), 0, q.shape[0]};
+  return {static_cast<float*>(workspace), heads * q.shape[1], q.shape[1]};
+}
+
+std::size_t delta_bytes(const TensorView& q) {
+  if (!q.present() || q.device != DeviceType::cuda || (q.rank != 3 && q.rank != 4)) return 0;
+  const i64 rows = q.rank == 3 ? q.shape[0] : q.shape[0] * q.shape[1];
+  const std::size_t bytes = static_cast<std::size_t>(rows * q.shape[q.rank - 2]) * sizeof(float);
+  return (bytes + 255) / 256 * 256;
+}
+
+template <class T>
+Tokens<T> tokens_or_null(const TensorView& view) {
+  if (!view.present()) return {nullptr, 0, 0, 0};
+  return tokens_of<T>(view);
+}
+
+template <class T>
+AttnArgs<T> args_of(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                    const TensorView& lse, const TensorView& d_o, const TensorView& dq, const TensorView& dk,
+                    const TensorView& dv, void* workspace, const std::optional<double>& scale) {
+  AttnArgs<T> a{};
+  a.q = tokens_of<T>(q);
+  a.k = tokens_of<T>(k);
+  a.v = tokens_of<T>(v);
+  a.o = tokens_of<T>(o);
+  a.lse = rows_of(lse);
+  a.d_o = tokens_or_null<T>(d_o);
+  a.dq = tokens_or_null<T>(dq);
+  a.dk = tokens_or_null<T>(dk);
+  a.dv = tokens_or_null<T>(dv);
+  a.delta = workspace ? delta_rows(workspace, q) : Rows{nullptr, 0, 0};
+  a.group = static_cast<int>(q.shape[q.rank - 2] / k.shape[k.rank - 2]);
+  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.shape[q.rank - 1]));
+  a.scale = static_cast<float>(s);
+  a.scale_log2 = static_cast<float>(s * 1.4426950408889634);
+  return a;
+}
+
+Launch launch_of(const TensorView& q, const TensorView& k, const Sequences& seqs_q, i64 max_k, Stream stream) {
+  Launch l{};
+  const bool packed = q.rank == 3;
+  l.batch = packed ? seqs_q.cu_seqlens.shape[0] - 1 : q.shape[0];
+  l.max_q = packed ? (seqs_q.max_seqlen > 0 ? std::min<i64>(seqs_q.max_seqlen, q.shape[0]) : q.shape[0]) : q.shape[1];
+  l.max_k = max_k;
+  l.q_heads = q.shape[q.rank - 2];
+  l.kv_heads = k.shape[k.rank - 2];
+  l.rows_q = packed ? q.shape[0] : q.shape[1];
+  l.batch_rows = packed ? 1 : q.shape[0];
+  l.stream = static_cast<cudaStream_t>(stream);
+  return l;
+}
+
+template <class T, class Mask>
+void dispatch(bool forward, i64 dqk, i64 dv, const AttnArgs<T>& a, const typename Mask::Config& mc,
+              const Launch& l) {
+#define SPARSEATTN_ATTENTION_RUN(DQK, DV)                                                    \
+  if (dqk == DQK && dv == DV) {                                                              \
+    if (forward) attention::run_forward<T, DQK, DV, Mask>(a, mc, l);                         \
+    else attention::run_backward<T, DQK, DV, Mask>(a, mc, l);                                \
+    return;                                                                                  \
+  }
+  SPARSEATTN_ATTENTION_CONFIGS(SPARSEATTN_ATTENTION_RUN)
+#undef SPARSEATTN_ATTENTION_RUN
+  throw std::logic_error("sparseattn: attention head dims not dispatched to CUDA (the API validates this)");
+}
+
+template <class Body>
+void dispatch_half(DType dtype, Body&& body) {
+  switch (dtype) {
+    case DType::float16: body(TypeTag<__half>{}); break;
+    case DType::bfloat16: body(TypeTag<__nv_bfloat16>{}); break;
+    default: throw std::logic_error("sparseattn: attention dtype not dispatched to CUDA (the API validates this)");
+  }
+}
+
+// Flash: key lengths come from k (batched S) or cu_seqlens_k (packed; max_seqlen_k bounds them).
+template <class P>
+i64 flash_max_k(const P& p) {
+  if (p.k.rank == 4) return p.k.shape[1];
+  return p.seqs_k.max_seqlen > 0 ? std::min<i64>(p.seqs_k.max_seqlen, p.k.shape[0]) : p.k.shape[0];
+}
+
+template <class P>
+attention::SeqTable flash_seqs(const P& p) {
+  if (p.q.rank == 4) return {nullptr, nullptr, p.q.shape[1], p.k.shape[1]};
+  return {static_cast<const std::int32_t*>(p.seqs_q.cu_seqlens.data),
+          static_cast<const std::int32_t*>(p.seqs_k.cu_seqlens.data), 0, 0};
+}
+
+FlashMask::Config flash_mask(bool causal, std::int64_t left, std::int64_t right) { return {causal, left, right}; }
+
+// Compressed: key j of sequence b is row cu_seqlens_cmp[b] + j (packed) or j of Tc (batched).
+template <class P>
+attention::SeqTable compressed_seqs(const P& p) {
+  if (p.q.rank == 4) return {nullptr, nullptr, p.q.shape[1], p.k_cmp.shape[1]};
+  return {static_cast<const std::int32_t*>(p.seqs.cu_seqlens.data),
+          static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), 0, 0};
+}
+
+template <class P>
+i64 compressed_max_k(const P& p, i64 max_q) {
+  if (p.q.rank == 4) return p.k_cmp.shape[1];
+  return std::min<i64>(num_compressed_blocks(max_q, p.block, p.stride), p.k_cmp.shape[0]);
+}
+
+}  // namespace
+
+void flash_attention(const FlashAttentionParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  const Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
+  dispatch_half(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, {}, {}, {}, {}, nullptr, p.scale);
+    a.seqs = flash_seqs(p);
+    dispatch<T, FlashMask>(true, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1], a,
+                           flash_mask(p.causal, p.window_left, p.window_right), l);
+  });
+}
+
+std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& p) {
+  return delta_bytes(p.q);
+}
+
+void flash_attention_backward(const FlashAttentionBackwardParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  const Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
+  dispatch_half(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, p.d_o, p.dq, p.dk, p.dv, p.workspace, p.scale);
+    a.seqs = flash_seqs(p);
+    dispatch<T, FlashMask>(false, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1], a,
+                           flash_mask(p.causal, p.window_left, p.window_right), l);
+  });
+}
+
+void compressed_attention(const CompressedAttentionParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  Launch l = launch_of(p.q, p.k_cmp, p.seqs, 0, p.stream);
+  l.max_k = compressed_max_k(p, l.max_q);
+  dispatch_half(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, {}, {}, {}, {}, nullptr, p.scale);
+    a.seqs = compressed_seqs(p);
+    dispatch<T, CompressedMask>(true, p.q.shape[p.q.rank - 1], p.v_cmp.shape[p.v_cmp.rank - 1], a,
+                                CompressedMask::Config{p.block, p.stride}, l);
+  });
+}
+
+std::size_t compressed_attention_backward_workspace_size(const CompressedAttentionBackwardParams& p) {
+  return delta_bytes(p.q);
+}
+
+void compressed_attention_backward(const CompressedAttentionBackwardParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  Launch l = launch_of(p.q, p.k_cmp, p.seqs, 0, p.stream);
+  l.max_k = compressed_max_k(p, l.max_q);
+  dispatch_half(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, p.d_o, p.dq, p.dk_cmp, p.dv_cmp, p.workspace,
+                               p.scale);
+    a.seqs = compressed_seqs(p);
+    dispatch<T, CompressedMask>(false, p.q.shape[p.q.rank - 1], p.v_cmp.shape[p.v_cmp.rank - 1], a,
+                                CompressedMask::Config{p.block, p.stride}, l);
+  });
+}
+
+}  // namespace sparseattn::cuda

@@ -1,0 +1,612 @@
+// The attention kernels: one FlashAttention-2 style mainloop on mma.sync m16n8k16 (bf16/fp16 in, fp32
+// accumulate), templated on head dims and a masking policy (policy.cuh).
+//
+// Forward: a CTA of 4 warps owns kM = 64 queries of one query head (16 rows per warp); Q stays in shared
+// memory, K/V tiles of kN keys are double-buffered with cp.async; online softmax in fp32 on log2e-prescaled
+// scores with exp2. Backward (deterministic, no atomics): preprocess delta = rowsum(dO * O) into the
+// workspace; a dK/dV kernel whose CTA owns 64 keys of one KV head (16 per warp) and loops over every query
+// tile of all G query heads of its group, computing S^T = K Q^T so that P^T and dS^T stay in registers as
+// the A operands of dV += P^T dO and dK += dS^T Q; a dQ kernel whose CTA owns 64 queries and loops over
+// key tiles, recomputing P from lse.
+//
+// Tile choices (shared memory rows padded by 8 elements = 16 bytes against ldmatrix bank conflicts; sizes
+// are for 2-byte elements, limits: 163 KB sm_80 and 227 KB sm_90 per CTA):
+//   forward kN: 64 for Dqk <= 192 (64/64: 46 KB, 128/128: 87 KB, 192/128: 112 KB), 32 for 256/256 (101 KB).
+//   dQ kN: 64 for Dqk <= 128 (<= 104 KB), 32 above (256/256: 135 KB).
+//   dK/dV query tile kM: 64 for Dqk = 64, 32 above; 192/128 and 256/256 compute dV and dK in two passes (dK, dV
+//   accumulators together would need 256 fp32 registers per thread), the others in one.
+// These are first choices that fit registers (checked with -Xptxas -v: no spills) and shared memory, not
+// yet tuned by measurement.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/attention/policy.cuh"
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+
+namespace sparseattn::cuda::attention {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Where sequence b lives. Batched: batch row b, lengths fixed. Packed: rows from cu_seqlens on the device.
+struct SeqTable {
+  const std::int32_t* cu_q;  // null for batched
+  const std::int32_t* cu_k;  // null for batched
+  i64 len_q, len_k;          // batched lengths
+
+  struct Seq {
+    i64 batch, q_begin, T, k_begin, S;
+  };
+  __device__ __forceinline__ Seq operator[](i64 b) const {
+    if (cu_q == nullptr) return {b, 0, len_q, 0, len_k};
+    const i64 q0 = cu_q[b], k0 = cu_k[b];
+    return {0, q0, i64{cu_q[b + 1]} - q0, k0, i64{cu_k[b + 1]} - k0};
+  }
+};
+
+// A per-(head, row) float tensor: lse [B, H, T] / packed [H, N], and the delta workspace laid out alike.
+struct Rows {
+  float* data;
+  i64 batch_stride, head_stride;
+  __device__ __forceinline__ float* at(i64 b, i64 h, i64 row) const {
+    return data + b * batch_stride + h * head_stride + row;
+  }
+};
+
+template <class T>
+struct AttnArgs {
+  Tokens<T> q, k, v, o;
+  Rows lse;
+  Tokens<T> d_o, dq, dk, dv;
+  Rows delta;
+  SeqTable seqs;
+  int group;          // Hq / Hkv
+  float scale;        // softmax scale
+  float scale_log2;   // scale * log2(e)
+};
+
+template <int kDim>
+__host__ __device__ constexpr int ld_of() { return kDim + 8; }
+
+// Copies rows [row0, row0 + valid) (valid may be <= 0) of head h into a kRows x kDim shared tile, zero-
+// filling the rest.
+template <int kRows, int kDim, class T>
+__device__ __forceinline__ void load_tile(T* smem, const Tokens<T>& g, i64 b, i64 row0, i64 valid, i64 h) {
+  constexpr int kChunks = kDim / 8;
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool ok = r < valid;
+    const T* src = ok ? g.row(b, row0 + r, h) + c * 8 : g.data;
+    cp_async_16(smem + r * ld_of<kDim>() + c * 8, src, ok ? 16 : 0);
+  }
+}
+
+// A operand (16 rows x 16 k) at rows [row0, row0+16), columns [k0, k0+16) of a row-major tile.
+template <int kDim, class T>
+__device__ __forceinline__ void load_a(std::uint32_t (&a)[4], const T* tile, int row0, int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(a, tile + (row0 + lane % 16) * ld_of<kDim>() + k0 + (lane / 16) * 8);
+}
+
+// B operands of two n8 tiles [n0, n0+16) for k-slice [k0, k0+16), the tile stored [n][k] (e.g. K for Q K^T).
+template <int kDim, class T>
+__device__ __forceinline__ void load_b_nk(std::uint32_t (&b)[4], const T* tile, int n0, int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(b, tile + (n0 + lane % 8 + (lane / 16) * 8) * ld_of<kDim>() + k0 + ((lane / 8) % 2) * 8);
+}
+
+// The same from a tile stored [k][n] (e.g. V for P V), through the transposing ldmatrix.
+template <int kDim, class T>
+__device__ __forceinline__ void load_b_kn(std::uint32_t (&b)[4], const T* tile, int k0, int n0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4_trans(b, tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * ld_of<kDim>() + n0 + (lane / 16) * 8);
+}
+
+template <class T>
+__device__ __forceinline__ void mma_pair(float (&c0)[4], float (&c1)[4], const std::uint32_t (&a)[4],
+                                         const std::uint32_t (&b)[4]) {
+  const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+  mma_16816<T>(c0, a, b0);
+  mma_16816<T>(c1, a, b1);
+}
+
+// acc[kRowsOut/8][4] += A(16 x kK, from shared tile `a_tile` rows a_row0) * B where B is stored [n][k]
+// (kNk: the row length of the B tile).
+template <class T, int kN, int kK, int kLdA, int kLdB>
+__device__ __forceinline__ void gemm_ss_nk(float (&acc)[kN / 8][4], const T* a_tile, int a_row0, const T* b_tile) {
+#pragma unroll
+  for (int k0 = 0; k0 < kK; k0 += 16) {
+    std::uint32_t a[4];
+    load_a<kLdA - 8>(a, a_tile, a_row0, k0);
+#pragma unroll
+    for (int n = 0; n < kN / 8; n += 2) {
+      std::uint32_t b[4];
+      load_b_nk<kLdB - 8>(b, b_tile, n * 8, k0);
+      mma_pair<T>(acc[n], acc[n + 1], a, b);
+    }
+  }
+}
+
+// acc[kN/8][4] += P(16 x kK, C-fragments in registers, kK/8 tiles) * B where B is stored [k][n].
+template <class T, int kN, int kK, int kLdB>
+__device__ __forceinline__ void gemm_rs_kn(float (&acc)[kN / 8][4], const float (&p)[kK / 8][4], const T* b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const std::uint32_t a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
+                                pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                                pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+    for (int n = 0; n < kN / 8; n += 2) {
+      std::uint32_t b[4];
+      load_b_kn<kLdB - 8>(b, b_tile, kk * 16, n * 8);
+      mma_pair<T>(acc[n], acc[n + 1], a, b);
+    }
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void zero(float (&acc)[kN][4]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Stores a warp's 16 x kDim fp32 C-fragment rows (times `mul`) to rows row0 + r of head h where r < valid.
+template <int kDim, class T>
+__device__ __forceinline__ void store_rows(const float (&acc)[kDim / 8][4], float mul0, float mul1,
+                                           const Tokens<T>& g, i64 b, i64 row0, i64 valid, i64 h) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = lane / 4 + half * 8;
+    if (r >= valid) continue;
+    const float mul = half ? mul1 : mul0;
+    T* dst = g.row(b, row0 + r, h);
+#pragma unroll
+    for (int n = 0; n < kDim / 8; ++n) {
+      const std::uint32_t packed = pack2<T>(acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul);
+      *reinterpret_cast<std::uint32_t*>(dst + n * 8 + 2 * (lane % 4)) = packed;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ forward
+
+template <int Dqk, int Dv>
+struct FwdTile {
+  static constexpr int kM = 64;
+  static constexpr int kN = Dqk <= 192 ? 64 : 32;
+  static constexpr int kQ = kM * ld_of<Dqk>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
+  static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV);  // Q, 2 x K, 2 x V (2-byte elements)
+};
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T> a, typename Mask::Config mc) {
+  using Tile = FwdTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + Tile::kQ;
+  T* sV = sK + 2 * Tile::kK;
+
+  const auto seq = a.seqs[blockIdx.z];
+  const i64 t0 = i64{blockIdx.x} * kM;
+  if (t0 >= seq.T) return;
+  const i64 h = blockIdx.y, hk = h / a.group;
+  const Mask mask{mc, seq.T, seq.S};
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
+
+  const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
+  const i64 tile_begin = k_lo / kN;
+  const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
+
+  float acc[Dv / 8][4];
+  zero(acc);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  if (tile_end > tile_begin) {
+    load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
+    {
+      const i64 j0 = tile_begin * kN;
+      load_tile<kN, Dqk>(sK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+      load_tile<kN, Dv>(sV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+    }
+    cp_async_commit();
+    for (i64 it = tile_begin; it < tile_end; ++it) {
+      const int buf = (it - tile_begin) & 1;
+      if (it + 1 < tile_end) {
+        const i64 j0 = (it + 1) * kN;
+        load_tile<kN, Dqk>(sK + (buf ^ 1) * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+        load_tile<kN, Dv>(sV + (buf ^ 1) * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      const T* k_tile = sK + buf * Tile::kK;
+      const T* v_tile = sV + buf * Tile::kV;
+      const i64 j0 = it * kN;
+
+      float s[kN / 8][4];
+      zero(s);
+      gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sQ, warp * 16, k_tile);
+
+      const bool full = tile_full(mask, t0, kM, j0, kN);
+#pragma unroll
+      for (int n = 0; n < kN / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float x = s[n][i] * a.scale_log2;
+          if (!full) {
+            const i64 t = t0 + warp * 16 + lane / 4 + (i / 2) * 8;
+            const i64 j = j0 + n * 8 + 2 * (lane % 4) + (i % 2);
+            if (!visible(mask, t, j)) x = -INFINITY;
+          }
+          s[n][i] = x;
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = m[half];
+#pragma unroll
+        for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+        mx = quad_max(mx);
+        const float use = mx == -INFINITY ? 0.f : mx;
+        const float correction = exp2f(m[half] - use);  // 0 when m was -inf
+        m[half] = mx;
+        l[half] *= correction;
+#pragma unroll
+        for (int n = 0; n < Dv / 8; ++n) {
+          acc[n][2 * half] *= correction;
+          acc[n][2 * half + 1] *= correction;
+        }
+#pragma unroll
+        for (int n = 0; n < kN / 8; ++n) {
+          s[n][2 * half] = exp2f(s[n][2 * half] - use);
+          s[n][2 * half + 1] = exp2f(s[n][2 * half + 1] - use);
+          l[half] += s[n][2 * half] + s[n][2 * half + 1];
+        }
+      }
+      gemm_rs_kn<T, Dv, kN, ld_of<Dv>()>(acc, s, v_tile);
+      __syncthreads();
+    }
+  }
+
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] = quad_sum(l[half]);
+    inv[half] = l[half] > 0.f ? 1.f / l[half] : 0.f;
+  }
+  const i64 row0 = t0 + warp * 16;
+  store_rows<Dv>(acc, inv[0], inv[1], a.o, seq.batch, seq.q_begin + row0, seq.T - row0, h);
+  if (lane % 4 == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const i64 t = row0 + lane / 4 + half * 8;
+      if (t < seq.T) {
+        *a.lse.at(seq.batch, h, seq.q_begin + t) = l[half] > 0.f ? (m[half] + log2f(l[half])) * kLn2 : -INFINITY;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ backward
+
+// delta[row] = sum_d dO[row, d] * O[row, d] in fp32, for every row of the tensors (one warp per row, head).
+template <class T, int Dv>
+__global__ void __launch_bounds__(kThreads) attention_delta_kernel(AttnArgs<T> a, i64 batch, i64 rows, i64 heads) {
+  const i64 item = i64{blockIdx.x} * kWarps + threadIdx.x / 32;
+  if (item >= batch * rows * heads) return;
+  const i64 h = item % heads, r = (item / heads) % rows, b = item / (heads * rows);
+  const T* o = a.o.row(b, r, h);
+  const T* d_o = a.d_o.row(b, r, h);
+  const int lane = threadIdx.x % 32;
+  float sum = 0.f;
+  for (int d = lane * 2; d < Dv; d += 64) {
+    sum += to_float(o[d]) * to_float(d_o[d]) + to_float(o[d + 1]) * to_float(d_o[d + 1]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) *a.delta.at(b, h, r) = sum;
+}
+
+template <int Dqk, int Dv>
+struct DqTile {
+  static constexpr int kM = 64;
+  static constexpr int kN = Dqk <= 128 ? 64 : 32;
+  static constexpr int kQ = kM * ld_of<Dqk>(), kDO = kM * ld_of<Dv>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
+  static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + 2 * kK + 2 * kV);
+};
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, typename Mask::Config mc) {
+  using Tile = DqTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sDO = sQ + Tile::kQ;
+  T* sK = sDO + Tile::kDO;
+  T* sV = sK + 2 * Tile::kK;
+
+  const auto seq = a.seqs[blockIdx.z];
+  const i64 t0 = i64{blockIdx.x} * kM;
+  if (t0 >= seq.T) return;
+  const i64 h = blockIdx.y, hk = h / a.group;
+  const Mask mask{mc, seq.T, seq.S};
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
+  const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
+  const i64 tile_begin = k_lo / kN;
+  const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
+
+  float acc[Dqk / 8][4];
+  zero(acc);
+  if (tile_end > tile_begin) {
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const i64 t = t0 + warp * 16 + lane / 4 + half * 8;
+      lse2[half] = t < seq.T ? *a.lse.at(seq.batch, h, seq.q_begin + t) * kLog2e : 0.f;
+      delta[half] = t < seq.T ? *a.delta.at(seq.batch, h, seq.q_begin + t) : 0.f;
+    }
+    load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
+    load_tile<kM, Dv>(sDO, a.d_o, seq.batch, seq.q_begin + t0, rows, h);
+    {
+      const i64 j0 = tile_begin * kN;
+      load_tile<kN, Dqk>(sK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+      load_tile<kN, Dv>(sV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+    }
+    cp_async_commit();
+    for (i64 it = tile_begin; it < tile_end; ++it) {
+      const int buf = (it - tile_begin) & 1;
+      if (it + 1 < tile_end) {
+        const i64 j0 = (it + 1) * kN;
+        load_tile<kN, Dqk>(sK + (buf ^ 1) * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+        load_tile<kN, Dv>(sV + (buf ^ 1) * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      const T* k_tile = sK + buf * Tile::kK;
+      const T* v_tile = sV + buf * Tile::kV;
+      const i64 j0 = it * kN;
+
+      float s[kN / 8][4];
+      zero(s);
+      gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sQ, warp * 16, k_tile);
+      float dp[kN / 8][4];
+      zero(dp);
+      gemm_ss_nk<T, kN, Dv, ld_of<Dv>(), ld_of<Dv>()>(dp, sDO, warp * 16, v_tile);
+      const bool full = tile_full(mask, t0, kM, j0, kN);
+#pragma unroll
+      for (int n = 0; n < kN / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float p = exp2f(s[n][i] * a.scale_log2 - lse2[i / 2]);
+          if (!full) {
+            const i64 t = t0 + warp * 16 + lane / 4 + (i / 2) * 8;
+            const i64 j = j0 + n * 8 + 2 * (lane % 4) + (i % 2);
+            if (!visible(mask, t, j)) p = 0.f;
+          }
+          s[n][i] = p * (dp[n][i] - delta[i / 2]);  // dS (without the scale)
+        }
+      }
+      gemm_rs_kn<T, Dqk, kN, ld_of<Dqk>()>(acc, s, k_tile);
+      __syncthreads();
+    }
+  }
+  const i64 row0 = t0 + warp * 16;
+  store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + row0, seq.T - row0, h);
+}
+
+// Pass: 0 computes dK and dV, 1 only dV, 2 only dK.
+template <int Dqk, int Dv>
+struct DkvTile {
+  static constexpr int kN = 64;  // keys per CTA, 16 per warp
+  static constexpr int kM = Dqk == 64 ? 64 : 32;
+  static constexpr bool kSplit = Dqk + Dv >= 320;
+  static constexpr int kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>(), kQ = kM * ld_of<Dqk>(), kDO = kM * ld_of<Dv>();
+  // K, V, 2 x Q, 2 x dO (2-byte elements), then 2 x (lse2, delta) rows of kM floats.
+  static constexpr std::size_t kSmemBytes = 2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 2 * kM * sizeof(float);
+};
+
+template <class T, int Dqk, int Dv, class Mask, int kPass>
+__global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, typename Mask::Config mc) {
+  using Tile = DkvTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN;
+  constexpr bool kDoDV = kPass != 2, kDoDK = kPass != 1;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + Tile::kK;
+  T* sQ = sV + Tile::kV;
+  T* sDO = sQ + 2 * Tile::kQ;
+  float* sLse = reinterpret_cast<float*>(sDO + 2 * Tile::kDO);  // [2][kM]
+  float* sDelta = sLse + 2 * kM;                                // [2][kM]
+
+  const auto seq = a.seqs[blockIdx.z];
+  const i64 j0 = i64{blockIdx.x} * kN;
+  if (j0 >= seq.S) return;
+  const i64 hk = blockIdx.y;
+  const Mask mask{mc, seq.T, seq.S};
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const i64 keys = seq.S - j0 < kN ? seq.S - j0 : kN;
+
+  i64 q_begin = mask.first_query(j0);
+  const i64 q_end = mask.end_query(j0 + keys - 1);
+  const i64 tile_begin = q_begin / kM;
+  const i64 tiles = q_end > q_begin ? (q_end - 1) / kM + 1 - tile_begin : 0;
+  const i64 steps = tiles * a.group;  // (query head g, query tile) pairs
+
+  float dk[kDoDK ? Dqk / 8 : 1][4];
+  float dv[kDoDV ? Dv / 8 : 1][4];
+  zero(dk);
+  zero(dv);
+
+  auto load_step = [&](i64 step, int buf) {
+    const i64 h = hk * a.group + step / tiles;
+    const i64 t0 = (tile_begin + step % tiles) * kM;
+    const i64 valid = seq.T - t0;
+    load_tile<kM, Dqk>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, valid, h);
+    load_tile<kM, Dv>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, valid, h);
+    for (int r = threadIdx.x; r < kM; r += kThreads) {
+      const bool ok = r < valid;
+      sLse[buf * kM + r] = ok ? *a.lse.at(seq.batch, h, seq.q_begin + t0 + r) * kLog2e : 0.f;
+      sDelta[buf * kM + r] = ok ? *a.delta.at(seq.batch, h, seq.q_begin + t0 + r) : 0.f;
+    }
+  };
+
+  if (steps > 0) {
+    load_tile<kN, Dqk>(sK, a.k, seq.batch, seq.k_begin + j0, keys, hk);
+    load_tile<kN, Dv>(sV, a.v, seq.batch, seq.k_begin + j0, keys, hk);
+    load_step(0, 0);
+    cp_async_commit();
+    for (i64 step = 0; step < steps; ++step) {
+      const int buf = step & 1;
+      if (step + 1 < steps) {
+        load_step(step + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      const T* q_tile = sQ + buf * Tile::kQ;
+      const T* do_tile = sDO + buf * Tile::kDO;
+      const float* lse2 = sLse + buf * kM;
+      const float* delta = sDelta + buf * kM;
+      const i64 t0 = (tile_begin + step % tiles) * kM;
+
+      // S^T (keys x queries) = K Q^T; this warp's 16 keys.
+      float s[kM / 8][4];
+      zero(s);
+      gemm_ss_nk<T, kM, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sK, warp * 16, q_tile);
+      const bool full = tile_full(mask, t0, kM, j0, kN);
+#pragma unroll
+      for (int n = 0; n < kM / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+          float p = exp2f(s[n][i] * a.scale_log2 - lse2[col]);
+          if (!full) {
+            const i64 j = j0 + warp * 16 + lane / 4 + (i / 2) * 8;
+            if (!visible(mask, t0 + col, j)) p = 0.f;
+          }
+          s[n][i] = p;
+        }
+      }
+      if constexpr (kDoDV) gemm_rs_kn<T, Dv, kM, ld_of<Dv>()>(dv, s, do_tile);
+      if constexpr (kDoDK) {
+        float dp[kM / 8][4];
+        zero(dp);
+        gemm_ss_nk<T, kM, Dv, ld_of<Dv>(), ld_of<Dv>()>(dp, sV, warp * 16, do_tile);
+#pragma unroll
+        for (int n = 0; n < kM / 8; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+            s[n][i] = s[n][i] * (dp[n][i] - delta[col]);
+          }
+        }
+        gemm_rs_kn<T, Dqk, kM, ld_of<Dqk>()>(dk, s, q_tile);
+      }
+      __syncthreads();
+    }
+  }
+  const i64 row0 = j0 + warp * 16;
+  if constexpr (kDoDK) store_rows<Dqk>(dk, a.scale, a.scale, a.dk, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
+  if constexpr (kDoDV) store_rows<Dv>(dv, 1.f, 1.f, a.dv, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
+}
+
+// ------------------------------------------------------------------------------------------------ launch
+
+struct Launch {
+  i64 batch;       // sequences (grid z)
+  i64 max_q;       // longest query sequence
+  i64 max_k;       // longest key sequence
+  i64 q_heads, kv_heads;
+  i64 rows_q;      // rows of the q tensor's token dim per batch (T, or N packed), for the delta kernel
+  i64 batch_rows;  // leading batch dim of the q tensor (B, or 1 packed)
+  cudaStream_t stream;
+};
+
+template <class Kernel>
+void prepare(Kernel kernel, std::size_t smem) {
+  if (smem > 48 * 1024) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  }
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+void run_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  using Tile = FwdTile<Dqk, Dv>;
+  if (l.batch == 0 || l.max_q == 0) return;
+  auto kernel = attention_forward_kernel<T, Dqk, Dv, Mask>;
+  prepare(kernel, Tile::kSmemBytes);
+  const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
+                  static_cast<unsigned>(l.batch));
+  kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+  check_launch("attention_forward_kernel");
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  if (l.batch == 0) return;
+  const i64 delta_items = l.batch_rows * l.rows_q * l.q_heads;
+  if (delta_items > 0) {
+    attention_delta_kernel<T, Dv><<<static_cast<unsigned>(ceil_div(delta_items, kWarps)), kThreads, 0, l.stream>>>(
+        args, l.batch_rows, l.rows_q, l.q_heads);
+    check_launch("attention_delta_kernel");
+  }
+  if (l.max_q > 0) {
+    using Tile = DqTile<Dqk, Dv>;
+    auto kernel = attention_dq_kernel<T, Dqk, Dv, Mask>;
+    prepare(kernel, Tile::kSmemBytes);
+    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
+                    static_cast<unsigned>(l.batch));
+    kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dq_kernel");
+  }
+  if (l.max_k > 0) {
+    using Tile = DkvTile<Dqk, Dv>;
+    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_k, Tile::kN)), static_cast<unsigned>(l.kv_heads),
+                    static_cast<unsigned>(l.batch));
+    if constexpr (Tile::kSplit) {
+      auto dv_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 1>;
+      auto dk_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 2>;
+      prepare(dv_kernel, Tile::kSmemBytes);
+      prepare(dk_kernel, Tile::kSmemBytes);
+      dv_kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+      check_launch("attention_dkv_kernel (dV)");
+      dk_kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+      check_launch("attention_dkv_kernel (dK)");
+    } else {
+      auto kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 0>;
+      prepare(kernel, Tile::kSmemBytes);
+      kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+      check_launch("attention_dkv_kernel");
+    }
+  }
+}
+
+}  // namespace sparseattn::cuda::attention

@@ -1,0 +1,25 @@
+// CUDA entry points of the attention kernels (flash_attention, compressed_attention); torch-free. The API
+// (src/api) validates params before these run: bf16/fp16, head dims (Dqk, Dv) in supported_head_dims, no
+// mask/bias, 16-byte aligned rows. Each function only enqueues work on params.stream.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "sparseattn/compressed_attention.h"
+#include "sparseattn/flash_attention.h"
+
+namespace sparseattn::cuda {
+
+// (Dqk, Dv) pairs with kernels: 64/64, 128/128, 192/128, 256/256.
+bool attention_head_dims_supported(std::int64_t dim_qk, std::int64_t dim_v);
+
+void flash_attention(const FlashAttentionParams& params);
+std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& params);
+void flash_attention_backward(const FlashAttentionBackwardParams& params);
+
+void compressed_attention(const CompressedAttentionParams& params);
+std::size_t compressed_attention_backward_workspace_size(const CompressedAttentionBackwardParams& params);
+void compressed_attention_backward(const CompressedAttentionBackwardParams& params);
+
+}  // namespace sparseattn::cuda

@@ -1,0 +1,86 @@
+"""Shared helpers of the GPU attention tests (test_cuda_flash.py, test_cuda_compressed.py).
+
+Reference: the same math in float64 (naive torch, on the GPU), checked once against sparseattn's float64
+CPU reference. Bound: the kernel's error (vs float64) <= 2 x the error of the same naive math done by torch in
+the input precision (vs float64) + one rounding of the output (eps(dtype) x max|ref|) + 1e-5. lse is fp32 in both:
+compared with a small absolute/relative bound and identical -inf positions.
+"""
+import torch
+
+EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def poison_allocator():
+    """Fill recently freed cached blocks with NaN so that an unwritten output element shows up."""
+    block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    block.fill_(0xFF)
+    del block
+
+
+def naive_attention(q, k, v, visible, scale):
+    """q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv], visible bool [T, S]. Returns o [T, Hq, Dv], lse [Hq, T]
+    (-inf, o = 0 for rows without a visible key). Differentiable, NaN-free; in the dtype of the inputs."""
+    G = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(G, dim=1)
+    v = v.repeat_interleave(G, dim=1)
+    s = torch.einsum("thd,shd->hts", q, k) * scale
+    row_any = visible.any(-1, keepdim=True)
+    s = s.masked_fill(~visible, float("-inf")).masked_fill(~row_any, 0.0)
+    lse = torch.logsumexp(s.float() if s.dtype in (torch.float16, torch.bfloat16) else s, -1).masked_fill(~row_any.squeeze(-1), float("-inf"))
+    p = torch.softmax(s, -1) * visible
+    o = torch.einsum("hts,shd->thd", p, v)
+    return o, lse
+
+
+def max_err(got, ref):
+    return (got.double() - ref.double()).abs().max().item() if got.numel() else 0.0
+
+
+def assert_bounded(name, got, ref64, ref_lowp, dtype):
+    assert not torch.isnan(got).any(), f"{name}: NaN or unwritten elements"
+    if got.numel() == 0:
+        return
+    err = max_err(got, ref64)
+    torch_err = max_err(ref_lowp, ref64)
+    # 1e-5: fp32 residual of dP - delta where the exact dS is 0 (e.g. a row with one key: dq is exactly 0).
+    bound = 2 * torch_err + EPS[dtype] * ref64.abs().max().item() + 1e-5
+    assert err <= bound, f"{name}: kernel error {err:.3e} > bound {bound:.3e} (torch {dtype} error {torch_err:.3e})"
+
+
+def assert_lse(got, ref64):
+    assert got.dtype == torch.float32
+    assert not torch.isnan(got).any(), "lse: NaN or unwritten elements"
+    assert torch.equal(torch.isinf(got), torch.isinf(ref64)), "lse: -inf positions differ"
+    fin = torch.isfinite(ref64)
+    if fin.any():
+        diff = (got.double()[fin] - ref64.double()[fin]).abs()
+        assert (diff <= 1e-3 * (1 + ref64.double()[fin].abs())).all(), f"lse: max error {diff.max().item():.3e}"
+
+
+def run_and_compare(op, ref_fn, inputs, dtype, packed_pieces=None):
+    """op(*inputs) -> (o, lse) on the GPU; ref_fn(*inputs) -> (o, lse) naive. Checks o, lse and the gradients
+    of o w.r.t. the inputs, each against float64 with the bound above."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    poison_allocator()
+    o, lse = op(*leaves)
+    d_o = torch.randn_like(o)
+    poison_allocator()
+    grads = torch.autograd.grad(o, leaves, d_o)
+
+    ref64 = [x.detach().double().requires_grad_() for x in inputs]
+    o64, lse64 = ref_fn(*ref64)
+    g64 = torch.autograd.grad(o64, ref64, d_o.double(), allow_unused=True)
+    lowp = [x.detach().clone().requires_grad_() for x in inputs]
+    o_lp, _ = ref_fn(*lowp)
+    g_lp = torch.autograd.grad(o_lp, lowp, d_o, allow_unused=True)
+
+    assert_bounded("o", o, o64.detach(), o_lp.detach(), dtype)
+    assert_lse(lse, lse64.detach())
+    for name, g, r, lp in zip(("dq", "dk", "dv"), grads, g64, g_lp):
+        r = torch.zeros_like(g, dtype=torch.float64) if r is None else r
+        lp = torch.zeros_like(g) if lp is None else lp
+        assert_bounded(name, g, r, lp, dtype)
+    # Deterministic backward: the same gradients bit for bit.
+    again = torch.autograd.grad(op(*leaves)[0], leaves, d_o)
+    for g, h in zip(grads, again):
+        assert torch.equal(g, h), "backward is not deterministic"

@@ -1,0 +1,120 @@
+"""CUDA flash_attention (forward and backward) against float64 (see attention_check.py for the bound)."""
+import pytest
+import torch
+
+import sparseattn
+from attention_check import naive_attention, run_and_compare
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not sparseattn._C.built_with_cuda(),
+    reason="needs a CUDA GPU and a CUDA build of sparseattn",
+)
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def flash_visible(T, S, causal, left, right, device):
+    t = torch.arange(T, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    a = t + S - T
+    vis = torch.ones(T, S, dtype=torch.bool, device=device)
+    if causal:
+        vis &= j <= a
+    if left >= 0:
+        vis &= j >= a - left
+    if right >= 0:
+        vis &= j <= a + right
+    return vis
+
+
+def naive_flash(q, k, v, causal, window, scale):
+    """Batched [B, T, H, D] naive flash attention; lse [B, Hq, T]."""
+    vis = flash_visible(q.shape[1], k.shape[1], causal, window[0], window[1], q.device)
+    outs = [naive_attention(q[b], k[b], v[b], vis, scale) for b in range(q.shape[0])]
+    return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+
+
+# (B, T, S, Hq, Hkv, Dqk, Dv, causal, window)
+CASES = [
+    (2, 63, 63, 4, 2, 64, 64, True, (-1, -1)),
+    (1, 65, 65, 3, 1, 128, 128, False, (-1, -1)),
+    (1, 1000, 1000, 8, 1, 64, 64, True, (100, -1)),
+    (1, 1, 1, 2, 2, 256, 256, True, (-1, -1)),
+    (1, 200, 333, 7, 1, 192, 128, True, (-1, -1)),
+    (1, 333, 200, 16, 1, 64, 64, True, (-1, -1)),
+    (1, 130, 130, 32, 1, 64, 64, False, (5, 7)),
+    (2, 100, 100, 4, 4, 256, 256, True, (31, 0)),
+    (1, 257, 257, 2, 1, 192, 128, False, (-1, 20)),
+    (1, 4097, 4097, 2, 1, 128, 128, True, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}S{}H{}-{}D{}-{}c{}w{}".format(*c[:8], c[8]))
+def test_flash_batched(dtype, case):
+    B, T, S, Hq, Hkv, Dqk, Dv, causal, window = case
+    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
+    scale = Dqk ** -0.5
+
+    def op(q, k, v):
+        return sparseattn.flash_attention(q, k, v, causal=causal, window=window, return_lse=True)
+
+    def ref(q, k, v):
+        return naive_flash(q, k, v, causal, window, scale)
+
+    run_and_compare(op, ref, (q, k, v), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [(-1, -1), (40, -1)])
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64)])
+def test_flash_varlen(dtype, window, dims):
+    lengths_q = [0, 1, 5, 64, 300, 1000, 7]
+    lengths_k = [3, 0, 70, 64, 299, 1001, 7]
+    Hq, Hkv = 4, 2
+    Dqk, Dv = dims
+    cu_q = torch.tensor([0] + torch.tensor(lengths_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lengths_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(int(cu_q[-1]), Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(int(cu_k[-1]), Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(int(cu_k[-1]), Hkv, Dv, dtype=dtype, device="cuda")
+    scale = Dqk ** -0.5
+
+    def op(q, k, v):
+        return sparseattn.flash_attention(q, k, v, causal=True, window=window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), return_lse=True)
+
+    def ref(q, k, v):
+        outs, lses = [], []
+        for b in range(len(lengths_q)):
+            qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+            vis = flash_visible(qs.shape[0], ks.shape[0], True, window[0], window[1], q.device)
+            o, lse = naive_attention(qs, ks, vs, vis, scale)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    run_and_compare(op, ref, (q, k, v), dtype)
+
+
+def test_naive_matches_cpu_reference():
+    q, k, v = (torch.randn(1, 70, h, 64, dtype=torch.float64) for h in (4, 2, 2))
+    o_ref, lse_ref = sparseattn.flash_attention(q, k, v, causal=True, window=(9, -1), return_lse=True)
+    o, lse = naive_flash(q, k, v, True, (9, -1), 64 ** -0.5)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(lse, lse_ref)
+
+
+def test_unsupported_on_cuda():
+    q = torch.randn(1, 8, 2, 96, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="head dims"):
+        sparseattn.flash_attention(q, q, q)
+    q = torch.randn(1, 8, 2, 64, dtype=torch.float32, device="cuda")
+    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="float32"):
+        sparseattn.flash_attention(q, q, q)
+    q = torch.randn(1, 8, 2, 64, dtype=torch.float16, device="cuda")
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda")
+    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="mask"):
+        sparseattn.flash_attention(q, q, q, mask=mask)
