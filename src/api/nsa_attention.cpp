@@ -71,6 +71,15 @@ void sum_into(const TensorView& out, const std::array<TensorView, kNumBranches>&
   detail::accumulate(params);
 }
 
+// The pipeline runs on the CUDA kernels of its steps; they take bfloat16 and float16 (compress_kv and
+// combine also take float32, the attention steps do not), so that is checked before any step runs.
+void check_backend(const detail::Check& check, const TensorView& q) {
+  if (detail::backend(check, q, "q", detail::kCudaBuilt) == detail::Backend::cuda) {
+    check.require(q.dtype == DType::bfloat16 || q.dtype == DType::float16, ErrorKind::unsupported, "q",
+                  std::string("the CUDA pipeline takes bfloat16 or float16, got ") + dtype_name(q.dtype));
+  }
+}
+
 // The backward calls of the three branches, built in one place so that the scratch size covers exactly the
 // workspaces they ask for. `dk_cmp`/`dv_cmp` receive the compressed branch's K/V gradient.
 struct BranchBackward {
@@ -128,8 +137,7 @@ std::size_t nsa_backward_scratch_size(const NsaParams& params) {
 void nsa_attention(const NsaParams& params) {
   const detail::Check check("nsa_attention");
   const auto [plan, ws] = prepare(check, params);
-  // The pipeline runs wherever all of its steps have kernels; until then CUDA tensors stop here.
-  detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false);
+  check_backend(check, params.q);
 
   const NsaConfig& c = params.config;
   const TensorView k_cmp = plan.user_cmp ? params.k_cmp : ws.k_cmp;
@@ -176,7 +184,7 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
   const detail::NsaScratch scratch = scratch_for(plan, f, ws, params.scratch);
   check.buffer(params.scratch, params.scratch_bytes, scratch.bytes, "scratch", "nsa_backward_scratch_size");
   check_gradients(check, params, plan);
-  detail::backend(check, f.q, "q", /*has_cuda_kernels=*/false);
+  check_backend(check, f.q);
 
   const NsaConfig& c = f.config;
   // Packed: the gate gradients go through scratch so that rows past cu_seqlens[B] stay untouched.

@@ -1,8 +1,14 @@
 #include "sparseattn/select_blocks.h"
 
+#include <algorithm>
+#include <string>
+
 #include "api/block_checks.h"
 #include "api/check.h"
 #include "reference/reference.h"
+#ifdef SPARSEATTN_WITH_CUDA
+#include "cuda/selection/ops.h"
+#endif
 
 namespace sparseattn {
 
@@ -35,9 +41,29 @@ void select_blocks(const SelectBlocksParams& params) {
   check.tensor(params.indices, "indices", DType::int32, params.q, "q");
   check.shape(params.indices, "indices", layout.tokens(heads_kv, params.num_selected));
 
-  switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
+  const detail::Backend backend = detail::backend(check, params.q, "q", detail::kCudaBuilt);
+#ifdef SPARSEATTN_WITH_CUDA
+  if (backend == detail::Backend::cuda) {
+    check.require(params.q.dtype == DType::float16 || params.q.dtype == DType::bfloat16, ErrorKind::unsupported, "q",
+                  "the CUDA kernel takes float16 or bfloat16; float32 runs on the CPU reference only");
+    check.require(dim == 64 || dim == 128 || dim == 192 || dim == 256, ErrorKind::unsupported, "q",
+                  "head dim " + std::to_string(dim) + " has no CUDA kernel (64, 128, 192 or 256)");
+    const std::int64_t max_length =
+        layout.packed && params.seqs.max_seqlen > 0 ? std::min(params.seqs.max_seqlen, layout.rows) : layout.rows;
+    check.require(cuda::select_blocks_fits(max_length, params.sel_block, heads_q / heads_kv, dim, params.num_selected,
+                                           params.q.device_index),
+                  ErrorKind::unsupported, "q",
+                  "sequences of up to " + std::to_string(max_length) + " tokens need more shared memory per block "
+                  "than this GPU has (one row of pooled scores, the group's queries)");
+  }
+#endif
+  switch (backend) {
     case detail::Backend::cpu: reference::select_blocks(params); break;
+#ifdef SPARSEATTN_WITH_CUDA
+    case detail::Backend::cuda: cuda::select_blocks(params); break;
+#else
     case detail::Backend::cuda: break;
+#endif
   }
 }
 

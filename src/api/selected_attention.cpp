@@ -1,10 +1,16 @@
 #include "sparseattn/selected_attention.h"
 
+#include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/check.h"
 #include "reference/reference.h"
+#ifdef SPARSEATTN_WITH_CUDA
+#include "cuda/selection/ops.h"
+#endif
 
 namespace sparseattn {
 
@@ -61,19 +67,60 @@ SelectedShapes check_common(const detail::Check& check, const Params& params) {
   return shapes;
 }
 
+// What the CUDA kernels need beyond the shared checks (no device reads): dtype, head dims, 16-byte rows.
+void check_cuda(const detail::Check& check, const SelectedShapes& shapes, const TensorView& q,
+                const std::initializer_list<std::pair<const TensorView*, const char*>>& rows, std::int64_t count) {
+#ifdef SPARSEATTN_WITH_CUDA
+  check.require(q.dtype == DType::float16 || q.dtype == DType::bfloat16, ErrorKind::unsupported, "q",
+                "the CUDA kernels take float16 or bfloat16; float32 runs on the CPU reference only");
+  check.require(cuda::selected_attention_supports(shapes.dim_qk, shapes.dim_v), ErrorKind::unsupported,
+                shapes.dim_qk == 64 || shapes.dim_qk == 128 || shapes.dim_qk == 192 || shapes.dim_qk == 256 ? "v" : "q",
+                "head dims (Dqk, Dv) = (" + std::to_string(shapes.dim_qk) + ", " + std::to_string(shapes.dim_v) +
+                    ") have no CUDA kernel; supported: (64, 64), (128, 128), (192, 128), (256, 256)");
+  for (const auto& [tensor, name] : rows) {
+    bool aligned = reinterpret_cast<std::uintptr_t>(tensor->data) % 16 == 0;
+    for (int d = 0; d + 1 < tensor->rank; ++d) aligned = aligned && tensor->stride[d] % 8 == 0;
+    check.require(aligned, ErrorKind::unsupported, name,
+                  "the CUDA kernels read rows in 16-byte pieces: the data must be 16-byte aligned and every stride "
+                  "but the last a multiple of 8 elements");
+  }
+  const std::int64_t total_rows = shapes.layout.packed ? shapes.layout.rows : shapes.layout.batch * shapes.layout.rows;
+  check.require(total_rows * shapes.kv_heads * count < (std::int64_t{1} << 31) - 1, ErrorKind::unsupported, "indices",
+                "tokens x KV heads x n must stay below 2^31 for the CUDA backward's inverse index");
+#else
+  (void)check, (void)shapes, (void)q, (void)rows, (void)count;
+#endif
+}
+
 }  // namespace
 
 void selected_attention(const SelectedAttentionParams& params) {
   const detail::Check check("selected_attention");
-  check_common(check, params);
-  switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
+  const SelectedShapes shapes = check_common(check, params);
+  const detail::Backend backend = detail::backend(check, params.q, "q", detail::kCudaBuilt);
+  if (backend == detail::Backend::cuda) {
+    check_cuda(check, shapes, params.q, {{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}},
+               params.indices.shape[params.indices.rank - 1]);
+  }
+  switch (backend) {
     case detail::Backend::cpu: reference::selected_attention(params); break;
+#ifdef SPARSEATTN_WITH_CUDA
+    case detail::Backend::cuda: cuda::selected_attention(params); break;
+#else
     case detail::Backend::cuda: break;
+#endif
   }
 }
 
 std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBackwardParams& params) {
-  // Only the CPU reference exists so far, and it keeps its scratch on the host.
+  // The CPU reference keeps its scratch on the host. On CUDA: from shapes only (views may have no data).
+#ifdef SPARSEATTN_WITH_CUDA
+  const TensorView& q = params.q;
+  if (q.device == DeviceType::cuda && (q.rank == 3 || q.rank == 4) && params.k.rank == q.rank &&
+      params.indices.rank == q.rank && params.block > 0 && (q.rank == 4 || params.seqs.cu_seqlens.rank == 1)) {
+    return cuda::selected_attention_backward_workspace_size(params);
+  }
+#endif
   (void)params;
   return 0;
 }
@@ -90,11 +137,21 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& params) 
   check.shape(params.dk, "dk", shapes.layout.tokens(shapes.kv_heads, shapes.dim_qk));
   check.tensor(params.dv, "dv", dtype, params.q, "q");
   check.shape(params.dv, "dv", shapes.layout.tokens(shapes.kv_heads, shapes.dim_v));
+  const detail::Backend backend = detail::backend(check, params.q, "q", detail::kCudaBuilt);
+  if (backend == detail::Backend::cuda) {
+    check_cuda(check, shapes, params.q,
+               {{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.o, "o"}, {&params.d_o, "d_o"}},
+               params.indices.shape[params.indices.rank - 1]);
+  }
   check.buffer(params.workspace, params.workspace_bytes, selected_attention_backward_workspace_size(params), "workspace",
                "selected_attention_backward_workspace_size");
-  switch (detail::backend(check, params.q, "q", /*has_cuda_kernels=*/false)) {
+  switch (backend) {
     case detail::Backend::cpu: reference::selected_attention_backward(params); break;
+#ifdef SPARSEATTN_WITH_CUDA
+    case detail::Backend::cuda: cuda::selected_attention_backward(params); break;
+#else
     case detail::Backend::cuda: break;
+#endif
   }
 }
 

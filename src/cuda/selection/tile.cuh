@@ -1,0 +1,64 @@
+// Tile helpers of the selected-attention kernels: padded shared-memory tiles and cp.async row loads.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+
+namespace sparseattn::cuda::selection {
+
+// A tile of R rows of D elements in shared memory, each row padded by 8 elements (16 bytes) so that the
+// 8 row addresses of an ldmatrix fall in different bank groups (row pitch D*2 is a multiple of 128 bytes).
+template <class T, int R, int D>
+struct SmemTile {
+  static constexpr int kPitch = D + 8;
+  static constexpr int kElements = R * kPitch;
+  T* base;
+  __device__ __forceinline__ T* at(int r, int c) const { return base + r * kPitch + c; }
+};
+
+// Copies R rows of D elements with cp.async: row_pointer(r) returns the global row or null (zero fill).
+template <class T, int R, int D, int Threads, class RowPointer>
+__device__ __forceinline__ void load_rows(const SmemTile<T, R, D>& tile, RowPointer&& row_pointer, const T* fallback) {
+  constexpr int kChunks = D / 8;  // 16-byte pieces per row
+  for (int i = threadIdx.x; i < R * kChunks; i += Threads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const T* src = row_pointer(r);
+    cp_async_16(tile.at(r, c * 8), (src != nullptr ? src : fallback) + c * 8, src != nullptr ? 16 : 0);
+  }
+}
+
+// A (16 x 16, row-major) fragment of rows [r0, r0+16) and columns [c0, c0+16) of a tile.
+template <class T, int R, int D>
+__device__ __forceinline__ void load_a(std::uint32_t (&a)[4], const SmemTile<T, R, D>& tile, int r0, int c0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(a, tile.at(r0 + lane % 16, c0 + (lane / 16) * 8));
+}
+
+// B fragments of two n-tiles (rows [n0, n0+16) of the tile as the n dimension, columns [k0, k0+16) as k):
+// the tile stores B column-major (B = tile^T). b[0..1] is n-tile n0, b[2..3] n-tile n0+8.
+template <class T, int R, int D>
+__device__ __forceinline__ void load_b_rows(std::uint32_t (&b)[4], const SmemTile<T, R, D>& tile, int n0, int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(b, tile.at(n0 + lane % 8 + (lane / 16) * 8, k0 + ((lane / 8) % 2) * 8));
+}
+
+// B fragments of two n-tiles where the tile stores B row-major (rows [k0, k0+16) are k, columns
+// [n0, n0+16) are n).
+template <class T, int R, int D>
+__device__ __forceinline__ void load_b_cols(std::uint32_t (&b)[4], const SmemTile<T, R, D>& tile, int k0, int n0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4_trans(b, tile.at(k0 + lane % 8 + ((lane / 8) % 2) * 8, n0 + (lane / 16) * 8));
+}
+
+template <class T>
+__device__ __forceinline__ void mma_pair(float (&d0)[4], float (&d1)[4], const std::uint32_t (&a)[4],
+                                         const std::uint32_t (&b)[4]) {
+  const std::uint32_t b0[2] = {b[0], b[1]};
+  const std::uint32_t b1[2] = {b[2], b[3]};
+  mma_16816<T>(d0, a, b0);
+  mma_16816<T>(d1, a, b1);
+}
+
+}  // namespace sparseattn::cuda::selection

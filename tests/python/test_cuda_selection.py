@@ -1,0 +1,286 @@
+"""GPU kernels of NSA block selection (select_blocks) and selected attention (forward + backward) against the
+float64 CPU reference fed the same rounded inputs.
+
+Tolerance (architecture brief): error of the kernel <= 2 x the error of the same math done by PyTorch in the
+input precision (the naive oracle on the GPU in fp16/bf16) + one unit of rounding of the output's magnitude;
+no NaN; identical -inf positions. Selection: index sets equal except where the reference's score gap between
+the swapped blocks is within 1e-4 of the row's largest score (fp32 scores vs the float64 reference).
+"""
+import pytest
+import torch
+
+import naive_nsa as nv
+from helpers import cu_seqlens_of, max_err, pack, random_indices, require_sparseattn, selection_gap_ok, \
+    indices_mismatch_report
+
+sa = require_sparseattn()
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not sa._C.built_with_cuda(),
+    reason="needs a CUDA GPU and a CUDA build of sparseattn",
+)
+
+LOWP = [torch.bfloat16, torch.float16]
+EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+def poison_allocator():
+    """Fill recently freed cached blocks with NaN so that an unwritten output element shows up."""
+    block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    block.fill_(0xFF)
+    del block
+
+
+def assert_lowp(got, ref, base, dtype, name):
+    got = got.detach().cpu()
+    ref = ref.detach().cpu().double()
+    base = base.detach().cpu()
+    assert not torch.isnan(got).any(), f"{name}: NaN (unwritten element?)"
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), f"{name}: -inf positions differ"
+    err = max_err(got, ref)
+    bound = 2.0 * max_err(base, ref) + EPS[dtype] * ref.abs().nan_to_num(0, 0, 0).max().item() + 1e-6
+    assert err <= bound, f"{name}: max abs error {err:.3e} > bound {bound:.3e} (torch in {dtype}: " \
+                         f"{max_err(base, ref):.3e})"
+
+
+def assert_lse(got, ref, name="lse"):
+    got, ref = got.detach().cpu().double(), ref.detach().cpu().double()
+    assert got.dtype == ref.dtype
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), f"{name}: -inf positions differ"
+    fin = torch.isfinite(ref)
+    err = max_err(got, ref)
+    assert err <= 1e-4 * (1 + (ref[fin].abs().max().item() if fin.any() else 0)), f"{name}: fp32 lse error {err:.3e}"
+
+
+# ----------------------------------------------------------------------------------------------- select_blocks
+
+
+def _selection_inputs(lengths, Hq, Hkv, D, dtype, packed, cmp_block=32, cmp_stride=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if packed:
+        N = sum(lengths)
+        cu = cu_seqlens_of(lengths)
+        cu_cmp = nv.compressed_cu_seqlens(cu, cmp_block, cmp_stride)
+        q = torch.randn(N, Hq, D, generator=g).to(dtype)
+        kc = torch.randn(int(cu_cmp[-1]), Hkv, D, generator=g).to(dtype)
+        vc = torch.randn(int(cu_cmp[-1]), Hkv, D, generator=g).to(dtype)
+        _, lse = sa.compressed_attention(q.double(), kc.double(), vc.double(), block=cmp_block, stride=cmp_stride,
+                                         cu_seqlens=cu, cu_seqlens_cmp=cu_cmp)
+        return q, kc, lse.float(), cu, cu_cmp
+    (T,) = lengths
+    tc = nv.num_compressed_blocks(T, cmp_block, cmp_stride)
+    q = torch.randn(2, T, Hq, D, generator=g).to(dtype)
+    kc = torch.randn(2, tc, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(2, tc, Hkv, D, generator=g).to(dtype)
+    _, lse = sa.compressed_attention(q.double(), kc.double(), vc.double(), block=cmp_block, stride=cmp_stride)
+    return q, kc, lse.float(), None, None
+
+
+def _check_selection(got, ref, q, kc, lse, kw, cu, cu_cmp):
+    got = got.cpu()
+    if torch.equal(got, ref):
+        return
+    sel = dict(cmp_block=kw["cmp_block"], cmp_stride=kw["cmp_stride"], sel_block=kw["sel_block"])
+    if cu is None:
+        scores = nv.selection_scores(q.double(), kc.double(), lse.double(), **sel)
+        ok, report = selection_gap_ok(got, ref, scores, rtol=1e-4)
+        assert ok, indices_mismatch_report(got, ref) + "\n" + report
+        return
+    scale = 1.0 / q.shape[-1] ** 0.5
+    bounds = nv.seq_bounds(cu)
+    cbounds = nv.seq_bounds(cu_cmp)
+    for (s, e), (cs, ce) in zip(bounds, cbounds):
+        if e == s:
+            continue
+        scores = nv.selection_scores_seq(q[s:e].double(), kc[cs:ce].double(), lse[:, s:e].double(),
+                                         sel["cmp_block"], sel["cmp_stride"], sel["sel_block"], scale)
+        ok, report = selection_gap_ok(got[s:e], ref[s:e], scores, rtol=1e-4)
+        assert ok, indices_mismatch_report(got[s:e], ref[s:e]) + "\n" + report
+    assert torch.equal(got[bounds[-1][1]:], ref[bounds[-1][1]:])
+
+
+SELECT_CASES = [
+    # (dtype, lengths, packed, Hq, Hkv, D, sel_block, n)
+    (torch.bfloat16, [1], False, 2, 1, 64, 64, 16),
+    (torch.float16, [63], False, 4, 2, 128, 64, 16),
+    (torch.bfloat16, [65], False, 3, 1, 192, 128, 8),
+    (torch.float16, [1000], False, 7, 1, 128, 64, 16),
+    (torch.bfloat16, [1000], False, 16, 2, 256, 128, 8),
+    (torch.bfloat16, [4097], False, 4, 1, 128, 64, 16),
+    (torch.float16, [4097], False, 1, 1, 64, 128, 8),
+    (torch.bfloat16, [1, 31, 65, 300, 2, 130, 1000], True, 8, 1, 128, 64, 16),
+    (torch.float16, [47, 1, 0, 200, 129], True, 32, 1, 64, 128, 8),
+]
+
+
+@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,D,sel_block,n", SELECT_CASES)
+def test_select_blocks(dtype, lengths, packed, Hq, Hkv, D, sel_block, n):
+    q, kc, lse, cu, cu_cmp = _selection_inputs(lengths, Hq, Hkv, D, dtype, packed)
+    kw = dict(cmp_block=32, cmp_stride=16, sel_block=sel_block, num_selected=n, num_init=1, num_local=2)
+    extra = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cmp=cu_cmp)
+    ref = sa.select_blocks(q.double(), kc.double(), lse.double(), **kw, **extra)
+    poison_allocator()
+    got = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw,
+                           **{k: v.cuda() for k, v in extra.items()})
+    assert got.dtype == torch.int32
+    _check_selection(got, ref, q, kc, lse, kw, cu, cu_cmp)
+
+
+def test_select_blocks_forced_config():
+    """num_init 2, num_local 3, n 5 (forced blocks dominate short rows) and a small stride/block config."""
+    q, kc, lse, _, _ = _selection_inputs([777], 4, 2, 64, torch.bfloat16, False, cmp_block=32, cmp_stride=16)
+    kw = dict(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=5, num_init=2, num_local=3)
+    ref = sa.select_blocks(q.double(), kc.double(), lse.double(), **kw)
+    got = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw)
+    _check_selection(got, ref, q, kc, lse, kw, None, None)
+
+
+# ------------------------------------------------------------------------------------------ selected_attention
+
+
+def _indices(lengths, Hkv, n, block, packed, future, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for T in lengths:
+        if future:  # any blocks of the sequence, also ones starting after t (they contribute nothing)
+            nsel = nv.num_selection_blocks(T, block)
+            idx = torch.full((T, Hkv, n), -1, dtype=torch.int32)
+            for t in range(T):
+                for h in range(Hkv):
+                    c = int(torch.randint(0, min(n, nsel) + 1, (), generator=g))
+                    idx[t, h, :c] = torch.sort(torch.randperm(nsel, generator=g)[:c]).values.to(torch.int32)
+            rows.append(idx)
+        else:
+            rows.append(random_indices(T, Hkv, n, block, generator=g, allow_empty=True))
+    if packed:
+        return torch.cat(rows, 0)
+    return torch.stack(rows)
+
+
+def _run_selected(q, k, v, idx, block, cu, d_o):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o, lse = sa.selected_attention(*leaves, idx, block=block, cu_seqlens=cu)
+    grads = torch.autograd.grad(o, leaves, d_o)
+    return o, lse, grads
+
+
+def _naive_selected(q, k, v, idx, block, cu, d_o):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o, lse = nv.selected_attention(*leaves, idx, block=block, cu_seqlens=cu)
+    grads = torch.autograd.grad(o, leaves, d_o, allow_unused=True)
+    return o, lse, [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, leaves)]
+
+
+SELECTED_CASES = [
+    # (dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
+    (torch.bfloat16, [1], False, 2, 1, 64, 64, 64, 16, False),
+    (torch.float16, [63], False, 4, 2, 64, 64, 64, 16, True),
+    (torch.bfloat16, [65], False, 3, 1, 128, 128, 64, 16, False),
+    (torch.float16, [1000], False, 8, 1, 128, 128, 128, 8, True),
+    (torch.bfloat16, [1000], False, 7, 1, 192, 128, 64, 16, False),
+    (torch.float16, [300], False, 2, 2, 192, 128, 128, 8, True),
+    (torch.bfloat16, [300], False, 16, 1, 256, 256, 64, 16, True),
+    (torch.float16, [129], False, 32, 1, 256, 256, 128, 8, False),
+    (torch.bfloat16, [4097], False, 1, 1, 128, 128, 64, 16, False),
+    (torch.float16, [1, 31, 65, 300, 2, 0, 130], True, 4, 1, 64, 64, 64, 16, False),
+    (torch.bfloat16, [47, 1, 200, 129], True, 6, 2, 192, 128, 128, 8, True),
+    (torch.float16, [100, 3, 257], True, 16, 2, 256, 256, 64, 16, False),
+    (torch.bfloat16, [500], False, 2, 1, 64, 64, 16, 16, False),   # block 16 (any positive block works)
+    (torch.float16, [400], False, 4, 4, 128, 128, 96, 4, True),    # block 96 (not a multiple of 64)
+]
+
+
+@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n,future", SELECTED_CASES)
+def test_selected_attention(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
+    g = torch.Generator().manual_seed(1)
+    if packed:
+        N = sum(lengths) + 3  # 3 rows past the last sequence: left untouched (zero from the Python layer)
+        shape = (N,)
+        cu = cu_seqlens_of(lengths)
+    else:
+        shape = (2, lengths[0])
+        cu = None
+    q = torch.randn(*shape, Hq, Dqk, generator=g).to(dtype)
+    k = torch.randn(*shape, Hkv, Dqk, generator=g).to(dtype)
+    v = torch.randn(*shape, Hkv, Dv, generator=g).to(dtype)
+    idx = _indices(lengths, Hkv, n, block, packed, future, seed=2)
+    if packed:
+        idx = torch.cat([idx, torch.full((3, Hkv, n), -1, dtype=torch.int32)])
+    else:
+        idx = torch.cat([idx, _indices(lengths, Hkv, n, block, packed, future, seed=3)])
+    d_o = torch.randn(*shape, Hq, Dv, generator=g).to(dtype)
+
+    o_ref, lse_ref, g_ref = _run_selected(q.double(), k.double(), v.double(), idx, block, cu, d_o.double())
+    dev = [x.cuda() for x in (q, k, v)]
+    cu_d = None if cu is None else cu.cuda()
+    o_base, _, g_base = _naive_selected(*dev, idx.cuda(), block, cu_d, d_o.cuda())
+    poison_allocator()
+    o, lse, grads = _run_selected(*dev, idx.cuda(), block, cu_d, d_o.cuda())
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert_lowp(o, o_ref, o_base, dtype, "o")
+    assert_lse(lse, lse_ref)
+    for name, got, ref, base in zip(("dq", "dk", "dv"), grads, g_ref, g_base):
+        assert_lowp(got, ref, base, dtype, name)
+
+
+def test_selected_attention_backward_deterministic():
+    T, Hq, Hkv, D, block, n = 777, 8, 2, 128, 64, 16
+    g = torch.Generator().manual_seed(5)
+    q, k, v, d_o = (torch.randn(1, T, h, D, generator=g).to(torch.bfloat16).cuda() for h in (Hq, Hkv, Hkv, Hq))
+    idx = _indices([T], Hkv, n, block, False, False, seed=6).cuda()
+    first = _run_selected(q, k, v, idx, block, None, d_o)
+    for _ in range(2):
+        poison_allocator()
+        again = _run_selected(q, k, v, idx, block, None, d_o)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+        for a, b in zip(first[2], again[2]):
+            assert torch.equal(a, b)
+
+
+def test_selected_attention_out_of_range_indices_are_ignored():
+    """Device indices are not validated (that would need a device read): entries past the sequence or
+    starting after t contribute nothing, and a negative entry ends the list; no fault, no NaN."""
+    T, Hq, Hkv, D, block, n = 300, 4, 1, 64, 64, 8
+    g = torch.Generator().manual_seed(7)
+    q, k, v, d_o = (torch.randn(1, T, h, D, generator=g).to(torch.float16).cuda() for h in (Hq, Hkv, Hkv, Hq))
+    clean = torch.full((1, T, Hkv, n), -1, dtype=torch.int32)
+    clean[..., 0] = 0
+    clean[..., 1] = torch.arange(T, dtype=torch.int32).view(1, T, 1) // block
+    clean[..., 1] = torch.where(clean[..., 1] == 0, torch.full_like(clean[..., 1], -1), clean[..., 1])
+    bad = clean.clone()
+    # after the valid entries (or in place of the -1 padding): huge blocks, then a negative terminator and junk
+    first_pad = (clean >= 0).sum(-1, keepdim=True)
+    cols = torch.arange(n).view(1, 1, 1, n)
+    bad = torch.where(cols == first_pad, torch.full_like(bad, 1 << 30), bad)
+    bad = torch.where(cols == first_pad + 1, torch.full_like(bad, -7), bad)
+    bad = torch.where(cols == first_pad + 2, torch.zeros_like(bad), bad)  # after the terminator: ignored
+    a = _run_selected(q, k, v, clean.cuda(), block, None, d_o)
+    b = _run_selected(q, k, v, bad.cuda(), block, None, d_o)
+    torch.cuda.synchronize()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for x, y in zip(a[2], b[2]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dims", [(96, 96), (128, 64), (32, 32)])
+def test_selected_attention_unsupported_head_dims(dims):
+    Dqk, Dv = dims
+    q = torch.randn(1, 64, 2, Dqk, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, 64, 1, Dqk, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(1, 64, 1, Dv, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(1, 64, 1, 1, dtype=torch.int32, device="cuda")
+    with pytest.raises(sa.SparseAttnUnsupportedError, match="head dims"):
+        sa.selected_attention(q, k, v, idx)
+
+
+def test_float32_on_cuda_is_a_clear_error():
+    q = torch.randn(1, 64, 2, 64, device="cuda")
+    k = torch.randn(1, 64, 1, 64, device="cuda")
+    idx = torch.zeros(1, 64, 1, 1, dtype=torch.int32, device="cuda")
+    with pytest.raises(sa.SparseAttnUnsupportedError, match="float16 or bfloat16"):
+        sa.selected_attention(q, k, k, idx)
+    kc = torch.randn(1, 3, 1, 64, device="cuda")
+    lse = torch.zeros(1, 2, 64, device="cuda")
+    with pytest.raises(sa.SparseAttnUnsupportedError, match="float16 or bfloat16"):
+        sa.select_blocks(q, kc, lse)
