@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "api/check.h"
+#include "api/cuda_limits.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
 #include "cuda/attention/ops.h"
@@ -83,38 +84,17 @@ CompressedShapes check_common(const detail::Check& check, const Params& params) 
   return shapes;
 }
 
-// CUDA-only limits of the attention kernels, checked before any launch: fp16/bf16, the head-dim pairs
-// with kernels, 16-byte aligned rows (cp.async copies 16-byte chunks).
-void check_cuda_tensor(const detail::Check& check, const TensorView& t, const std::string& arg) {
-  if (!t.present()) return;
-  bool aligned = reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
-  for (int d = 0; d + 1 < t.rank; ++d) aligned = aligned && t.stride[d] % 8 == 0;
-  check.require(aligned, ErrorKind::unsupported, arg,
-                "the CUDA kernels need a 16-byte aligned data pointer and strides (except the innermost) that are "
-                "multiples of 8 elements");
-}
-
-void check_cuda_attention(const detail::Check& check, const TensorView& q, std::int64_t dim_qk, std::int64_t dim_v) {
-  check.require(q.dtype == DType::float16 || q.dtype == DType::bfloat16, ErrorKind::unsupported, "q",
-                std::string("is ") + dtype_name(q.dtype) +
-                    "; the CUDA attention kernels take float16 or bfloat16 (float32 and float64 run on the CPU)");
-#ifdef SPARSEATTN_WITH_CUDA
-  const bool dims = cuda::attention_head_dims_supported(dim_qk, dim_v);
-#else
-  const bool dims = false;
-#endif
-  check.require(dims, ErrorKind::unsupported, dim_qk == 64 || dim_qk == 128 || dim_qk == 192 || dim_qk == 256 ? "v" : "q",
-                "head dims (Dqk, Dv) = (" + std::to_string(dim_qk) + ", " + std::to_string(dim_v) +
-                    ") have no CUDA kernel; supported: (64, 64), (128, 128), (192, 128), (256, 256)");
-}
-
 template <class Params>
 void check_cuda_compressed(const detail::Check& check, const Params& params, const CompressedShapes& shapes) {
-  check_cuda_attention(check, params.q, shapes.dim_qk, shapes.dim_v);
-  check_cuda_tensor(check, params.q, "q");
-  check_cuda_tensor(check, params.k_cmp, "k_cmp");
-  check_cuda_tensor(check, params.v_cmp, "v_cmp");
-  check_cuda_tensor(check, params.o, "o");
+  detail::check_cuda_half(check, params.q);
+#ifdef SPARSEATTN_WITH_CUDA
+  detail::check_cuda_head_dims(check, cuda::attention_head_dims_supported(shapes.dim_qk, shapes.dim_v), shapes.dim_qk,
+                               shapes.dim_v);
+#endif
+  detail::check_cuda_rows(check, params.q, "q");
+  detail::check_cuda_rows(check, params.k_cmp, "k_cmp");
+  detail::check_cuda_rows(check, params.v_cmp, "v_cmp");
+  detail::check_cuda_rows(check, params.o, "o");
 }
 
 }  // namespace
@@ -162,10 +142,10 @@ void compressed_attention_backward(const CompressedAttentionBackwardParams& para
     case detail::Backend::cpu: reference::compressed_attention_backward(params); break;
     case detail::Backend::cuda:
       check_cuda_compressed(check, params, shapes);
-      check_cuda_tensor(check, params.d_o, "d_o");
-      check_cuda_tensor(check, params.dq, "dq");
-      check_cuda_tensor(check, params.dk_cmp, "dk_cmp");
-      check_cuda_tensor(check, params.dv_cmp, "dv_cmp");
+      detail::check_cuda_rows(check, params.d_o, "d_o");
+      detail::check_cuda_rows(check, params.dq, "dq");
+      detail::check_cuda_rows(check, params.dk_cmp, "dk_cmp");
+      detail::check_cuda_rows(check, params.dv_cmp, "dv_cmp");
 #ifdef SPARSEATTN_WITH_CUDA
       cuda::compressed_attention_backward(params);
 #endif

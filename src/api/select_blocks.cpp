@@ -5,6 +5,7 @@
 
 #include "api/block_checks.h"
 #include "api/check.h"
+#include "api/cuda_limits.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
 #include "cuda/selection/ops.h"
@@ -44,8 +45,7 @@ void select_blocks(const SelectBlocksParams& params) {
   const detail::Backend backend = detail::backend(check, params.q, "q", detail::kCudaBuilt);
 #ifdef SPARSEATTN_WITH_CUDA
   if (backend == detail::Backend::cuda) {
-    check.require(params.q.dtype == DType::float16 || params.q.dtype == DType::bfloat16, ErrorKind::unsupported, "q",
-                  "the CUDA kernel takes float16 or bfloat16; float32 runs on the CPU reference only");
+    detail::check_cuda_half(check, params.q);
     check.require(dim == 64 || dim == 128 || dim == 192 || dim == 256, ErrorKind::unsupported, "q",
                   "head dim " + std::to_string(dim) + " has no CUDA kernel (64, 128, 192 or 256)");
     const std::int64_t max_length =

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "api/check.h"
+#include "api/cuda_limits.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
 #include "cuda/selection/ops.h"
@@ -71,19 +72,10 @@ SelectedShapes check_common(const detail::Check& check, const Params& params) {
 void check_cuda(const detail::Check& check, const SelectedShapes& shapes, const TensorView& q,
                 const std::initializer_list<std::pair<const TensorView*, const char*>>& rows, std::int64_t count) {
 #ifdef SPARSEATTN_WITH_CUDA
-  check.require(q.dtype == DType::float16 || q.dtype == DType::bfloat16, ErrorKind::unsupported, "q",
-                "the CUDA kernels take float16 or bfloat16; float32 runs on the CPU reference only");
-  check.require(cuda::selected_attention_supports(shapes.dim_qk, shapes.dim_v), ErrorKind::unsupported,
-                shapes.dim_qk == 64 || shapes.dim_qk == 128 || shapes.dim_qk == 192 || shapes.dim_qk == 256 ? "v" : "q",
-                "head dims (Dqk, Dv) = (" + std::to_string(shapes.dim_qk) + ", " + std::to_string(shapes.dim_v) +
-                    ") have no CUDA kernel; supported: (64, 64), (128, 128), (192, 128), (256, 256)");
-  for (const auto& [tensor, name] : rows) {
-    bool aligned = reinterpret_cast<std::uintptr_t>(tensor->data) % 16 == 0;
-    for (int d = 0; d + 1 < tensor->rank; ++d) aligned = aligned && tensor->stride[d] % 8 == 0;
-    check.require(aligned, ErrorKind::unsupported, name,
-                  "the CUDA kernels read rows in 16-byte pieces: the data must be 16-byte aligned and every stride "
-                  "but the last a multiple of 8 elements");
-  }
+  detail::check_cuda_half(check, q);
+  detail::check_cuda_head_dims(check, cuda::selected_attention_supports(shapes.dim_qk, shapes.dim_v), shapes.dim_qk,
+                               shapes.dim_v);
+  for (const auto& [tensor, name] : rows) detail::check_cuda_rows(check, *tensor, name);
   const std::int64_t total_rows = shapes.layout.packed ? shapes.layout.rows : shapes.layout.batch * shapes.layout.rows;
   check.require(total_rows * shapes.kv_heads * count < (std::int64_t{1} << 31) - 1, ErrorKind::unsupported, "indices",
                 "tokens x KV heads x n must stay below 2^31 for the CUDA backward's inverse index");

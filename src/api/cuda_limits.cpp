@@ -1,0 +1,27 @@
+#include "api/cuda_limits.h"
+
+namespace sparseattn::detail {
+
+void check_cuda_half(const Check& check, const TensorView& q) {
+  check.require(q.dtype == DType::float16 || q.dtype == DType::bfloat16, ErrorKind::unsupported, "q",
+                std::string("is ") + dtype_name(q.dtype) +
+                    "; the CUDA attention kernels take float16 or bfloat16 (float32 and float64 run on the CPU)");
+}
+
+void check_cuda_head_dims(const Check& check, bool supported, std::int64_t dim_qk, std::int64_t dim_v) {
+  const bool qk_known = dim_qk == 64 || dim_qk == 128 || dim_qk == 192 || dim_qk == 256;
+  check.require(supported, ErrorKind::unsupported, qk_known ? "v" : "q",
+                "head dims (Dqk, Dv) = (" + std::to_string(dim_qk) + ", " + std::to_string(dim_v) +
+                    ") have no CUDA kernel; supported: (64, 64), (128, 128), (192, 128), (256, 256)");
+}
+
+void check_cuda_rows(const Check& check, const TensorView& t, const std::string& arg) {
+  if (!t.present()) return;
+  bool aligned = reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
+  for (int d = 0; d + 1 < t.rank; ++d) aligned = aligned && t.stride[d] % 8 == 0;
+  check.require(aligned, ErrorKind::unsupported, arg,
+                "the CUDA kernels need a 16-byte aligned data pointer and strides (except the innermost) that are "
+                "multiples of 8 elements");
+}
+
+}  // namespace sparseattn::detail
