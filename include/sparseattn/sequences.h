@@ -1,7 +1,9 @@
 // How tokens are grouped into sequences, and the NSA block arithmetic every operation shares.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <optional>
 
 #include "sparseattn/tensor.h"
 
@@ -15,6 +17,11 @@ struct Sequences {
   TensorView cu_seqlens;        // int32 [B+1], on the device of the data; absent for the batched layout
   std::int64_t max_seqlen = 0;  // packed only: an upper bound of every length (0: use N); sizes GPU grids
 };
+
+// The softmax scale every attention operation uses: the caller's, else 1/sqrt(Dqk).
+inline double softmax_scale(const std::optional<double>& scale, std::int64_t dim_qk) {
+  return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(dim_qk));
+}
 
 // Number of compressed blocks of a sequence of `length` tokens: block j covers [j*stride, j*stride+block).
 inline std::int64_t num_compressed_blocks(std::int64_t length, std::int64_t block, std::int64_t stride) {

@@ -232,7 +232,7 @@ void Check::buffer(const void* data, std::size_t bytes, std::size_t needed, cons
 DType lse_dtype(DType input) { return input == DType::float64 ? DType::float64 : DType::float32; }
 
 double resolve_scale(const Check& check, const std::optional<double>& scale, std::int64_t dim) {
-  if (!scale) return 1.0 / std::sqrt(static_cast<double>(dim));
+  if (!scale) return softmax_scale(scale, dim);
   check.require(std::isfinite(*scale) && *scale > 0, ErrorKind::config, "scale",
                 "expected a finite positive value, got " + std::to_string(*scale));
   return *scale;

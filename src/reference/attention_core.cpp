@@ -262,4 +262,22 @@ void store_lse(const Dense& values, const TensorView& out, bool packed, const st
   }
 }
 
+BackwardInputs load_backward_inputs(const TensorView& o, const TensorView& lse, const TensorView& d_o, bool packed) {
+  return {load_tokens(o, packed), load_tokens(lse, packed), load_tokens(d_o, packed)};
+}
+
+void attention_forward_into(const AttentionProblem& problem, bool packed, const TensorView& o, const TensorView& lse) {
+  const AttentionOutputs out = attention_forward(problem);
+  store_tokens(out.o, o, packed, problem.q_spans);
+  store_lse(out.lse, lse, packed, problem.q_spans);
+}
+
+void attention_backward_into(const AttentionProblem& problem, const BackwardInputs& inputs, bool packed,
+                             const TensorView& dq, const TensorView& dk, const TensorView& dv) {
+  const AttentionGradients grads = attention_backward(problem, inputs.o, inputs.lse, inputs.d_o);
+  store_tokens(grads.dq, dq, packed, problem.q_spans);
+  store_tokens(grads.dk, dk, packed, problem.k_spans);
+  store_tokens(grads.dv, dv, packed, problem.k_spans);
+}
+
 }  // namespace sparseattn::reference

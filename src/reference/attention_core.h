@@ -73,4 +73,16 @@ void store_tokens(const Dense& values, const TensorView& out, bool packed, const
 // The same for a log-sum-exp ([Bd, H, N]; packed `out` is [H, N]).
 void store_lse(const Dense& values, const TensorView& out, bool packed, const std::vector<Span>& spans);
 
+// The inputs of a backward pass (the forward's o and lse, and d_o), loaded once.
+struct BackwardInputs {
+  Dense o, lse, d_o;
+};
+BackwardInputs load_backward_inputs(const TensorView& o, const TensorView& lse, const TensorView& d_o, bool packed);
+
+// An operation's whole forward: runs attention_forward and writes o and lse through store_tokens/store_lse.
+void attention_forward_into(const AttentionProblem& problem, bool packed, const TensorView& o, const TensorView& lse);
+// An operation's whole backward: runs attention_backward and writes dq (query rows), dk and dv (key rows).
+void attention_backward_into(const AttentionProblem& problem, const BackwardInputs& inputs, bool packed,
+                             const TensorView& dq, const TensorView& dk, const TensorView& dv);
+
 }  // namespace sparseattn::reference

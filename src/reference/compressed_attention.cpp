@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <cmath>
 
 #include "reference/attention_core.h"
 #include "reference/dense.h"
@@ -24,7 +23,7 @@ struct CompressedProblem {
         k_cmp(load_tokens(params.k_cmp, layout.packed)),
         v_cmp(load_tokens(params.v_cmp, layout.packed)),
         problem{q, k_cmp, v_cmp, spans(layout, params.seqs.cu_seqlens), spans(layout_cmp, params.cu_seqlens_cmp),
-                params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(q.dim(3))), {}, {}} {
+                softmax_scale(params.scale, q.dim(3)), {}, {}} {
     problem.visible_keys = [this, block = std::int64_t{params.block}, stride = std::int64_t{params.stride}](
                                std::int64_t seq, std::int64_t t, std::int64_t, std::vector<std::int64_t>& keys) {
       keys.clear();
@@ -40,19 +39,14 @@ struct CompressedProblem {
 
 void compressed_attention(const CompressedAttentionParams& params) {
   const CompressedProblem cmp(params);
-  const AttentionOutputs out = attention_forward(cmp.problem);
-  store_tokens(out.o, params.o, cmp.layout.packed, cmp.problem.q_spans);
-  store_lse(out.lse, params.lse, cmp.layout.packed, cmp.problem.q_spans);
+  attention_forward_into(cmp.problem, cmp.layout.packed, params.o, params.lse);
 }
 
 void compressed_attention_backward(const CompressedAttentionBackwardParams& params) {
   const CompressedProblem cmp(params);
   const bool packed = cmp.layout.packed;
-  const AttentionGradients grads = attention_backward(cmp.problem, load_tokens(params.o, packed),
-                                                      load_tokens(params.lse, packed), load_tokens(params.d_o, packed));
-  store_tokens(grads.dq, params.dq, packed, cmp.problem.q_spans);
-  store_tokens(grads.dk, params.dk_cmp, packed, cmp.problem.k_spans);
-  store_tokens(grads.dv, params.dv_cmp, packed, cmp.problem.k_spans);
+  attention_backward_into(cmp.problem, load_backward_inputs(params.o, params.lse, params.d_o, packed), packed,
+                          params.dq, params.dk_cmp, params.dv_cmp);
 }
 
 }  // namespace sparseattn::reference

@@ -47,7 +47,7 @@ struct FlashProblem {
         layout_q(token_layout(params.q, params.seqs_q.cu_seqlens)),
         layout_k(token_layout(params.k, params.seqs_k.cu_seqlens)),
         problem{q, k, v, spans(layout_q, params.seqs_q.cu_seqlens), spans(layout_k, params.seqs_k.cu_seqlens),
-                params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(q.dim(3))), {}, {}} {
+                softmax_scale(params.scale, q.dim(3)), {}, {}} {
     problem.visible_keys = [this, causal = params.causal, left = params.window_left, right = params.window_right](
                                std::int64_t seq, std::int64_t t, std::int64_t, std::vector<std::int64_t>& keys) {
       const std::int64_t keys_len = problem.k_spans[seq].length;
@@ -127,22 +127,15 @@ void bias_gradient(const FlashProblem& flash, const Dense& o, const Dense& lse, 
 
 void flash_attention(const FlashAttentionParams& params) {
   const FlashProblem flash(params);
-  const AttentionOutputs out = attention_forward(flash.problem);
-  store_tokens(out.o, params.o, flash.layout_q.packed, flash.problem.q_spans);
-  store_lse(out.lse, params.lse, flash.layout_q.packed, flash.problem.q_spans);
+  attention_forward_into(flash.problem, flash.layout_q.packed, params.o, params.lse);
 }
 
 void flash_attention_backward(const FlashAttentionBackwardParams& params) {
   const FlashProblem flash(params);
   const bool packed = flash.layout_q.packed;
-  const Dense o = load_tokens(params.o, packed);
-  const Dense lse = load_tokens(params.lse, packed);
-  const Dense d_o = load_tokens(params.d_o, packed);
-  const AttentionGradients grads = attention_backward(flash.problem, o, lse, d_o);
-  store_tokens(grads.dq, params.dq, packed, flash.problem.q_spans);
-  store_tokens(grads.dk, params.dk, packed, flash.problem.k_spans);
-  store_tokens(grads.dv, params.dv, packed, flash.problem.k_spans);
-  if (params.dbias.present()) bias_gradient(flash, o, lse, d_o, params.dbias);
+  const BackwardInputs inputs = load_backward_inputs(params.o, params.lse, params.d_o, packed);
+  attention_backward_into(flash.problem, inputs, packed, params.dq, params.dk, params.dv);
+  if (params.dbias.present()) bias_gradient(flash, inputs.o, inputs.lse, inputs.d_o, params.dbias);
 }
 
 }  // namespace sparseattn::reference

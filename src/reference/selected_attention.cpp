@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <cmath>
 
 #include "reference/attention_core.h"
 #include "reference/dense.h"
@@ -27,7 +26,7 @@ struct SelectedProblem {
         kv_heads(k.dim(2)),
         count(params.indices.shape[params.indices.rank - 1]),
         problem{q, k, v, spans(layout, params.seqs.cu_seqlens), spans(layout, params.seqs.cu_seqlens),
-                params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(q.dim(3))), {}, {}} {
+                softmax_scale(params.scale, q.dim(3)), {}, {}} {
     problem.visible_keys = [this, block = std::int64_t{params.block}](std::int64_t seq, std::int64_t t,
                                                                        std::int64_t kv_head,
                                                                        std::vector<std::int64_t>& keys) {
@@ -48,19 +47,14 @@ struct SelectedProblem {
 
 void selected_attention(const SelectedAttentionParams& params) {
   const SelectedProblem slc(params);
-  const AttentionOutputs out = attention_forward(slc.problem);
-  store_tokens(out.o, params.o, slc.layout.packed, slc.problem.q_spans);
-  store_lse(out.lse, params.lse, slc.layout.packed, slc.problem.q_spans);
+  attention_forward_into(slc.problem, slc.layout.packed, params.o, params.lse);
 }
 
 void selected_attention_backward(const SelectedAttentionBackwardParams& params) {
   const SelectedProblem slc(params);
   const bool packed = slc.layout.packed;
-  const AttentionGradients grads = attention_backward(slc.problem, load_tokens(params.o, packed),
-                                                      load_tokens(params.lse, packed), load_tokens(params.d_o, packed));
-  store_tokens(grads.dq, params.dq, packed, slc.problem.q_spans);
-  store_tokens(grads.dk, params.dk, packed, slc.problem.k_spans);
-  store_tokens(grads.dv, params.dv, packed, slc.problem.k_spans);
+  attention_backward_into(slc.problem, load_backward_inputs(params.o, params.lse, params.d_o, packed), packed,
+                          params.dq, params.dk, params.dv);
 }
 
 }  // namespace sparseattn::reference

@@ -67,7 +67,7 @@ AttnArgs<T> args_of(const TensorView& q, const TensorView& k, const TensorView& 
   a.dv = tokens_or_null<T>(dv);
   a.delta = workspace ? delta_rows(workspace, q) : Rows{nullptr, 0, 0};
   a.group = static_cast<int>(q.shape[q.rank - 2] / k.shape[k.rank - 2]);
-  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.shape[q.rank - 1]));
+  const double s = softmax_scale(scale, q.shape[q.rank - 1]);
   a.scale = static_cast<float>(s);
   a.scale_log2 = static_cast<float>(s * 1.4426950408889634);
   return a;

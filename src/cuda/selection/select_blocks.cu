@@ -200,7 +200,7 @@ void select_blocks(const SelectBlocksParams& p) {
   if (s.batch <= 0 || s.max_len <= 0) return;
   const SelectConfig c{heads_kv,      heads_q / heads_kv, dim,          p.cmp_block, p.cmp_stride,
                        p.sel_block,   p.num_selected,     p.num_init,   p.num_local,
-                       static_cast<float>(p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(dim)))};
+                       static_cast<float>(softmax_scale(p.scale, dim))};
   const std::int64_t max_blocks = (s.max_len + p.sel_block - 1) / p.sel_block + 1;
   const std::size_t smem = smem_bytes(s.max_len, p.sel_block, c.group, dim, p.num_selected);
   const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(heads_kv), static_cast<unsigned>(s.batch));

@@ -747,7 +747,7 @@ void selected_attention(const SelectedAttentionParams& p) {
   const std::int64_t heads_kv = p.k.shape[p.k.rank - 2], dv = p.v.shape[p.v.rank - 1];
   if (s.batch <= 0 || s.max_len <= 0 || heads_q <= 0) return;
   const std::int64_t group = heads_q / heads_kv, chunks = (group + kRows - 1) / kRows;
-  const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(dqk));
+  const double scale = softmax_scale(p.scale, dqk);
   const FwdConfig c{heads_kv, group, chunks, p.indices.shape[p.indices.rank - 1], p.block,
                     static_cast<float>(scale * 1.4426950408889634)};
   const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(heads_kv * chunks),
@@ -791,7 +791,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p) {
   auto* seg_begin = reinterpret_cast<std::int32_t*>(ws + plan.seg_begin);
   auto* seg_end = reinterpret_cast<std::int32_t*>(ws + plan.seg_end);
   const std::int64_t group = plan.heads_q / plan.heads_kv, chunks = (group + kRows - 1) / kRows;
-  const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(static_cast<double>(dqk));
+  const double scale = softmax_scale(p.scale, dqk);
   const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const SeqTable table = selection::seq_table(s, p.seqs);
   const auto* cu = static_cast<const std::int32_t*>(p.seqs.cu_seqlens.data);
