@@ -1,6 +1,7 @@
 // select_blocks: group-shared top-n selection of key blocks from compressed-attention probabilities.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 
 #include "sparseattn/sequences.h"
@@ -28,9 +29,15 @@ struct SelectBlocksParams {
   int num_init = 1;       // forced initial blocks
   int num_local = 2;      // forced local blocks (the query's own block and the ones before it)
   std::optional<double> scale;  // must be the scale compressed attention used; default 1/sqrt(Dqk)
+  void* workspace = nullptr;    // on q's device, 16-byte aligned, of the size the function below gives
+  std::size_t workspace_bytes = 0;
   Stream stream = nullptr;
 };
 
+// Bytes of device scratch select_blocks needs (0 on the CPU): a fixed number of tiles of pooled scores,
+// so it grows with T (one row of scores per tile row), never with T^2. Depends on shapes, config and
+// device only (views may have no data).
+std::size_t select_blocks_workspace_size(const SelectBlocksParams& params);
 void select_blocks(const SelectBlocksParams& params);
 
 }  // namespace sparseattn

@@ -22,6 +22,8 @@ struct SelectedAttentionParams {
   Sequences seqs;
   int block = 64;  // l'
   std::optional<double> scale;
+  void* workspace = nullptr;  // on q's device, 16-byte aligned, of the size the function below gives
+  std::size_t workspace_bytes = 0;
   Stream stream = nullptr;
 };
 
@@ -37,6 +39,8 @@ struct SelectedAttentionBackwardParams {
   Stream stream = nullptr;
 };
 
+// Bytes of device scratch the forward needs (0 on the CPU); depends on shapes, dtypes and device only.
+std::size_t selected_attention_workspace_size(const SelectedAttentionParams& params);
 void selected_attention(const SelectedAttentionParams& params);
 // Bytes of device scratch the backward needs (0 on the CPU); depends on shapes, dtypes and device only.
 std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBackwardParams& params);

@@ -269,7 +269,7 @@ def select_blocks(
         indices = torch.full(shape, -1, dtype=torch.int32, device=q.device)
     _C.select_blocks(_arr(q), _arr(k_cmp), _arr(lse_cmp), indices, _arr(cu_seqlens), _arr(cu_seqlens_cmp),
                      max_seqlen, cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, scale,
-                     _stream(q))
+                     _workspace_allocator(q), _stream(q))
     return indices
 
 
@@ -297,7 +297,7 @@ def selected_attention(
     o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
     lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
     _C.selected_attention(_arr(q), _arr(k), _arr(v), _arr(indices), o, lse, _arr(cu_seqlens), max_seqlen, block,
-                          scale, _stream(q))
+                          scale, _workspace_allocator(q), _stream(q))
     return o, lse
 
 

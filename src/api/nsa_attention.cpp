@@ -25,10 +25,43 @@ namespace {
 const char* const kGradGate[kNumBranches] = {"d_g_cmp", "d_g_slc", "d_g_swa"};
 
 
+// The forward calls of the steps that take a workspace, built in one place so that the workspace covers
+// exactly what they ask for.
+struct ForwardSteps {
+  SelectBlocksParams select;
+  SelectedAttentionParams slc;
+};
+
+ForwardSteps forward_steps(const detail::NsaPlan& plan, const NsaParams& p, const detail::NsaWorkspace& ws) {
+  const NsaConfig& c = p.config;
+  void* workspace = ws.step_workspace.data;
+  const std::size_t workspace_bytes = ws.step_workspace.present() ? ws.step_workspace.numel() : 0;
+  ForwardSteps steps;
+  steps.select = {.q = p.q, .k_cmp = plan.user_cmp ? p.k_cmp : ws.k_cmp, .lse_cmp = ws.lse[0],
+                  .indices = ws.indices, .seqs = p.seqs, .cu_seqlens_cmp = p.cu_seqlens_cmp,
+                  .cmp_block = c.cmp_block, .cmp_stride = c.cmp_stride, .sel_block = c.sel_block,
+                  .num_selected = c.num_selected, .num_init = c.num_init, .num_local = c.num_local,
+                  .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes,
+                  .stream = p.stream};
+  steps.slc = {.q = p.q, .k = p.k, .v = p.v, .indices = plan.run_selection ? ws.indices : p.block_indices,
+               .o = ws.o[1], .lse = ws.lse[1], .seqs = p.seqs, .block = c.sel_block, .scale = c.scale,
+               .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = p.stream};
+  return steps;
+}
+
+// The workspace views, the last slice sized for the largest step workspace (found from shape-only views).
+detail::NsaWorkspace workspace_for(const detail::NsaPlan& plan, const NsaParams& params, void* base) {
+  const ForwardSteps sizing = forward_steps(plan, params, detail::nsa_workspace(plan, nullptr, 0));
+  std::size_t bytes = 0;
+  if (plan.run_selection) bytes = std::max(bytes, select_blocks_workspace_size(sizing.select));
+  if (plan.branch[1]) bytes = std::max(bytes, selected_attention_workspace_size(sizing.slc));
+  return detail::nsa_workspace(plan, base, bytes);
+}
+
 // Validates the forward params and the workspace; returns the plan and the workspace views.
 std::pair<detail::NsaPlan, detail::NsaWorkspace> prepare(const detail::Check& check, const NsaParams& params) {
   detail::NsaPlan plan = detail::plan_nsa(check, params, /*read_contents=*/true);
-  detail::NsaWorkspace workspace = detail::nsa_workspace(plan, params.workspace);
+  detail::NsaWorkspace workspace = workspace_for(plan, params, params.workspace);
   check.buffer(params.workspace, params.workspace_bytes, workspace.bytes, "workspace", "nsa_workspace_size");
   return {plan, workspace};
 }
@@ -125,13 +158,13 @@ detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, 
 
 std::size_t nsa_workspace_size(const NsaParams& params) {
   const detail::Check check("nsa_workspace_size");
-  return detail::nsa_workspace(detail::plan_nsa(check, params, /*read_contents=*/false), nullptr).bytes;
+  return workspace_for(detail::plan_nsa(check, params, /*read_contents=*/false), params, nullptr).bytes;
 }
 
 std::size_t nsa_backward_scratch_size(const NsaParams& params) {
   const detail::Check check("nsa_backward_scratch_size");
   const detail::NsaPlan plan = detail::plan_nsa(check, params, /*read_contents=*/false);
-  return scratch_for(plan, params, detail::nsa_workspace(plan, nullptr), nullptr).bytes;
+  return scratch_for(plan, params, workspace_for(plan, params, nullptr), nullptr).bytes;
 }
 
 void nsa_attention(const NsaParams& params) {
@@ -152,18 +185,9 @@ void nsa_attention(const NsaParams& params) {
                           .seqs = params.seqs, .cu_seqlens_cmp = params.cu_seqlens_cmp, .block = c.cmp_block,
                           .stride = c.cmp_stride, .scale = c.scale, .stream = params.stream});
   }
-  if (plan.run_selection) {
-    select_blocks({.q = params.q, .k_cmp = k_cmp, .lse_cmp = ws.lse[0], .indices = ws.indices, .seqs = params.seqs,
-                   .cu_seqlens_cmp = params.cu_seqlens_cmp, .cmp_block = c.cmp_block, .cmp_stride = c.cmp_stride,
-                   .sel_block = c.sel_block, .num_selected = c.num_selected, .num_init = c.num_init,
-                   .num_local = c.num_local, .scale = c.scale, .stream = params.stream});
-  }
-  if (plan.branch[1]) {
-    selected_attention({.q = params.q, .k = params.k, .v = params.v,
-                        .indices = plan.run_selection ? ws.indices : params.block_indices, .o = ws.o[1],
-                        .lse = ws.lse[1], .seqs = params.seqs, .block = c.sel_block, .scale = c.scale,
-                        .stream = params.stream});
-  }
+  const ForwardSteps steps = forward_steps(plan, params, ws);
+  if (plan.run_selection) select_blocks(steps.select);
+  if (plan.branch[1]) selected_attention(steps.slc);
   if (plan.branch[2]) {
     flash_attention({.q = params.q, .k = params.k, .v = params.v, .mask = {}, .bias = {}, .o = ws.o[2],
                      .lse = ws.lse[2], .seqs_q = params.seqs, .seqs_k = params.seqs, .causal = true,

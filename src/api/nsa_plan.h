@@ -40,6 +40,7 @@ struct NsaWorkspace {
   TensorView indices;                              // when selection runs
   TensorView combined;  // packed layout: combine's output, whose rows of sequences are then copied to o
                         // (combine writes every row; rows past cu_seqlens[B] of o must stay untouched)
+  TensorView step_workspace;  // uint8: the workspace of select_blocks and then selected_attention
   std::size_t bytes = 0;
 };
 
@@ -57,7 +58,8 @@ struct NsaScratch {
 
 // Views carved from `base` (null: sizes only, views with null data). Slices start at 256-byte offsets
 // from `base`, which must be 16-byte aligned (checked by nsa_attention).
-NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base);
+// `step_workspace_bytes`: the largest workspace a forward step asks for (0 while sizing).
+NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes);
 // `branch_workspace_bytes`: the largest workspace a branch's backward asks for (0 while sizing).
 NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_workspace_bytes);
 

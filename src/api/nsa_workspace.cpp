@@ -45,7 +45,7 @@ class Carver {
 
 }  // namespace
 
-NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base) {
+NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes) {
   Carver carve(plan, base);
   const TokenLayout& layout = plan.layout;
   NsaWorkspace ws;
@@ -60,6 +60,9 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base) {
   }
   if (plan.run_selection) ws.indices = carve.take(DType::int32, layout.tokens(plan.heads_kv, plan.num_selected));
   if (layout.packed) ws.combined = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+  if (step_workspace_bytes > 0) {
+    ws.step_workspace = carve.take(DType::boolean, {static_cast<std::int64_t>(step_workspace_bytes)});
+  }
   ws.bytes = carve.bytes();
   return ws;
 }

@@ -1,6 +1,5 @@
 #include "sparseattn/select_blocks.h"
 
-#include <algorithm>
 #include <string>
 
 #include "api/block_checks.h"
@@ -12,6 +11,19 @@
 #endif
 
 namespace sparseattn {
+
+std::size_t select_blocks_workspace_size(const SelectBlocksParams& params) {
+  // From shapes only (views may have no data); the CPU reference keeps its scratch on the host.
+#ifdef SPARSEATTN_WITH_CUDA
+  const TensorView& q = params.q;
+  if (q.device == DeviceType::cuda && (q.rank == 3 || q.rank == 4) && params.k_cmp.rank == q.rank &&
+      params.indices.rank == q.rank && params.sel_block > 0 && (q.rank == 4 || params.seqs.cu_seqlens.rank == 1)) {
+    return cuda::select_blocks_workspace_size(params);
+  }
+#endif
+  (void)params;
+  return 0;
+}
 
 void select_blocks(const SelectBlocksParams& params) {
   const detail::Check check("select_blocks");
@@ -48,15 +60,20 @@ void select_blocks(const SelectBlocksParams& params) {
     detail::check_cuda_half(check, params.q);
     check.require(dim == 64 || dim == 128 || dim == 192 || dim == 256, ErrorKind::unsupported, "q",
                   "head dim " + std::to_string(dim) + " has no CUDA kernel (64, 128, 192 or 256)");
-    const std::int64_t max_length =
-        layout.packed && params.seqs.max_seqlen > 0 ? std::min(params.seqs.max_seqlen, layout.rows) : layout.rows;
-    check.require(cuda::select_blocks_fits(max_length, params.sel_block, heads_q / heads_kv, dim, params.num_selected,
-                                           params.q.device_index),
-                  ErrorKind::unsupported, "q",
-                  "sequences of up to " + std::to_string(max_length) + " tokens need more shared memory per block "
-                  "than this GPU has (one row of pooled scores, the group's queries)");
+    detail::check_cuda_rows(check, params.q, "q");
+    detail::check_cuda_rows(check, params.k_cmp, "k_cmp");
+    check.require(heads_q / heads_kv <= cuda::kSelectMaxGroup, ErrorKind::unsupported, "k_cmp",
+                  "the CUDA kernel takes up to " + std::to_string(cuda::kSelectMaxGroup) +
+                      " query heads per KV head, got " + std::to_string(heads_q / heads_kv));
+    check.require(cuda::select_blocks_config_supported(params.cmp_block, params.cmp_stride, params.sel_block),
+                  ErrorKind::unsupported, "cmp_stride",
+                  "the CUDA kernel needs sel_block / cmp_stride + cmp_block / cmp_stride - 1 <= " +
+                      std::to_string(cuda::kSelectColumns) + " (one tile of compressed blocks per selection block), got " +
+                      std::to_string(params.sel_block / params.cmp_stride + params.cmp_block / params.cmp_stride - 1));
   }
 #endif
+  check.buffer(params.workspace, params.workspace_bytes, select_blocks_workspace_size(params), "workspace",
+               "select_blocks_workspace_size");
   switch (backend) {
     case detail::Backend::cpu: reference::select_blocks(params); break;
 #ifdef SPARSEATTN_WITH_CUDA

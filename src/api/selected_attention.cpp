@@ -84,7 +84,25 @@ void check_cuda(const detail::Check& check, const SelectedShapes& shapes, const 
 #endif
 }
 
+// The size queries work from shapes only (views may have no data); on the CPU the reference keeps its
+// scratch on the host.
+template <class Params>
+bool cuda_sizable(const Params& params) {
+  const TensorView& q = params.q;
+  return q.device == DeviceType::cuda && (q.rank == 3 || q.rank == 4) && params.k.rank == q.rank &&
+         params.v.rank == q.rank && params.indices.rank == q.rank && params.block > 0 &&
+         (q.rank == 4 || params.seqs.cu_seqlens.rank == 1);
+}
+
 }  // namespace
+
+std::size_t selected_attention_workspace_size(const SelectedAttentionParams& params) {
+#ifdef SPARSEATTN_WITH_CUDA
+  if (cuda_sizable(params)) return cuda::selected_attention_workspace_size(params);
+#endif
+  (void)params;
+  return 0;
+}
 
 void selected_attention(const SelectedAttentionParams& params) {
   const detail::Check check("selected_attention");
@@ -94,6 +112,8 @@ void selected_attention(const SelectedAttentionParams& params) {
     check_cuda(check, shapes, params.q, {{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}},
                params.indices.shape[params.indices.rank - 1]);
   }
+  check.buffer(params.workspace, params.workspace_bytes, selected_attention_workspace_size(params), "workspace",
+               "selected_attention_workspace_size");
   switch (backend) {
     case detail::Backend::cpu: reference::selected_attention(params); break;
 #ifdef SPARSEATTN_WITH_CUDA
@@ -105,13 +125,8 @@ void selected_attention(const SelectedAttentionParams& params) {
 }
 
 std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBackwardParams& params) {
-  // The CPU reference keeps its scratch on the host. On CUDA: from shapes only (views may have no data).
 #ifdef SPARSEATTN_WITH_CUDA
-  const TensorView& q = params.q;
-  if (q.device == DeviceType::cuda && (q.rank == 3 || q.rank == 4) && params.k.rank == q.rank &&
-      params.indices.rank == q.rank && params.block > 0 && (q.rank == 4 || params.seqs.cu_seqlens.rank == 1)) {
-    return cuda::selected_attention_backward_workspace_size(params);
-  }
+  if (cuda_sizable(params)) return cuda::selected_attention_backward_workspace_size(params);
 #endif
   (void)params;
   return 0;

@@ -339,7 +339,8 @@ NB_MODULE(_C, m) {
       "select_blocks",
       [](const Array& q, const Array& k_cmp, const Array& lse_cmp, const Array& indices, const OptArray& cu_seqlens,
          const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride, int sel_block,
-         int num_selected, int num_init, int num_local, std::optional<double> scale, std::uintptr_t stream) {
+         int num_selected, int num_init, int num_local, std::optional<double> scale, const nb::callable& allocate,
+         std::uintptr_t stream) {
         const OpName op_name("select_blocks");
         SelectBlocksParams p;
         p.q = view(q, "q");
@@ -356,18 +357,18 @@ NB_MODULE(_C, m) {
         p.num_local = num_local;
         p.scale = scale;
         p.stream = as_stream(stream);
-        run(select_blocks, p);
+        run_with_workspace(select_blocks, select_blocks_workspace_size, p, allocate);
       },
       "q"_a, "k_cmp"_a, "lse_cmp"_a, "indices"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
       "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
-      "num_local"_a, "scale"_a.none(), "stream"_a);
+      "num_local"_a, "scale"_a.none(), "allocate"_a, "stream"_a);
 
   // ---- selected_attention ----
   m.def(
       "selected_attention",
       [](const Array& q, const Array& k, const Array& v, const Array& indices, const Array& o, const Array& lse,
          const OptArray& cu_seqlens, std::int64_t max_seqlen, int block, std::optional<double> scale,
-         std::uintptr_t stream) {
+         const nb::callable& allocate, std::uintptr_t stream) {
         const OpName op_name("selected_attention");
         SelectedAttentionParams p;
         p.q = view(q, "q");
@@ -380,10 +381,10 @@ NB_MODULE(_C, m) {
         p.block = block;
         p.scale = scale;
         p.stream = as_stream(stream);
-        run(selected_attention, p);
+        run_with_workspace(selected_attention, selected_attention_workspace_size, p, allocate);
       },
       "q"_a, "k"_a, "v"_a, "indices"_a, "o"_a, "lse"_a, "cu_seqlens"_a.none(), "max_seqlen"_a, "block"_a,
-      "scale"_a.none(), "stream"_a);
+      "scale"_a.none(), "allocate"_a, "stream"_a);
   m.def(
       "selected_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const Array& indices, const Array& o, const Array& lse,

@@ -102,6 +102,6 @@ void dispatch_float(DType dtype, Body&& body) {
   }
 }
 
-inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace sparseattn::cuda

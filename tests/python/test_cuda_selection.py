@@ -111,7 +111,29 @@ SELECT_CASES = [
     (torch.float16, [4097], False, 1, 1, 64, 128, 8),
     (torch.bfloat16, [1, 31, 65, 300, 2, 130, 1000], True, 8, 1, 128, 64, 16),
     (torch.float16, [47, 1, 0, 200, 129], True, 32, 1, 64, 128, 8),
+    (torch.bfloat16, [2100], False, 64, 4, 128, 64, 16),  # the benchmark's group of 16
+    (torch.bfloat16, [4097], False, 32, 1, 64, 64, 16),  # 4 tokens per tile: each CTA walks many tiles
 ]
+
+
+@pytest.mark.parametrize("cmp_block,cmp_stride,sel_block,n", [(64, 64, 64, 16), (64, 64, 128, 8), (32, 8, 64, 8)])
+def test_select_blocks_compression_configs(cmp_block, cmp_stride, sel_block, n):
+    """The issue's 64/64 compression, and a small stride (more compressed blocks per selection block)."""
+    q, kc, lse, _, _ = _selection_inputs([1500], 8, 2, 128, torch.bfloat16, False, cmp_block=cmp_block,
+                                         cmp_stride=cmp_stride)
+    kw = dict(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, num_selected=n, num_init=1,
+              num_local=2)
+    ref = sa.select_blocks(q.double(), kc.double(), lse.double(), **kw)
+    poison_allocator()
+    got = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw)
+    _check_selection(got, ref, q, kc, lse, kw, None, None)
+
+
+def test_select_blocks_unsupported_stride_is_a_clear_error():
+    """One column tile must hold a selection block and its border blocks: stride 1 with 64-token blocks does not."""
+    q, kc, lse, _, _ = _selection_inputs([300], 2, 1, 64, torch.bfloat16, False, cmp_block=32, cmp_stride=1)
+    with pytest.raises(sa.SparseAttnUnsupportedError, match="cmp_stride"):
+        sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), cmp_block=32, cmp_stride=1, sel_block=64)
 
 
 @pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,D,sel_block,n", SELECT_CASES)

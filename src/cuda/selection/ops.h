@@ -13,14 +13,18 @@ namespace sparseattn::cuda {
 
 // (Dqk, Dv) pairs the selected-attention kernels are instantiated for.
 bool selected_attention_supports(std::int64_t dim_qk, std::int64_t dim_v);
-// Largest Dqk select_blocks takes (the kernel keeps a key row in registers, 8 values per lane).
-inline constexpr std::int64_t kSelectBlocksMaxDim = 256;
-// Dynamic shared memory select_blocks needs for sequences of up to `max_length` tokens, and whether the
-// device of `device_index` can give it.
-bool select_blocks_fits(std::int64_t max_length, std::int64_t sel_block, std::int64_t heads_per_group,
-                        std::int64_t dim, std::int64_t num_selected, int device_index);
+// Whether the select_blocks kernel takes this configuration: one tile of kSelectColumns compressed blocks
+// must cover at least one selection block with its border blocks (sel_block/stride + block/stride - 1).
+inline constexpr std::int64_t kSelectColumns = 64;
+// The kernel's tile holds 128 (token, group head) rows, so at most 128 query heads per KV head.
+inline constexpr std::int64_t kSelectMaxGroup = 128;
+inline bool select_blocks_config_supported(std::int64_t cmp_block, std::int64_t cmp_stride, std::int64_t sel_block) {
+  return sel_block / cmp_stride + cmp_block / cmp_stride - 1 <= kSelectColumns;
+}
 
+std::size_t select_blocks_workspace_size(const SelectBlocksParams& params);
 void select_blocks(const SelectBlocksParams& params);
+std::size_t selected_attention_workspace_size(const SelectedAttentionParams& params);
 void selected_attention(const SelectedAttentionParams& params);
 std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBackwardParams& params);
 void selected_attention_backward(const SelectedAttentionBackwardParams& params);

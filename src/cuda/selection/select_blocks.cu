@@ -1,133 +1,100 @@
-// select_blocks: for each (token t, KV head h) the group-summed compressed-attention probabilities, pooled
-// to selection blocks, and top-n with forced blocks (semantics.md sections 3-4).
+// select_blocks on tensor cores: for each (token t, KV head h) the group-summed compressed-attention
+// probabilities, pooled to selection blocks, and top-n with forced blocks (semantics.md sections 3-4).
 //
-// One CTA (4 warps) per (t, h, sequence). The G query rows and their log-sum-exps sit in shared memory as
-// fp32; one row of pooled scores S[t, 0..t/l'] (ceil(T/l') floats: 16 KB at T = 256K, l' = 64) too, so
-// nothing grows as T^2. A warp computes S[t, b] for one selection block b at a time from the compressed
-// blocks j overlapping it (a border block j is computed for both of its selection blocks), which keeps the
-// sum order fixed: no atomics, deterministic. Top-n: forced blocks first, then count - forced rounds of a
-// CTA-wide argmax (ties to the lower index, as the reference's stable sort). SIMT fp32 throughout; expf
-// (not __expf) so that scores track the float64 reference to ~1e-6 relative.
+// A persistent grid of CTAs (8 warps) walks over tiles of (kRows / G consecutive tokens, KV head h); the
+// tile's query rows are (token, group head) pairs, kRows = 128 MMA rows, so any group size 1..128 fills
+// them without padding to 16 per token. Per column tile of kCols compressed blocks: S = Q K_cmp^T on
+// mma.sync (fp32 accumulate), P = exp2(S * scale * log2e - lse * log2e) with the visibility rule
+// (j*stride + block - 1 <= t), summed over the group heads in shared memory, then pooled into the
+// selection blocks whose compressed blocks the column tile holds (tiles overlap by the border blocks,
+// cmp_block/stride - 1 columns, so every pooled score comes from one tile: fixed summation order, no
+// atomics, deterministic). Pooled scores go to the CTA's slot of the workspace ([tokens][blocks] fp32:
+// O(T) per CTA, a fixed number of CTAs), then each warp picks the top-n of one token's row: forced blocks
+// first, then argmax rounds (ties to the lower index, as the reference's stable sort). Chosen blocks are
+// marked -inf in the slot (real scores are >= 0 or NaN) and collected in ascending order.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/common.cuh"
 #include "cuda/selection/common.cuh"
 #include "cuda/selection/ops.h"
+#include "cuda/selection/tile.cuh"
 
 namespace sparseattn::cuda {
 
 namespace {
 
+using i64 = std::int64_t;
 using selection::LseView;
 using selection::SeqTable;
+using selection::SmemTile;
 
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxDimPerLane = kSelectBlocksMaxDim / 32;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 16 * kWarps;          // MMA rows per tile: (token, group head) pairs
+static_assert(kRows == kSelectMaxGroup, "a tile holds at least one token of the largest group");
+constexpr int kCols = kSelectColumns;       // compressed blocks per column tile
+constexpr int kProbPitch = kCols + 8;       // fp32 pitch: 64-bit stores of a half warp hit distinct banks
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr std::size_t kWorkspaceCap = std::size_t{256} << 20;  // pooled-score slots of all CTAs
 
-struct SelectConfig {
-  std::int64_t heads_kv, group, dim;
-  std::int64_t cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local;
-  float scale;
+template <int D>
+struct Layout {
+  static constexpr int kStages = D <= 192 ? 2 : 1;  // 256: one K buffer keeps the CTA within sm_80's 163 KB
+  static constexpr std::size_t kQ = std::size_t{2} * kRows * (D + 8);
+  static constexpr std::size_t kK = std::size_t{2} * kCols * (D + 8);
+  static constexpr std::size_t kProbs = sizeof(float) * kRows * kProbPitch;
+  static constexpr std::size_t kBytes = kQ + kStages * kK + kProbs + sizeof(float) * kRows;
 };
 
-std::size_t smem_bytes(std::int64_t max_len, std::int64_t sel_block, std::int64_t group, std::int64_t dim,
-                       std::int64_t num_selected) {
-  const std::int64_t blocks = (max_len + sel_block - 1) / sel_block + 1;
-  return static_cast<std::size_t>(4 * (group * dim + group + blocks + num_selected + 2 * kWarps));
+struct Config {
+  i64 heads_kv, group, tokens_per_tile;
+  i64 cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local;
+  i64 blocks_per_tile;  // selection blocks pooled per column tile
+  i64 slot_blocks;      // row length of a slot: selection blocks of the longest sequence
+  i64 position_tiles;   // token tiles of the longest sequence
+  i64 batch;
+  float scale_log2;
+};
+
+// First compressed block overlapping selection block b.
+__device__ __forceinline__ i64 first_cmp_block(const Config& c, i64 b) {
+  const i64 first = b * c.sel_block;
+  return first >= c.cmp_block ? (first - c.cmp_block) / c.cmp_stride + 1 : 0;
 }
 
-template <class T>
-__global__ void __launch_bounds__(kThreads) select_blocks_kernel(Tokens<const T> q, Tokens<const T> k_cmp,
-                                                                 LseView<const float> lse, Tokens<std::int32_t> out,
-                                                                 SeqTable seqs, const std::int32_t* cu_seqlens_cmp,
-                                                                 SelectConfig c, std::int64_t max_blocks) {
-  extern __shared__ float smem[];
-  const std::int64_t t = blockIdx.x, h = blockIdx.y, sq = blockIdx.z;
-  const auto seq = seqs[sq];
-  if (t >= seq.length) return;
-  const std::int64_t cmp_begin = cu_seqlens_cmp != nullptr ? cu_seqlens_cmp[sq] : 0;
-  const std::int64_t cmp_count = seq.length >= c.cmp_block ? (seq.length - c.cmp_block) / c.cmp_stride + 1 : 0;
+// Last compressed block visible from token t (-1: none).
+__device__ __forceinline__ i64 last_visible(const Config& c, i64 t) {
+  return t >= c.cmp_block - 1 ? (t - c.cmp_block + 1) / c.cmp_stride : -1;
+}
 
-  float* qs = smem;                       // [G][dim]
-  float* lse_s = qs + c.group * c.dim;    // [G]
-  float* scores = lse_s + c.group;        // [max_blocks]
-  int* chosen = reinterpret_cast<int*>(scores + max_blocks);  // [num_selected]
-  float* red_v = reinterpret_cast<float*>(chosen + c.num_selected);
-  int* red_i = reinterpret_cast<int*>(red_v + kWarps);
+template <class T, int D>
+__device__ __forceinline__ void load_k_tile(const SmemTile<T, kCols, D>& tile, const Tokens<const T>& k_cmp, i64 batch,
+                                            i64 cmp_begin, i64 j0, i64 cmp_count, i64 h) {
+  selection::load_rows<T, kCols, D, kThreads>(
+      tile, [&](int r) -> const T* { return j0 + r < cmp_count ? k_cmp.row(batch, cmp_begin + j0 + r, h) : nullptr; },
+      k_cmp.data);
+  cp_async_commit();
+}
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const std::int64_t row = seq.begin + t;
-  for (std::int64_t i = tid; i < c.group * c.dim; i += kThreads) {
-    const std::int64_t g = i / c.dim, d = i % c.dim;
-    qs[i] = to_float(q.row(seq.batch, row, h * c.group + g)[d]);
+// Top-n of one token's pooled row (`row`, `candidates` blocks) by one warp; writes `out[0..n)`.
+__device__ void choose_blocks(float* row, i64 candidates, const Config& c, std::int32_t* out) {
+  const int lane = threadIdx.x % 32;
+  const i64 init = min(c.num_init, candidates);
+  const i64 local_lo = max(init, candidates - c.num_local);
+  const i64 forced = init + (candidates - local_lo);
+  for (i64 b = lane; b < candidates; b += 32) {
+    if (b < init || b >= local_lo) row[b] = -INFINITY;
   }
-  for (std::int64_t g = tid; g < c.group; g += kThreads) lse_s[g] = lse.at(seq.batch, row, h * c.group + g);
-  __syncthreads();
-
-  const std::int64_t nb = t / c.sel_block + 1;  // candidates
-  // Compressed blocks visible from t: j*d + l - 1 <= t, and j < cmp_count.
-  const std::int64_t j_visible_end =
-      t + 1 >= c.cmp_block ? min((t + 1 - c.cmp_block) / c.cmp_stride + 1, cmp_count) : 0;
-  for (std::int64_t b = warp; b < nb; b += kWarps) {
-    const std::int64_t first = b * c.sel_block, end = first + c.sel_block;
-    const std::int64_t j_lo = first >= c.cmp_block ? (first - c.cmp_block) / c.cmp_stride + 1 : 0;
-    const std::int64_t j_hi = min((end - 1) / c.cmp_stride + 1, j_visible_end);  // exclusive
-    float score = 0.f;
-    for (std::int64_t j = j_lo; j < j_hi; ++j) {
-      const T* kj = k_cmp.row(seq.batch, cmp_begin + j, h);
-      float kr[kMaxDimPerLane];
-#pragma unroll
-      for (int i = 0; i < kMaxDimPerLane; ++i) {
-        const std::int64_t d = lane + 32 * i;
-        kr[i] = d < c.dim ? to_float(kj[d]) : 0.f;
-      }
-      float p = 0.f;
-      for (std::int64_t g = 0; g < c.group; ++g) {
-        const float* qg = qs + g * c.dim;
-        float dot = 0.f;
-#pragma unroll
-        for (int i = 0; i < kMaxDimPerLane; ++i) {
-          const std::int64_t d = lane + 32 * i;
-          if (d < c.dim) dot = fmaf(qg[d], kr[i], dot);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        const float l = lse_s[g];
-        if (l != -INFINITY) p += expf(c.scale * dot - l);
-      }
-      const std::int64_t jf = j * c.cmp_stride;
-      const std::int64_t overlap = min(jf + c.cmp_block, end) - max(jf, first);
-      score += static_cast<float>(overlap) / static_cast<float>(c.cmp_stride) * p;
-    }
-    if (lane == 0) scores[b] = score;
-  }
-  __syncthreads();
-
-  // Forced blocks (thread 0), marked -inf so that the argmax skips them (real scores are >= 0).
-  __shared__ int picked;
-  if (tid == 0) {
-    int n = 0;
-    for (std::int64_t b = 0; b < min(c.num_init, nb); ++b) {
-      chosen[n++] = static_cast<int>(b);
-      scores[b] = -INFINITY;
-    }
-    for (std::int64_t b = max(std::int64_t{0}, nb - c.num_local); b < nb; ++b) {
-      if (scores[b] == -INFINITY) continue;
-      chosen[n++] = static_cast<int>(b);
-      scores[b] = -INFINITY;
-    }
-    picked = n;
-  }
-  __syncthreads();
-  const std::int64_t count = min(c.num_selected, nb);
-  for (std::int64_t round = picked; round < count; ++round) {
+  __syncwarp();
+  const i64 count = min(c.num_selected, candidates);
+  for (i64 round = forced; round < count; ++round) {
     float best = -INFINITY;
     int best_i = 0x7fffffff;
-    for (std::int64_t b = tid; b < nb; b += kThreads) {
-      float v = scores[b];
+    for (i64 b = lane; b < candidates; b += 32) {
+      float v = row[b];
       if (v == -INFINITY) continue;
       if (v != v) v = -3.0e38f;  // NaN (garbage input) ranks last but still fills a slot
       if (v > best) {
@@ -144,77 +111,238 @@ __global__ void __launch_bounds__(kThreads) select_blocks_kernel(Tokens<const T>
         best_i = oi;
       }
     }
-    if (lane == 0) {
-      red_v[warp] = best;
-      red_i[warp] = best_i;
+    if (lane == 0 && best_i < candidates) row[best_i] = -INFINITY;
+    __syncwarp();
+  }
+  // Collect the marked blocks in ascending order, then pad with -1.
+  i64 written = 0;
+  for (i64 base = 0; base < candidates && written < count; base += 32) {
+    const i64 b = base + lane;
+    const bool marked = b < candidates && row[b] == -INFINITY;
+    const unsigned ballot = __ballot_sync(0xffffffffu, marked);
+    const i64 slot = written + __popc(ballot & ((1u << lane) - 1u));
+    if (marked && slot < c.num_selected) out[slot] = static_cast<std::int32_t>(b);
+    written += __popc(ballot);
+  }
+  for (i64 i = written + lane; i < c.num_selected; i += 32) out[i] = -1;
+}
+
+// Two CTAs per SM fit in shared memory up to D = 128 (107 KB each at 128); registers are capped to match.
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
+    select_blocks_kernel(Tokens<const T> q, Tokens<const T> k_cmp, LseView<const float> lse, Tokens<std::int32_t> out,
+                         SeqTable seqs, const std::int32_t* cu_seqlens_cmp, Config c, float* slots) {
+  using L = Layout<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const SmemTile<T, kRows, D> q_tile{reinterpret_cast<T*>(smem)};
+  T* const k_base = reinterpret_cast<T*>(smem + L::kQ);
+  float* const probs = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK);  // [kRows][kProbPitch]
+  float* const row_lse = probs + kRows * kProbPitch;                                 // lse * log2e per row
+  float* const slot = slots + static_cast<i64>(blockIdx.x) * c.tokens_per_tile * c.slot_blocks;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const i64 G = c.group, M = c.tokens_per_tile;
+  const i64 tiles = c.position_tiles * c.batch * c.heads_kv;
+  // Longest tokens first (position tiles descending), so the round-robin ends with the cheap tiles.
+  for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const i64 h = tile % c.heads_kv, rest = tile / c.heads_kv;
+    const i64 sq = rest % c.batch, position_tile = c.position_tiles - 1 - rest / c.batch;
+    const auto seq = seqs[sq];
+    const i64 t0 = position_tile * M;
+    if (t0 >= seq.length) continue;
+    const i64 tokens = min(M, seq.length - t0);
+    const i64 cmp_begin = cu_seqlens_cmp != nullptr ? cu_seqlens_cmp[sq] : 0;
+    const i64 cmp_count = seq.length >= c.cmp_block ? (seq.length - c.cmp_block) / c.cmp_stride + 1 : 0;
+
+    __syncthreads();  // the previous tile is done with shared memory
+    selection::load_rows<T, kRows, D, kThreads>(
+        q_tile,
+        [&](int r) -> const T* {
+          const i64 m = r / G;
+          return m < tokens ? q.row(seq.batch, seq.begin + t0 + m, h * G + r % G) : nullptr;
+        },
+        q.data);
+    for (int r = tid; r < kRows; r += kThreads) {
+      const i64 m = r / G;
+      row_lse[r] = m < tokens ? lse.at(seq.batch, seq.begin + t0 + m, h * G + r % G) * kLog2e : -INFINITY;
     }
-    __syncthreads();
-    if (tid == 0) {
-      for (int w = 1; w < kWarps; ++w) {
-        if (red_v[w] > best || (red_v[w] == best && red_i[w] < best_i)) {
-          best = red_v[w];
-          best_i = red_i[w];
+    const i64 col_tiles = ceil_div((t0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
+    const auto k_stage = [&](i64 k) {
+      return SmemTile<T, kCols, D>{k_base + (k % L::kStages) * SmemTile<T, kCols, D>::kElements};
+    };
+    load_k_tile<T, D>(k_stage(0), k_cmp, seq.batch, cmp_begin, first_cmp_block(c, 0), cmp_count, h);
+
+    // This warp's rows: tokens m_lo..m_hi of the tile (none if its first row is past the last token).
+    const i64 m_lo = (16 * warp) / G, m_hi = min((16 * warp + 15) / G, tokens - 1);
+    for (i64 k = 0; k < col_tiles; ++k) {
+      if (L::kStages == 2 && k + 1 < col_tiles) {
+        load_k_tile<T, D>(k_stage(k + 1), k_cmp, seq.batch, cmp_begin, first_cmp_block(c, (k + 1) * c.blocks_per_tile),
+                          cmp_count, h);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      const i64 j0 = first_cmp_block(c, k * c.blocks_per_tile);
+      float acc[kCols / 8][4] = {};
+      const bool any_visible = m_lo < tokens && last_visible(c, t0 + m_hi) >= j0;
+      if (any_visible) {
+        const SmemTile<T, kCols, D> k_tile = k_stage(k);
+#pragma unroll
+        for (int k0 = 0; k0 < D; k0 += 16) {
+          std::uint32_t a[4];
+          selection::load_a(a, q_tile, 16 * warp, k0);
+#pragma unroll
+          for (int n = 0; n < kCols / 8; n += 2) {
+            std::uint32_t b[4];
+            selection::load_b_rows(b, k_tile, n * 8, k0);
+            selection::mma_pair<T>(acc[n], acc[n + 1], a, b);
+          }
         }
       }
-      if (best_i < nb) {
-        chosen[round] = best_i;
-        scores[best_i] = -INFINITY;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 16 * warp + lane / 4 + 8 * half;
+        const i64 m = r / G;
+        const float l2 = row_lse[r];
+        const i64 visible_end = m < tokens && l2 != -INFINITY ? min(last_visible(c, t0 + m) + 1, cmp_count) : 0;
+#pragma unroll
+        for (int n = 0; n < kCols / 8; ++n) {
+          const int col = n * 8 + 2 * (lane % 4);
+          float2 p;
+          p.x = any_visible && j0 + col < visible_end ? exp2f(fmaf(acc[n][2 * half], c.scale_log2, -l2)) : 0.f;
+          p.y = any_visible && j0 + col + 1 < visible_end ? exp2f(fmaf(acc[n][2 * half + 1], c.scale_log2, -l2)) : 0.f;
+          *reinterpret_cast<float2*>(probs + r * kProbPitch + col) = p;
+        }
+      }
+      __syncthreads();  // probs written; every warp is done with this K stage
+      if (L::kStages == 1 && k + 1 < col_tiles) {
+        load_k_tile<T, D>(k_stage(k + 1), k_cmp, seq.batch, cmp_begin, first_cmp_block(c, (k + 1) * c.blocks_per_tile),
+                          cmp_count, h);
+      }
+      if (G > 1) {  // sum over the group heads into the token's first row
+        for (i64 i = tid; i < tokens * kCols; i += kThreads) {
+          const i64 m = i / kCols, col = i % kCols;
+          float* column = probs + m * G * kProbPitch + col;
+          float sum = 0.f;
+          for (i64 g = 0; g < G; ++g) sum += column[g * kProbPitch];
+          column[0] = sum;
+        }
+        __syncthreads();
+      }
+      // Pool: selection block b gets sum_j overlap(j, b) / stride * P[j] over its compressed blocks.
+      for (i64 i = tid; i < tokens * c.blocks_per_tile; i += kThreads) {
+        const i64 m = i / c.blocks_per_tile, b = k * c.blocks_per_tile + i % c.blocks_per_tile;
+        if (b > (t0 + m) / c.sel_block) continue;  // not a candidate of this token
+        const float* p = probs + m * G * kProbPitch;
+        const i64 first = b * c.sel_block, end = first + c.sel_block;
+        const i64 j_end = (end - 1) / c.cmp_stride + 1;
+        float score = 0.f;
+        for (i64 j = first_cmp_block(c, b); j < j_end; ++j) {
+          const i64 jf = j * c.cmp_stride;
+          const i64 overlap = min(jf + c.cmp_block, end) - max(jf, first);
+          score = fmaf(static_cast<float>(overlap) / static_cast<float>(c.cmp_stride), p[j - j0], score);
+        }
+        slot[m * c.slot_blocks + b] = score;
       }
     }
-    __syncthreads();
-  }
-  if (tid == 0) {
-    const int n = static_cast<int>(count);
-    for (int i = 1; i < n; ++i) {  // insertion sort, n is small
-      const int v = chosen[i];
-      int j = i - 1;
-      while (j >= 0 && chosen[j] > v) {
-        chosen[j + 1] = chosen[j];
-        --j;
-      }
-      chosen[j + 1] = v;
+    __syncthreads();  // pooled rows complete
+    for (i64 m = warp; m < tokens; m += kWarps) {
+      const i64 t = t0 + m;
+      choose_blocks(slot + m * c.slot_blocks, t / c.sel_block + 1, c, out.row(seq.batch, seq.begin + t, h));
     }
   }
-  __syncthreads();
-  std::int32_t* dst = out.row(seq.batch, row, h);
-  for (std::int64_t i = tid; i < c.num_selected; i += kThreads) dst[i] = i < count ? chosen[i] : -1;
+}
+
+struct LaunchPlan {
+  Config config;
+  selection::HostShape shape;
+  i64 dim = 0;
+  int ctas = 0;  // 0: nothing to do
+  std::size_t slot_bytes = 0;
+};
+
+int multiprocessors(int device_index) {
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return std::max(count, 1);
+}
+
+// Everything from shapes, config and the device's SM count: the workspace size query and the launch agree.
+LaunchPlan plan_of(const SelectBlocksParams& p) {
+  LaunchPlan plan;
+  plan.shape = selection::host_shape(p.q, p.seqs);
+  const selection::HostShape& s = plan.shape;
+  const i64 heads_q = p.q.shape[p.q.rank - 2];
+  const i64 heads_kv = p.k_cmp.shape[p.k_cmp.rank - 2];
+  plan.dim = p.q.shape[p.q.rank - 1];
+  if (s.batch <= 0 || s.max_len <= 0 || heads_kv <= 0 || heads_q % heads_kv != 0 || heads_q / heads_kv > kRows ||
+      p.cmp_stride <= 0 || p.sel_block <= 0 || !select_blocks_config_supported(p.cmp_block, p.cmp_stride, p.sel_block)) {
+    return plan;
+  }
+  Config& c = plan.config;
+  c.heads_kv = heads_kv;
+  c.group = heads_q / heads_kv;
+  c.tokens_per_tile = kRows / c.group;
+  c.cmp_block = p.cmp_block;
+  c.cmp_stride = p.cmp_stride;
+  c.sel_block = p.sel_block;
+  c.num_selected = p.num_selected;
+  c.num_init = p.num_init;
+  c.num_local = p.num_local;
+  c.blocks_per_tile = (kCols - p.cmp_block / p.cmp_stride + 1) / (p.sel_block / p.cmp_stride);
+  c.slot_blocks = ceil_div(s.max_len, p.sel_block);
+  c.position_tiles = ceil_div(s.max_len, c.tokens_per_tile);
+  c.batch = s.batch;
+  c.scale_log2 = static_cast<float>(softmax_scale(p.scale, plan.dim) * 1.4426950408889634);
+  plan.slot_bytes = static_cast<std::size_t>(c.tokens_per_tile * c.slot_blocks) * sizeof(float);
+  const i64 tiles = c.position_tiles * c.batch * c.heads_kv;
+  const i64 by_cap = std::max<i64>(1, static_cast<i64>(kWorkspaceCap / plan.slot_bytes));
+  plan.ctas = static_cast<int>(std::min({tiles, i64{2} * multiprocessors(p.q.device_index), by_cap}));
+  return plan;
+}
+
+template <class T, int D>
+void launch(const SelectBlocksParams& p, const LaunchPlan& plan) {
+  auto kernel = select_blocks_kernel<T, D>;
+  constexpr std::size_t smem = Layout<D>::kBytes;
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  kernel<<<plan.ctas, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
+      tokens_of<const T>(p.q), tokens_of<const T>(p.k_cmp), selection::lse_of<const float>(p.lse_cmp),
+      tokens_of<std::int32_t>(p.indices), selection::seq_table(plan.shape, p.seqs),
+      static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), plan.config, static_cast<float*>(p.workspace));
+  check_launch("select_blocks_kernel");
 }
 
 }  // namespace
 
-bool select_blocks_fits(std::int64_t max_length, std::int64_t sel_block, std::int64_t heads_per_group,
-                        std::int64_t dim, std::int64_t num_selected, int device_index) {
-  int limit = 0;
-  if (cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_index) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return smem_bytes(max_length, sel_block, heads_per_group, dim, num_selected) + 64 <= static_cast<std::size_t>(limit);
+std::size_t select_blocks_workspace_size(const SelectBlocksParams& p) {
+  const LaunchPlan plan = plan_of(p);
+  return static_cast<std::size_t>(plan.ctas) * plan.slot_bytes;
 }
 
 void select_blocks(const SelectBlocksParams& p) {
   const DeviceGuard device(p.q.device_index);
-  const selection::HostShape s = selection::host_shape(p.q, p.seqs);
-  const std::int64_t heads_q = p.q.shape[p.q.rank - 2], dim = p.q.shape[p.q.rank - 1];
-  const std::int64_t heads_kv = p.k_cmp.shape[p.k_cmp.rank - 2];
-  if (s.batch <= 0 || s.max_len <= 0) return;
-  const SelectConfig c{heads_kv,      heads_q / heads_kv, dim,          p.cmp_block, p.cmp_stride,
-                       p.sel_block,   p.num_selected,     p.num_init,   p.num_local,
-                       static_cast<float>(softmax_scale(p.scale, dim))};
-  const std::int64_t max_blocks = (s.max_len + p.sel_block - 1) / p.sel_block + 1;
-  const std::size_t smem = smem_bytes(s.max_len, p.sel_block, c.group, dim, p.num_selected);
-  const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(heads_kv), static_cast<unsigned>(s.batch));
-  const auto stream = static_cast<cudaStream_t>(p.stream);
-  dispatch_float(p.q.dtype, [&](auto tag) {
+  const LaunchPlan plan = plan_of(p);
+  if (plan.ctas == 0) return;
+  const auto run = [&](auto tag) {
     using T = typename decltype(tag)::type;
-    auto kernel = select_blocks_kernel<T>;
-    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    kernel<<<grid, kThreads, smem, stream>>>(tokens_of<const T>(p.q), tokens_of<const T>(p.k_cmp),
-                                             selection::lse_of<const float>(p.lse_cmp),
-                                             tokens_of<std::int32_t>(p.indices), selection::seq_table(s, p.seqs),
-                                             static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), c, max_blocks);
-    check_launch("select_blocks_kernel");
-  });
+    switch (plan.dim) {
+      case 64: return launch<T, 64>(p, plan);
+      case 128: return launch<T, 128>(p, plan);
+      case 192: return launch<T, 192>(p, plan);
+      case 256: return launch<T, 256>(p, plan);
+      default: throw std::logic_error("sparseattn: select_blocks head dim not dispatched to CUDA (validated by the API)");
+    }
+  };
+  switch (p.q.dtype) {
+    case DType::float16: run(TypeTag<__half>{}); break;
+    case DType::bfloat16: run(TypeTag<__nv_bfloat16>{}); break;
+    default: throw std::logic_error("sparseattn: select_blocks dtype not dispatched to CUDA (validated by the API)");
+  }
 }
 
 }  // namespace sparseattn::cuda

@@ -740,6 +740,9 @@ bool selected_attention_supports(std::int64_t dim_qk, std::int64_t dim_v) {
          (dim_qk == 256 && dim_v == 256);
 }
 
+// The query-outer forward needs no scratch.
+std::size_t selected_attention_workspace_size(const SelectedAttentionParams&) { return 0; }
+
 void selected_attention(const SelectedAttentionParams& p) {
   const DeviceGuard device(p.q.device_index);
   const selection::HostShape s = selection::host_shape(p.q, p.seqs);
