@@ -122,22 +122,24 @@ struct BranchBackward {
 };
 
 BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
-                               const detail::NsaScratch& scratch, const TensorView& dk_cmp, const TensorView& dv_cmp) {
+                               const detail::NsaScratch& scratch, const TensorView& dq, const TensorView& dk_cmp,
+                               const TensorView& dv_cmp) {
+  const auto dq_of = [&](int i) { return scratch.dq[i].present() ? scratch.dq[i] : dq; };
   const NsaConfig& c = f.config;
   void* workspace = scratch.branch_workspace.data;
   const std::size_t workspace_bytes = scratch.branch_workspace.present() ? scratch.branch_workspace.numel() : 0;
   BranchBackward b;
   b.cmp = {.q = f.q, .k_cmp = plan.user_cmp ? f.k_cmp : ws.k_cmp, .v_cmp = plan.user_cmp ? f.v_cmp : ws.v_cmp,
-           .o = ws.o[0], .lse = ws.lse[0], .d_o = scratch.d_o[0], .dq = scratch.dq[0], .dk_cmp = dk_cmp,
+           .o = ws.o[0], .lse = ws.lse[0], .d_o = scratch.d_o, .dq = dq_of(0), .dk_cmp = dk_cmp,
            .dv_cmp = dv_cmp, .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp, .block = c.cmp_block,
            .stride = c.cmp_stride, .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes,
            .stream = f.stream};
   b.slc = {.q = f.q, .k = f.k, .v = f.v, .indices = plan.run_selection ? ws.indices : f.block_indices,
-           .o = ws.o[1], .lse = ws.lse[1], .d_o = scratch.d_o[1], .dq = scratch.dq[1], .dk = scratch.dk[1],
+           .o = ws.o[1], .lse = ws.lse[1], .d_o = scratch.d_o, .dq = dq_of(1), .dk = scratch.dk[1],
            .dv = scratch.dv[1], .seqs = f.seqs, .block = c.sel_block, .scale = c.scale, .workspace = workspace,
            .workspace_bytes = workspace_bytes, .stream = f.stream};
   b.swa = {.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = ws.o[2], .lse = ws.lse[2],
-           .d_o = scratch.d_o[2], .dq = scratch.dq[2], .dk = scratch.dk[2], .dv = scratch.dv[2], .dbias = {},
+           .d_o = scratch.d_o, .dq = dq_of(2), .dk = scratch.dk[2], .dv = scratch.dv[2], .dbias = {},
            .seqs_q = f.seqs, .seqs_k = f.seqs, .causal = true, .window_left = c.window - 1, .window_right = 0,
            .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = f.stream};
   return b;
@@ -146,7 +148,8 @@ BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, 
 // The scratch views, the last slice sized for the largest branch workspace (found from shape-only views).
 detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
                                void* base) {
-  const BranchBackward sizing = branch_backward(plan, f, ws, detail::nsa_scratch(plan, nullptr, 0), f.k_cmp, f.v_cmp);
+  const BranchBackward sizing =
+      branch_backward(plan, f, ws, detail::nsa_scratch(plan, nullptr, 0), f.q, f.k_cmp, f.v_cmp);
   std::size_t bytes = 0;
   if (plan.branch[0]) bytes = std::max(bytes, compressed_attention_backward_workspace_size(sizing.cmp));
   if (plan.branch[1]) bytes = std::max(bytes, selected_attention_backward_workspace_size(sizing.slc));
@@ -211,34 +214,44 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
   check_backend(check, f.q);
 
   const NsaConfig& c = f.config;
-  // Packed: the gate gradients go through scratch so that rows past cu_seqlens[B] stay untouched.
-  std::array<TensorView, kNumBranches> d_gates = params.d_gates;
+  const BranchBackward branches =
+      branch_backward(plan, f, ws, scratch, params.dq, plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
+                      plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
   for (int i = 0; i < kNumBranches; ++i) {
-    if (plan.layout.packed && d_gates[i].present()) d_gates[i] = scratch.d_gates[i];
-  }
-  combine_backward({.outputs = ws.o, .gates = f.gates, .d_o = params.d_o, .d_outputs = scratch.d_o,
-                    .d_gates = d_gates, .stream = f.stream});
-  for (int i = 0; i < kNumBranches; ++i) {
+    if (!plan.branch[i]) continue;
+    // This branch's output gradient (and gate gradient: packed, through scratch so that rows past
+    // cu_seqlens[B] of the caller's stay untouched).
+    CombineBackwardParams gated{.outputs = {}, .gates = {}, .d_o = params.d_o, .d_outputs = {}, .d_gates = {},
+                                .stream = f.stream};
+    gated.outputs[i] = ws.o[i];
+    gated.gates[i] = f.gates[i];
+    gated.d_outputs[i] = scratch.d_o;
+    gated.d_gates[i] = plan.layout.packed && params.d_gates[i].present() ? scratch.d_gates[i] : params.d_gates[i];
+    combine_backward(gated);
     if (plan.layout.packed && params.d_gates[i].present()) {
       sum_into(params.d_gates[i], {scratch.d_gates[i]}, f.seqs.cu_seqlens, f.stream);
     }
-  }
-  const BranchBackward branches = branch_backward(plan, f, ws, scratch, plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
-                                                  plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
-  if (plan.branch[0]) {
-    compressed_attention_backward(branches.cmp);
-    if (!plan.user_cmp) {
-      compress_kv_backward({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = scratch.dk[0],
-                            .dv = scratch.dv[0], .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
-                            .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream});
+    if (i == 0) {
+      compressed_attention_backward(branches.cmp);
+      if (!plan.user_cmp) {
+        compress_kv_backward({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = scratch.dk[0],
+                              .dv = scratch.dv[0], .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
+                              .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream});
+      }
     }
-  } else if (plan.user_cmp) {  // the compressed branch is skipped: the caller's k_cmp/v_cmp get no gradient
+    if (i == 1) selected_attention_backward(branches.slc);
+    if (i == 2) flash_attention_backward(branches.swa);
+  }
+  if (!plan.branch[0] && plan.user_cmp) {  // the compressed branch is skipped: the caller's k_cmp/v_cmp get no gradient
     sum_into(params.dk_cmp, {}, f.cu_seqlens_cmp, f.stream);
     sum_into(params.dv_cmp, {}, f.cu_seqlens_cmp, f.stream);
   }
-  if (plan.branch[1]) selected_attention_backward(branches.slc);
-  if (plan.branch[2]) flash_attention_backward(branches.swa);
-  sum_into(params.dq, scratch.dq, f.seqs.cu_seqlens, f.stream);
+  // The last branch wrote params.dq; add the others' (each element is read before it is written).
+  std::array<TensorView, kNumBranches> dq_terms = scratch.dq;
+  if (std::any_of(dq_terms.begin(), dq_terms.end(), [](const TensorView& t) { return t.present(); })) {
+    dq_terms[kNumBranches - 1] = params.dq;  // the last slot never holds a scratch dq
+    sum_into(params.dq, dq_terms, f.seqs.cu_seqlens, f.stream);
+  }
   sum_into(params.dk, scratch.dk, f.seqs.cu_seqlens, f.stream);
   sum_into(params.dv, scratch.dv, f.seqs.cu_seqlens, f.stream);
 }

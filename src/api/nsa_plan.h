@@ -44,10 +44,12 @@ struct NsaWorkspace {
   std::size_t bytes = 0;
 };
 
-// The backward's temporaries.
+// The backward's temporaries. The branches run one after another, so one output-gradient buffer serves
+// them all; the last branch writes its dq straight into the caller's dq, which then adds the others.
 struct NsaScratch {
-  std::array<TensorView, kNumBranches> d_o;         // per gate: the branch's output gradient
-  std::array<TensorView, kNumBranches> dq, dk, dv;  // per gate: the branch's contribution (no dk, dv from
+  TensorView d_o;                                   // the output gradient of the branch running now
+  std::array<TensorView, kNumBranches> dq;          // per gate but the last: the branch's dq
+  std::array<TensorView, kNumBranches> dk, dv;      // per gate: the branch's contribution (no dk, dv from
                                                     // the compressed branch when k_cmp/v_cmp are the caller's)
   TensorView dk_cmp, dv_cmp;                        // compressed branch with pooled K/V: their gradient
   std::array<TensorView, kNumBranches> d_gates;     // packed layout, per gate: combine_backward's gate

@@ -76,11 +76,13 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
     scratch.dk_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
     scratch.dv_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
   }
+  scratch.d_o = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+  int last = kNumBranches - 1;
+  while (!plan.branch[last]) --last;  // the plan has at least one branch
   for (int i = 0; i < kNumBranches; ++i) {
     if (!plan.branch[i]) continue;
-    scratch.d_o[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
     if (layout.packed) scratch.d_gates[i] = carve.take(plan.dtype, layout.per_head(plan.heads_q));
-    scratch.dq[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_qk));
+    if (i != last) scratch.dq[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_qk));
     if (i == 0 && !pooled_cmp) continue;
     scratch.dk[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_qk));
     scratch.dv[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_v));
