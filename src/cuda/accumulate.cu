@@ -1,6 +1,6 @@
 // accumulate (internal): out = sum of up to kMaxTerms same-shaped tensors, any strides with a contiguous
-// last dimension. Memory-bound and off the hot path of attention, so one grid-stride kernel serves every
-// rank; packed outputs skip rows past cu_seqlens[B] (read on the device, no host sync).
+// last dimension. Memory-bound: one grid-stride kernel serves every rank; packed outputs skip rows past
+// cu_seqlens[B] (read on the device, no host sync).
 #include "api/accumulate.h"
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
@@ -37,29 +37,66 @@ Strided4<T> strided4(const TensorView& t) {
   return s;
 }
 
-template <class T>
+// One thread per piece of up to kPiece consecutive elements of the last dimension: the index arithmetic
+// (64-bit divisions) is paid once per piece, and with kVector (16-byte aligned rows, last dimension a
+// multiple of kPiece, the row limit not on the last dimension) the piece moves as one 16-byte access.
+template <class T, bool kVector>
 __global__ void accumulate_kernel(Strided4<T> out, Terms<T> terms, Shape4 shape, const std::int32_t* rows_used) {
-  const std::int64_t total = shape.extent[0] * shape.extent[1] * shape.extent[2] * shape.extent[3];
+  constexpr int kPiece = 16 / sizeof(T);
+  const std::int64_t inner = shape.extent[kMaxRank - 1];
+  const std::int64_t pieces_per_row = (inner + kPiece - 1) / kPiece;
+  const std::int64_t total = shape.extent[0] * shape.extent[1] * shape.extent[2] * pieces_per_row;
   const std::int64_t row_limit = rows_used == nullptr ? shape.extent[shape.row_dim] : *rows_used;
   for (std::int64_t e = std::int64_t{blockIdx.x} * kThreads + threadIdx.x; e < total;
        e += std::int64_t{gridDim.x} * kThreads) {
     std::int64_t index[kMaxRank];
-    std::int64_t rest = e;
-    for (int d = kMaxRank - 1; d >= 0; --d) {
+    index[kMaxRank - 1] = (e % pieces_per_row) * kPiece;
+    std::int64_t rest = e / pieces_per_row;
+    for (int d = kMaxRank - 2; d >= 0; --d) {
       index[d] = rest % shape.extent[d];
       rest /= shape.extent[d];
     }
-    if (index[shape.row_dim] >= row_limit) continue;
-    float sum = 0.f;
-    for (int i = 0; i < terms.count; ++i) {
+    if (shape.row_dim < kMaxRank - 1 && index[shape.row_dim] >= row_limit) continue;
+    const auto offset_of = [&](const std::int64_t(&stride)[kMaxRank]) {
       std::int64_t offset = 0;
-      for (int d = 0; d < kMaxRank; ++d) offset += index[d] * terms.term[i].stride[d];
-      sum += to_float(terms.term[i].data[offset]);
+      for (int d = 0; d < kMaxRank; ++d) offset += index[d] * stride[d];
+      return offset;
+    };
+    float sum[kPiece] = {};
+    for (int i = 0; i < terms.count; ++i) {
+      const T* src = terms.term[i].data + offset_of(terms.term[i].stride);
+      if constexpr (kVector) {
+        T piece[kPiece];
+        *reinterpret_cast<uint4*>(piece) = *reinterpret_cast<const uint4*>(src);
+#pragma unroll
+        for (int k = 0; k < kPiece; ++k) sum[k] += to_float(piece[k]);
+      } else {
+        for (int k = 0; k < kPiece && index[kMaxRank - 1] + k < inner; ++k) sum[k] += to_float(src[k]);
+      }
     }
-    std::int64_t offset = 0;
-    for (int d = 0; d < kMaxRank; ++d) offset += index[d] * out.stride[d];
-    out.data[offset] = from_float<T>(sum);
+    T* dst = out.data + offset_of(out.stride);
+    if constexpr (kVector) {
+      T piece[kPiece];
+#pragma unroll
+      for (int k = 0; k < kPiece; ++k) piece[k] = from_float<T>(sum[k]);
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(piece);
+    } else {
+      for (int k = 0; k < kPiece && index[kMaxRank - 1] + k < inner; ++k) {
+        const bool kept = shape.row_dim == kMaxRank - 1 && index[kMaxRank - 1] + k >= row_limit;
+        if (!kept) dst[k] = from_float<T>(sum[k]);
+      }
+    }
   }
+}
+
+// Whether every row of `t` starts 16-byte aligned and its last dimension splits into whole 16-byte pieces.
+bool vector_rows(const TensorView& t) {
+  const std::int64_t piece = 16 / static_cast<std::int64_t>(element_size(t.dtype));
+  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0 || t.shape[t.rank - 1] % piece != 0) return false;
+  for (int d = 0; d + 1 < t.rank; ++d) {
+    if (t.shape[d] > 1 && t.stride[d] % piece != 0) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -74,7 +111,11 @@ void accumulate(const detail::AccumulateParams& params) {
   const auto* rows_used = params.cu_seqlens.present()
                               ? static_cast<const std::int32_t*>(params.cu_seqlens.data) + params.cu_seqlens.shape[0] - 1
                               : nullptr;
-  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(total, kThreads), 65535));
+  bool vector = out.rank >= 2 && vector_rows(out);
+  for (const TensorView& term : params.terms) vector = vector && vector_rows(term);
+  const std::int64_t piece = 16 / static_cast<std::int64_t>(element_size(out.dtype));
+  const std::int64_t pieces = total / out.shape[out.rank - 1] * ceil_div(out.shape[out.rank - 1], piece);
+  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(pieces, kThreads), 65535));
   dispatch_float(out.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     Terms<T> terms{};
@@ -84,8 +125,12 @@ void accumulate(const detail::AccumulateParams& params) {
       terms.term[i].data = term.data;
       for (int d = 0; d < kMaxRank; ++d) terms.term[i].stride[d] = term.stride[d];
     }
-    accumulate_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(params.stream)>>>(
-        strided4<T>(out), terms, shape, rows_used);
+    const auto stream = static_cast<cudaStream_t>(params.stream);
+    if (vector) {
+      accumulate_kernel<T, true><<<blocks, kThreads, 0, stream>>>(strided4<T>(out), terms, shape, rows_used);
+    } else {
+      accumulate_kernel<T, false><<<blocks, kThreads, 0, stream>>>(strided4<T>(out), terms, shape, rows_used);
+    }
     check_launch("accumulate_kernel");
   });
 }

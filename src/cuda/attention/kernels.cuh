@@ -118,38 +118,61 @@ __device__ __forceinline__ void mma_pair(float (&c0)[4], float (&c1)[4], const s
   mma_16816<T>(c1, a, b1);
 }
 
-// acc[kRowsOut/8][4] += A(16 x kK, from shared tile `a_tile` rows a_row0) * B where B is stored [n][k]
-// (kNk: the row length of the B tile).
-template <class T, int kN, int kK, int kLdA, int kLdB>
-__device__ __forceinline__ void gemm_ss_nk(float (&acc)[kN / 8][4], const T* a_tile, int a_row0, const T* b_tile) {
+// acc[mt][kN/8][4] += A(rows a_row0 + 16*mt .. +16, k in [0, kK), from the shared tile `a_tile`) * B where B
+// is stored [n][k]. Each B fragment feeds all kMT row tiles: more row tiles per warp, fewer shared-memory
+// loads per MMA (shared-memory bandwidth, not the tensor cores, bounds these loops on sm_90).
+template <class T, int kN, int kK, int kLdA, int kLdB, int kMT>
+__device__ __forceinline__ void gemm_ss_nk(float (&acc)[kMT][kN / 8][4], const T* a_tile, int a_row0,
+                                           const T* b_tile) {
 #pragma unroll
   for (int k0 = 0; k0 < kK; k0 += 16) {
-    std::uint32_t a[4];
-    load_a<kLdA - 8>(a, a_tile, a_row0, k0);
+    std::uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) load_a<kLdA - 8>(a[mt], a_tile, a_row0 + 16 * mt, k0);
 #pragma unroll
     for (int n = 0; n < kN / 8; n += 2) {
       std::uint32_t b[4];
       load_b_nk<kLdB - 8>(b, b_tile, n * 8, k0);
-      mma_pair<T>(acc[n], acc[n + 1], a, b);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) mma_pair<T>(acc[mt][n], acc[mt][n + 1], a[mt], b);
     }
   }
 }
 
-// acc[kN/8][4] += P(16 x kK, C-fragments in registers, kK/8 tiles) * B where B is stored [k][n].
-template <class T, int kN, int kK, int kLdB>
-__device__ __forceinline__ void gemm_rs_kn(float (&acc)[kN / 8][4], const float (&p)[kK / 8][4], const T* b_tile) {
+// One row tile (16 rows).
+template <class T, int kN, int kK, int kLdA, int kLdB>
+__device__ __forceinline__ void gemm_ss_nk(float (&acc)[kN / 8][4], const T* a_tile, int a_row0, const T* b_tile) {
+  gemm_ss_nk<T, kN, kK, kLdA, kLdB, 1>(reinterpret_cast<float(&)[1][kN / 8][4]>(acc), a_tile, a_row0, b_tile);
+}
+
+// acc[mt][kN/8][4] += P[mt](16 x kK, C-fragments in registers, kK/8 tiles) * B where B is stored [k][n].
+template <class T, int kN, int kK, int kLdB, int kMT>
+__device__ __forceinline__ void gemm_rs_kn(float (&acc)[kMT][kN / 8][4], const float (&p)[kMT][kK / 8][4],
+                                           const T* b_tile) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    const std::uint32_t a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
-                                pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                                pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    std::uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      a[mt][0] = pack2<T>(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+      a[mt][1] = pack2<T>(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+      a[mt][2] = pack2<T>(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+      a[mt][3] = pack2<T>(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int n = 0; n < kN / 8; n += 2) {
       std::uint32_t b[4];
       load_b_kn<kLdB - 8>(b, b_tile, kk * 16, n * 8);
-      mma_pair<T>(acc[n], acc[n + 1], a, b);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) mma_pair<T>(acc[mt][n], acc[mt][n + 1], a[mt], b);
     }
   }
+}
+
+template <class T, int kN, int kK, int kLdB>
+__device__ __forceinline__ void gemm_rs_kn(float (&acc)[kN / 8][4], const float (&p)[kK / 8][4], const T* b_tile) {
+  gemm_rs_kn<T, kN, kK, kLdB, 1>(reinterpret_cast<float(&)[1][kN / 8][4]>(acc),
+                                 reinterpret_cast<const float(&)[1][kK / 8][4]>(p), b_tile);
 }
 
 template <int kN>
@@ -190,8 +213,11 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kDim / 8][4], floa
 
 template <int Dqk, int Dv>
 struct FwdTile {
-  static constexpr int kM = 64;
-  static constexpr int kN = Dqk <= 192 ? 64 : 32;
+  // Row tiles (16 rows) per warp: two where the output accumulator fits (Dv <= 128: 128 + 64 fp32 registers
+  // for O and S), one for Dv = 256.
+  static constexpr int kMT = Dv <= 128 ? 2 : 1;
+  static constexpr int kM = 16 * kMT * kWarps;
+  static constexpr int kN = kMT == 2 || Dqk > 192 ? 32 : 64;  // 32 with two row tiles: 64 spills registers
   static constexpr int kQ = kM * ld_of<Dqk>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
   static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV);  // Q, 2 x K, 2 x V (2-byte elements)
 };
@@ -199,7 +225,7 @@ struct FwdTile {
 template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T> a, typename Mask::Config mc) {
   using Tile = FwdTile<Dqk, Dv>;
-  constexpr int kM = Tile::kM, kN = Tile::kN;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kMT = Tile::kMT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + Tile::kQ;
@@ -211,15 +237,21 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   const i64 h = blockIdx.y, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_row0 = warp * kMT * 16;  // this warp's rows: [warp_row0, warp_row0 + 16 * kMT)
   const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
 
   const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
   const i64 tile_begin = k_lo / kN;
   const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
 
-  float acc[Dv / 8][4];
-  zero(acc);
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float acc[kMT][Dv / 8][4];
+  float m[kMT][2], l[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    zero(acc[mt]);
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
 
   if (tile_end > tile_begin) {
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
@@ -245,65 +277,80 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
       const T* v_tile = sV + buf * Tile::kV;
       const i64 j0 = it * kN;
 
-      float s[kN / 8][4];
-      zero(s);
-      gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sQ, warp * 16, k_tile);
+      float s[kMT][kN / 8][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) zero(s[mt]);
+      gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
 
       const bool full = tile_full(mask, t0, kM, j0, kN);
 #pragma unroll
-      for (int n = 0; n < kN / 8; ++n) {
+      for (int mt = 0; mt < kMT; ++mt) {
+        // Visible columns of this thread's two rows, relative to j0 (computed once per row, not per element).
+        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+        if (!full) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float x = s[n][i] * a.scale_log2;
-          if (!full) {
-            const i64 t = t0 + warp * 16 + lane / 4 + (i / 2) * 8;
-            const i64 j = j0 + n * 8 + 2 * (lane % 4) + (i % 2);
-            if (!visible(mask, t, j)) x = -INFINITY;
+          for (int half = 0; half < 2; ++half) {
+            const i64 t = t0 + warp_row0 + 16 * mt + lane / 4 + half * 8;
+            const i64 lo = mask.lo(t), hi = t < seq.T ? min(mask.hi(t), seq.S - 1) : i64{-1};
+            col_lo[half] = static_cast<int>(max(i64{0}, min(lo - j0, i64{kN})));
+            col_hi[half] = static_cast<int>(max(i64{-1}, min(hi - j0, i64{kN - 1})));
           }
-          s[n][i] = x;
-        }
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float mx = m[half];
-#pragma unroll
-        for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
-        mx = quad_max(mx);
-        const float use = mx == -INFINITY ? 0.f : mx;
-        const float correction = exp2f(m[half] - use);  // 0 when m was -inf
-        m[half] = mx;
-        l[half] *= correction;
-#pragma unroll
-        for (int n = 0; n < Dv / 8; ++n) {
-          acc[n][2 * half] *= correction;
-          acc[n][2 * half + 1] *= correction;
         }
 #pragma unroll
         for (int n = 0; n < kN / 8; ++n) {
-          s[n][2 * half] = exp2f(s[n][2 * half] - use);
-          s[n][2 * half + 1] = exp2f(s[n][2 * half + 1] - use);
-          l[half] += s[n][2 * half] + s[n][2 * half + 1];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+            const bool shown = col >= col_lo[i / 2] && col <= col_hi[i / 2];
+            s[mt][n][i] = shown ? s[mt][n][i] * a.scale_log2 : -INFINITY;
+          }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float mx = m[mt][half];
+#pragma unroll
+          for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * half], s[mt][n][2 * half + 1]));
+          mx = quad_max(mx);
+          const float use = mx == -INFINITY ? 0.f : mx;
+          const float correction = exp2f(m[mt][half] - use);  // 0 when m was -inf
+          m[mt][half] = mx;
+          l[mt][half] *= correction;
+#pragma unroll
+          for (int n = 0; n < Dv / 8; ++n) {
+            acc[mt][n][2 * half] *= correction;
+            acc[mt][n][2 * half + 1] *= correction;
+          }
+#pragma unroll
+          for (int n = 0; n < kN / 8; ++n) {
+            s[mt][n][2 * half] = exp2f(s[mt][n][2 * half] - use);
+            s[mt][n][2 * half + 1] = exp2f(s[mt][n][2 * half + 1] - use);
+            l[mt][half] += s[mt][n][2 * half] + s[mt][n][2 * half + 1];
+          }
         }
       }
-      gemm_rs_kn<T, Dv, kN, ld_of<Dv>()>(acc, s, v_tile);
+      gemm_rs_kn<T, Dv, kN, ld_of<Dv>(), kMT>(acc, s, v_tile);
       __syncthreads();
     }
   }
 
-  float inv[2];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    l[half] = quad_sum(l[half]);
-    inv[half] = l[half] > 0.f ? 1.f / l[half] : 0.f;
-  }
-  const i64 row0 = t0 + warp * 16;
-  store_rows<Dv>(acc, inv[0], inv[1], a.o, seq.batch, seq.q_begin + row0, seq.T - row0, h);
-  if (lane % 4 == 0) {
+  for (int mt = 0; mt < kMT; ++mt) {
+    float inv[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const i64 t = row0 + lane / 4 + half * 8;
-      if (t < seq.T) {
-        *a.lse.at(seq.batch, h, seq.q_begin + t) = l[half] > 0.f ? (m[half] + log2f(l[half])) * kLn2 : -INFINITY;
+      l[mt][half] = quad_sum(l[mt][half]);
+      inv[half] = l[mt][half] > 0.f ? 1.f / l[mt][half] : 0.f;
+    }
+    const i64 row0 = t0 + warp_row0 + 16 * mt;
+    store_rows<Dv>(acc[mt], inv[0], inv[1], a.o, seq.batch, seq.q_begin + row0, seq.T - row0, h);
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const i64 t = row0 + lane / 4 + half * 8;
+        if (t < seq.T) {
+          *a.lse.at(seq.batch, h, seq.q_begin + t) =
+              l[mt][half] > 0.f ? (m[mt][half] + log2f(l[mt][half])) * kLn2 : -INFINITY;
+        }
       }
     }
   }
