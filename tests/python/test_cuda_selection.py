@@ -210,11 +210,26 @@ SELECTED_CASES = [
     (torch.float16, [100, 3, 257], True, 16, 2, 256, 256, 64, 16, False),
     (torch.bfloat16, [500], False, 2, 1, 64, 64, 16, 16, False),   # block 16 (any positive block works)
     (torch.float16, [400], False, 4, 4, 128, 128, 96, 4, True),    # block 96 (not a multiple of 64)
+    # Many heads x slots: the KV-block-outer forward's scratch needs several token chunks (about 120 rows each
+    # at 2.2 MB per row), sequences straddle chunk boundaries.
+    (torch.bfloat16, [300], False, 64, 64, 256, 256, 16, 64, True),
+    (torch.float16, [1, 130, 0, 257, 47], True, 64, 32, 256, 256, 64, 64, False),
 ]
+
+# The two CUDA forwards (src/cuda/selection/forward_plan.h): the switch is read on the host by the CUDA entry
+# points, so setting it in this process selects the forward of the calls that follow.
+FORWARD_ENV = "SPARSEATTN_SELECTED_FORWARD"
+FORWARDS = ["query", "kv"]
+
+
+@pytest.fixture(params=FORWARDS)
+def forward(request, monkeypatch):
+    monkeypatch.setenv(FORWARD_ENV, request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n,future", SELECTED_CASES)
-def test_selected_attention(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
+def test_selected_attention(forward, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
     g = torch.Generator().manual_seed(1)
     if packed:
         N = sum(lengths) + 3  # 3 rows past the last sequence: left untouched (zero from the Python layer)
@@ -246,7 +261,7 @@ def test_selected_attention(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, 
         assert_lowp(got, ref, base, dtype, name)
 
 
-def test_selected_attention_backward_deterministic():
+def test_selected_attention_backward_deterministic(forward):
     T, Hq, Hkv, D, block, n = 777, 8, 2, 128, 64, 16
     g = torch.Generator().manual_seed(5)
     q, k, v, d_o = (torch.randn(1, T, h, D, generator=g).to(torch.bfloat16).cuda() for h in (Hq, Hkv, Hkv, Hq))
@@ -260,7 +275,7 @@ def test_selected_attention_backward_deterministic():
             assert torch.equal(a, b)
 
 
-def test_selected_attention_out_of_range_indices_are_ignored():
+def test_selected_attention_out_of_range_indices_are_ignored(forward):
     """Device indices are not validated (that would need a device read): entries past the sequence or
     starting after t contribute nothing, and a negative entry ends the list; no fault, no NaN."""
     T, Hq, Hkv, D, block, n = 300, 4, 1, 64, 64, 8
@@ -283,6 +298,32 @@ def test_selected_attention_out_of_range_indices_are_ignored():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     for x, y in zip(a[2], b[2]):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("path,uses_workspace", [("kv", True), ("query", False), ("auto", True)])
+def test_selected_forward_switch(monkeypatch, path, uses_workspace):
+    """The switch picks the forward: only the KV-block-outer one asks for a workspace (its partials and
+    inverse index); left to the heuristic, G = 2 over 4096 tokens runs it too."""
+    monkeypatch.setenv(FORWARD_ENV, path)
+    requested = []
+    real = sa._ops._workspace_allocator
+
+    def recording(like):
+        allocate = real(like)
+        return lambda nbytes: requested.append(nbytes) or allocate(nbytes)
+
+    monkeypatch.setattr(sa._ops, "_workspace_allocator", recording)
+    T, Hq, Hkv, D, block, n = 4096, 4, 2, 128, 64, 16
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, T, h, D, generator=g).to(torch.bfloat16).cuda() for h in (Hq, Hkv, Hkv))
+    idx = random_indices(T, Hkv, n, block, generator=g, batch=1).cuda()
+    o, lse = sa.selected_attention(q, k, v, idx, block=block)
+    assert bool(requested) == uses_workspace and all(b > 0 for b in requested)
+    # Same result as the other forward up to rounding (both accumulate in fp32).
+    monkeypatch.setenv(FORWARD_ENV, "query" if uses_workspace else "kv")
+    o2, lse2 = sa.selected_attention(q, k, v, idx, block=block)
+    assert (o.float() - o2.float()).abs().max().item() <= 2 * EPS[torch.bfloat16] * o2.float().abs().max().item()
+    assert torch.allclose(lse, lse2, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("dims", [(96, 96), (128, 64), (32, 32)])

@@ -14,6 +14,7 @@ using attention::CompressedMask;
 using attention::FlashMask;
 using attention::i64;
 using attention::Launch;
+using attention::Partials;
 using attention::Rows;
 
 bool attention_head_dims_supported(std::int64_t dim_qk, std::int64_t dim_v) {
@@ -38,11 +39,72 @@ Rows delta_rows(void* workspace, const TensorView& q) {
   return {static_cast<float*>(workspace), heads * q.shape[1], q.shape[1]};
 }
 
+std::size_t round256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 std::size_t delta_bytes(const TensorView& q) {
-  if (!q.present() || q.device != DeviceType::cuda || (q.rank != 3 && q.rank != 4)) return 0;
   const i64 rows = q.rank == 3 ? q.shape[0] : q.shape[0] * q.shape[1];
-  const std::size_t bytes = static_cast<std::size_t>(rows * q.shape[q.rank - 2]) * sizeof(float);
-  return (bytes + 255) / 256 * 256;
+  return round256(static_cast<std::size_t>(rows * q.shape[q.rank - 2]) * sizeof(float));
+}
+
+int multiprocessors(int device_index) {
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return std::max(count, 1);
+}
+
+// Head splits of the dK/dV kernel: a CTA owns 64 keys of one KV head and loops over the queries of its
+// group's heads; with causal masks the first key tiles carry the most work, and a long sequence with few
+// KV heads gives few CTAs (compressed keys at T = 64K, 4 KV heads: 256). Splitting the group's heads over
+// CTAs until there are about 4 per SM balances the load, at the cost of fp32 partials and a reduction.
+int dkv_head_splits(i64 group, i64 key_ctas, int multiprocessor_count) {
+  if (key_ctas <= 0) return 1;
+  return static_cast<int>(std::clamp<i64>(ceil_div(4 * i64{multiprocessor_count}, key_ctas), 1, group));
+}
+
+// The backward workspace: delta, then (with head splits) the fp32 dK and dV partials.
+struct BackwardWorkspace {
+  int head_splits = 1;
+  i64 batch = 0, rows = 0, kv_heads = 0, dqk = 0, dv = 0;  // of the partials
+  std::size_t delta = 0, dk_partial = 0, dv_partial = 0;
+  std::size_t bytes() const { return delta + dk_partial + dv_partial; }
+};
+
+BackwardWorkspace backward_workspace(const TensorView& q, const TensorView& k, const TensorView& v, const Launch& l) {
+  BackwardWorkspace w;
+  if (!q.present() || q.device != DeviceType::cuda || (q.rank != 3 && q.rank != 4) || k.rank != q.rank ||
+      v.rank != q.rank || l.kv_heads <= 0 || l.q_heads % l.kv_heads != 0) {
+    return w;
+  }
+  w.delta = delta_bytes(q);
+  w.head_splits = dkv_head_splits(l.q_heads / l.kv_heads, ceil_div(l.max_k, 64) * l.kv_heads * l.batch,
+                                  multiprocessors(q.device_index));
+  if (w.head_splits == 1) return w;
+  w.batch = k.rank == 3 ? 1 : k.shape[0];
+  w.rows = k.shape[k.rank - 3];
+  w.kv_heads = l.kv_heads;
+  w.dqk = k.shape[k.rank - 1];
+  w.dv = v.shape[v.rank - 1];
+  const std::size_t cells = static_cast<std::size_t>(w.head_splits * w.batch * w.rows * w.kv_heads) * sizeof(float);
+  w.dk_partial = round256(cells * static_cast<std::size_t>(w.dqk));
+  w.dv_partial = round256(cells * static_cast<std::size_t>(w.dv));
+  return w;
+}
+
+Partials partials_at(char* base, const BackwardWorkspace& w, i64 dim) {
+  const i64 head = dim, row = w.kv_heads * head, batch = w.rows * row;
+  return {reinterpret_cast<float*>(base), w.batch * batch, batch, row, head};
+}
+
+template <class T>
+void set_head_splits(AttnArgs<T>& a, void* workspace, const BackwardWorkspace& w) {
+  a.head_splits = w.head_splits;
+  if (w.head_splits == 1) return;
+  char* base = static_cast<char*>(workspace) + w.delta;
+  a.dk_partial = partials_at(base, w, w.dqk);
+  a.dv_partial = partials_at(base + w.dk_partial, w, w.dv);
 }
 
 template <class T>
@@ -67,6 +129,7 @@ AttnArgs<T> args_of(const TensorView& q, const TensorView& k, const TensorView& 
   a.dv = tokens_or_null<T>(dv);
   a.delta = workspace ? delta_rows(workspace, q) : Rows{nullptr, 0, 0};
   a.group = static_cast<int>(q.shape[q.rank - 2] / k.shape[k.rank - 2]);
+  a.head_splits = 1;
   const double s = softmax_scale(scale, q.shape[q.rank - 1]);
   a.scale = static_cast<float>(s);
   a.scale_log2 = static_cast<float>(s * 1.4426950408889634);
@@ -155,7 +218,8 @@ void flash_attention(const FlashAttentionParams& p) {
 }
 
 std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& p) {
-  return delta_bytes(p.q);
+  if (!p.q.present() || !p.k.present() || p.k.rank != p.q.rank) return 0;
+  return backward_workspace(p.q, p.k, p.v, launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream)).bytes();
 }
 
 void flash_attention_backward(const FlashAttentionBackwardParams& p) {
@@ -164,6 +228,7 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p) {
   dispatch_half(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, p.d_o, p.dq, p.dk, p.dv, p.workspace, p.scale);
+    set_head_splits(a, p.workspace, backward_workspace(p.q, p.k, p.v, l));
     a.seqs = flash_seqs(p);
     dispatch<T, FlashMask>(false, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1], a,
                            flash_mask(p.causal, p.window_left, p.window_right), l);
@@ -184,7 +249,10 @@ void compressed_attention(const CompressedAttentionParams& p) {
 }
 
 std::size_t compressed_attention_backward_workspace_size(const CompressedAttentionBackwardParams& p) {
-  return delta_bytes(p.q);
+  if (!p.q.present() || !p.k_cmp.present() || p.k_cmp.rank != p.q.rank) return 0;
+  Launch l = launch_of(p.q, p.k_cmp, p.seqs, 0, p.stream);
+  l.max_k = compressed_max_k(p, l.max_q);
+  return backward_workspace(p.q, p.k_cmp, p.v_cmp, l).bytes();
 }
 
 void compressed_attention_backward(const CompressedAttentionBackwardParams& p) {
@@ -195,6 +263,7 @@ void compressed_attention_backward(const CompressedAttentionBackwardParams& p) {
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, p.d_o, p.dq, p.dk_cmp, p.dv_cmp, p.workspace,
                                p.scale);
+    set_head_splits(a, p.workspace, backward_workspace(p.q, p.k_cmp, p.v_cmp, l));
     a.seqs = compressed_seqs(p);
     dispatch<T, CompressedMask>(false, p.q.shape[p.q.rank - 1], p.v_cmp.shape[p.v_cmp.rank - 1], a,
                                 CompressedMask::Config{p.block, p.stride}, l);

@@ -61,6 +61,15 @@ struct Rows {
   }
 };
 
+// fp32 partial dK or dV of the head splits of the dK/dV kernel: [splits][B][rows][Hkv][D], contiguous.
+struct Partials {
+  float* data;
+  i64 split_stride, batch_stride, row_stride, head_stride;
+  __device__ __forceinline__ float* row(i64 split, i64 b, i64 r, i64 h) const {
+    return data + split * split_stride + b * batch_stride + r * row_stride + h * head_stride;
+  }
+};
+
 template <class T>
 struct AttnArgs {
   Tokens<T> q, k, v, o;
@@ -71,6 +80,10 @@ struct AttnArgs {
   int group;          // Hq / Hkv
   float scale;        // softmax scale
   float scale_log2;   // scale * log2(e)
+  // The dK/dV kernel's CTAs split each group's query heads into head_splits parts; with more than one,
+  // they write fp32 partials that attention_dkv_reduce_kernel adds up in split order (deterministic).
+  int head_splits;
+  Partials dk_partial, dv_partial;
 };
 
 template <int kDim>
@@ -205,6 +218,24 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kDim / 8][4], floa
     for (int n = 0; n < kDim / 8; ++n) {
       const std::uint32_t packed = pack2<T>(acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul);
       *reinterpret_cast<std::uint32_t*>(dst + n * 8 + 2 * (lane % 4)) = packed;
+    }
+  }
+}
+
+// The same as fp32 into head split `split` of a partials buffer.
+template <int kDim>
+__device__ __forceinline__ void store_partial_rows(const float (&acc)[kDim / 8][4], float mul, const Partials& part,
+                                                   i64 split, i64 b, i64 row0, i64 valid, i64 h) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = lane / 4 + half * 8;
+    if (r >= valid) continue;
+    float* dst = part.row(split, b, row0 + r, h);
+#pragma unroll
+    for (int n = 0; n < kDim / 8; ++n) {
+      *reinterpret_cast<float2*>(dst + n * 8 + 2 * (lane % 4)) =
+          make_float2(acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul);
     }
   }
 }
@@ -494,7 +525,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   const auto seq = a.seqs[blockIdx.z];
   const i64 j0 = i64{blockIdx.x} * kN;
   if (j0 >= seq.S) return;
-  const i64 hk = blockIdx.y;
+  const i64 hk = blockIdx.y / a.head_splits, split = blockIdx.y % a.head_splits;
+  const i64 g_begin = split * a.group / a.head_splits;  // this CTA's query heads of the group
+  const i64 g_count = (split + 1) * a.group / a.head_splits - g_begin;
   const Mask mask{mc, seq.T, seq.S};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const i64 keys = seq.S - j0 < kN ? seq.S - j0 : kN;
@@ -503,7 +536,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   const i64 q_end = mask.end_query(j0 + keys - 1);
   const i64 tile_begin = q_begin / kM;
   const i64 tiles = q_end > q_begin ? (q_end - 1) / kM + 1 - tile_begin : 0;
-  const i64 steps = tiles * a.group;  // (query head g, query tile) pairs
+  const i64 steps = tiles * g_count;  // (query head g, query tile) pairs
 
   float dk[kDoDK ? Dqk / 8 : 1][4];
   float dv[kDoDV ? Dv / 8 : 1][4];
@@ -511,7 +544,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   zero(dv);
 
   auto load_step = [&](i64 step, int buf) {
-    const i64 h = hk * a.group + step / tiles;
+    const i64 h = hk * a.group + g_begin + step / tiles;
     const i64 t0 = (tile_begin + step % tiles) * kM;
     const i64 valid = seq.T - t0;
     load_tile<kM, Dqk>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, valid, h);
@@ -581,8 +614,34 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
     }
   }
   const i64 row0 = j0 + warp * 16;
+  if (a.head_splits > 1) {
+    if constexpr (kDoDK) store_partial_rows<Dqk>(dk, a.scale, a.dk_partial, split, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
+    if constexpr (kDoDV) store_partial_rows<Dv>(dv, 1.f, a.dv_partial, split, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
+    return;
+  }
   if constexpr (kDoDK) store_rows<Dqk>(dk, a.scale, a.scale, a.dk, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
   if constexpr (kDoDV) store_rows<Dv>(dv, 1.f, 1.f, a.dv, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
+}
+
+// dK or dV = the sum of the head splits' partials, for the rows the dK/dV kernel's CTA (same grid, one
+// split) covers.
+template <class T, int kDim>
+__global__ void __launch_bounds__(kThreads) attention_dkv_reduce_kernel(Tokens<T> out, Partials part, SeqTable seqs,
+                                                                       int splits, int rows_per_cta) {
+  const auto seq = seqs[blockIdx.z];
+  const i64 j0 = i64{blockIdx.x} * rows_per_cta, hk = blockIdx.y;
+  const i64 rows = seq.S - j0 < rows_per_cta ? seq.S - j0 : rows_per_cta;
+  for (i64 i = threadIdx.x; i < rows * (kDim / 4); i += kThreads) {
+    const i64 r = seq.k_begin + j0 + i / (kDim / 4), d = (i % (kDim / 4)) * 4;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int sp = 0; sp < splits; ++sp) {
+      const float4 x = *reinterpret_cast<const float4*>(part.row(sp, seq.batch, r, hk) + d);
+      sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
+    }
+    T* dst = out.row(seq.batch, r, hk) + d;
+    *reinterpret_cast<std::uint32_t*>(dst) = pack2<T>(sum.x, sum.y);
+    *reinterpret_cast<std::uint32_t*>(dst + 2) = pack2<T>(sum.z, sum.w);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ launch
@@ -636,8 +695,8 @@ void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, cons
   }
   if (l.max_k > 0) {
     using Tile = DkvTile<Dqk, Dv>;
-    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_k, Tile::kN)), static_cast<unsigned>(l.kv_heads),
-                    static_cast<unsigned>(l.batch));
+    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_k, Tile::kN)),
+                    static_cast<unsigned>(l.kv_heads * args.head_splits), static_cast<unsigned>(l.batch));
     if constexpr (Tile::kSplit) {
       auto dv_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 1>;
       auto dk_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 2>;
@@ -652,6 +711,14 @@ void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, cons
       prepare(kernel, Tile::kSmemBytes);
       kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
       check_launch("attention_dkv_kernel");
+    }
+    if (args.head_splits > 1) {
+      const dim3 reduce_grid(grid.x, static_cast<unsigned>(l.kv_heads), grid.z);
+      attention_dkv_reduce_kernel<T, Dqk><<<reduce_grid, kThreads, 0, l.stream>>>(args.dk, args.dk_partial, args.seqs,
+                                                                                   args.head_splits, Tile::kN);
+      attention_dkv_reduce_kernel<T, Dv><<<reduce_grid, kThreads, 0, l.stream>>>(args.dv, args.dv_partial, args.seqs,
+                                                                                  args.head_splits, Tile::kN);
+      check_launch("attention_dkv_reduce_kernel");
     }
   }
 }

@@ -1,0 +1,523 @@
+// selected_attention backward on tensor cores (mma.sync m16n8k16, fp32 accumulation).
+//
+// dQ is query-outer: one CTA (4 warps) per (token t, KV head h, chunk of 16 query heads of the group), like
+// the query-outer forward (forward_query.cu): warp w computes scores for keys [16w, 16w+16) of a 64-key tile
+// and accumulates dQ columns [w*Dqk/4, (w+1)*Dqk/4).
+//
+// dK/dV are KV-block-outer (the FSA idea): an inverse index (for each sequence, KV head and selection
+// block, the ascending tokens whose index row lists it; inverse_index.h) is built in the workspace by a
+// stable radix sort, then one CTA per (64-key tile of a block, KV head, Dqk/Dv half for head dims > 128)
+// gathers those tokens' query rows (all G heads, 32 (token, head) rows at a time) and accumulates dK and dV
+// in registers: warp w owns keys [16w, 16w+16) of the tile and computes S^T = K Q^T and dP^T = V dO^T
+// directly in key-major form, so no reduction across warps is needed and no float atomics are used
+// anywhere: the backward is deterministic.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/selection/common.cuh"
+#include "cuda/selection/inverse_index.h"
+#include "cuda/selection/launch.cuh"
+#include "cuda/selection/ops.h"
+#include "cuda/selection/tile.cuh"
+
+namespace sparseattn::cuda {
+
+namespace {
+
+using selection::IndexView;
+using selection::kLn2;
+using selection::kLog2e;
+using selection::LseView;
+using selection::SeqTable;
+using selection::SmemTile;
+
+constexpr int kThreads = 128;
+constexpr int kWarps = 4;
+constexpr int kRows = 16;     // query heads per CTA (mma M)
+constexpr int kKeys = 64;     // keys per tile (16 per warp)
+constexpr int kGather = 32;   // (token, head) rows per gathered chunk in the dK/dV kernel
+
+// delta[row_g, hq] = sum_d dO * O in fp32 (one warp per (row, head)); row_g = batch * rows + row.
+template <class T>
+__global__ void delta_kernel(Tokens<const T> o, Tokens<const T> d_o, float* delta, std::int64_t rows,
+                             std::int64_t total_rows, std::int64_t heads, std::int64_t dim) {
+  const std::int64_t item = std::int64_t{blockIdx.x} * (blockDim.x / 32) + threadIdx.x / 32;
+  if (item >= total_rows * heads) return;
+  const std::int64_t row_g = item / heads, hq = item % heads;
+  const std::int64_t b = row_g / rows, r = row_g % rows;
+  const T* op = o.row(b, r, hq);
+  const T* dp = d_o.row(b, r, hq);
+  float sum = 0.f;
+  for (std::int64_t d = threadIdx.x % 32; d < dim; d += 32) sum += to_float(op[d]) * to_float(dp[d]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (threadIdx.x % 32 == 0) delta[item] = sum;
+}
+
+struct BwdConfig {
+  std::int64_t heads_kv, group, chunks, num_idx, block, rows;  // rows: T (batched) or N (packed)
+  float scale, scale_log2;
+};
+
+template <class T, int DQK, int DV>
+struct DqSmem {
+  using Q = SmemTile<T, kRows, DQK>;
+  using DO = SmemTile<T, kRows, DV>;
+  using K = SmemTile<T, kKeys, DQK>;
+  using V = SmemTile<T, kKeys, DV>;
+  using DS = SmemTile<T, kRows, kKeys>;
+  static constexpr std::size_t kElements = Q::kElements + DO::kElements + K::kElements + V::kElements + DS::kElements;
+  static constexpr std::size_t kBytes = kElements * sizeof(T) + 2 * kRows * sizeof(float);
+};
+
+template <class T, int DQK, int DV>
+__global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q, Tokens<const T> k,
+                                                               Tokens<const T> v, IndexView indices,
+                                                               LseView<const float> lse, Tokens<const T> d_o,
+                                                               const float* delta, Tokens<T> dq, SeqTable seqs,
+                                                               BwdConfig c) {
+  using S = DqSmem<T, DQK, DV>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* base = reinterpret_cast<T*>(smem_raw);
+  const typename S::Q qs{base};
+  const typename S::DO dos{qs.base + S::Q::kElements};
+  const typename S::K ks{dos.base + S::DO::kElements};
+  const typename S::V vs{ks.base + S::K::kElements};
+  const typename S::DS dss{vs.base + S::V::kElements};
+  float* lse_s = reinterpret_cast<float*>(dss.base + S::DS::kElements);  // log2 domain, +inf: no gradient
+  float* delta_s = lse_s + kRows;
+
+  const std::int64_t t = blockIdx.x, h = blockIdx.y / c.chunks, chunk = blockIdx.y % c.chunks;
+  const auto seq = seqs[blockIdx.z];
+  if (t >= seq.length) return;
+  const std::int64_t row = seq.begin + t;
+  const std::int64_t g0 = chunk * kRows;
+  const int rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - g0));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t hq0 = h * c.group + g0;
+  selection::load_rows<T, kRows, DQK, kThreads>(
+      qs, [&](int r) { return r < rows_here ? q.row(seq.batch, row, hq0 + r) : nullptr; }, q.row(seq.batch, row, hq0));
+  selection::load_rows<T, kRows, DV, kThreads>(
+      dos, [&](int r) { return r < rows_here ? d_o.row(seq.batch, row, hq0 + r) : nullptr; },
+      d_o.row(seq.batch, row, hq0));
+  cp_async_commit();
+  if (threadIdx.x < kRows) {
+    const int r = threadIdx.x;
+    float value = INFINITY, dl = 0.f;
+    if (r < rows_here) {
+      const float x = lse.at(seq.batch, row, hq0 + r);
+      if (x != -INFINITY) value = x * kLog2e;
+      dl = delta[(seq.batch * c.rows + row) * (c.heads_kv * c.group) + hq0 + r];
+    }
+    lse_s[r] = value;
+    delta_s[r] = dl;
+  }
+
+  constexpr int kOutCols = DQK / kWarps;
+  float acc[kOutCols / 8][4] = {};
+  const int r_lo = lane / 4, r_hi = lane / 4 + 8;
+  const std::int32_t* idx = indices.row(seq.batch, row, h);
+  for (std::int64_t j = 0; j < c.num_idx; ++j) {
+    const std::int64_t b = idx[j];
+    if (b < 0) break;
+    const std::int64_t first = b * c.block;
+    if (first > t) continue;
+    const std::int64_t end = min(first + c.block, t + 1);
+    for (std::int64_t s0 = first; s0 < end; s0 += kKeys) {
+      __syncthreads();
+      selection::load_rows<T, kKeys, DQK, kThreads>(
+          ks, [&](int r) { return s0 + r < end ? k.row(seq.batch, seq.begin + s0 + r, h) : nullptr; },
+          k.row(seq.batch, seq.begin + first, h));
+      selection::load_rows<T, kKeys, DV, kThreads>(
+          vs, [&](int r) { return s0 + r < end ? v.row(seq.batch, seq.begin + s0 + r, h) : nullptr; },
+          v.row(seq.batch, seq.begin + first, h));
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+
+      float s[2][4] = {}, dp[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < DQK / 16; ++kk) {
+        std::uint32_t a[4], bk[4];
+        selection::load_a(a, qs, 0, kk * 16);
+        selection::load_b_rows(bk, ks, warp * 16, kk * 16);
+        selection::mma_pair<T>(s[0], s[1], a, bk);
+      }
+#pragma unroll
+      for (int kk = 0; kk < DV / 16; ++kk) {
+        std::uint32_t a[4], bv[4];
+        selection::load_a(a, dos, 0, kk * 16);
+        selection::load_b_rows(bv, vs, warp * 16, kk * 16);
+        selection::mma_pair<T>(dp[0], dp[1], a, bv);
+      }
+      const float lse_r[2] = {lse_s[r_lo], lse_s[r_hi]};
+      const float delta_r[2] = {delta_s[r_lo], delta_s[r_hi]};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        float ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = warp * 16 + nt * 8 + 2 * (lane % 4) + (e & 1);
+          const float p = s0 + col < end ? exp2f(s[nt][e] * c.scale_log2 - lse_r[e / 2]) : 0.f;
+          ds[e] = p * (dp[nt][e] - delta_r[e / 2]);
+        }
+        const int col = warp * 16 + nt * 8 + 2 * (lane % 4);
+        *reinterpret_cast<std::uint32_t*>(dss.at(r_lo, col)) = pack2<T>(ds[0], ds[1]);
+        *reinterpret_cast<std::uint32_t*>(dss.at(r_hi, col)) = pack2<T>(ds[2], ds[3]);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        std::uint32_t a[4];
+        selection::load_a(a, dss, 0, kk * 16);
+#pragma unroll
+        for (int np = 0; np < kOutCols / 16; ++np) {
+          std::uint32_t bk[4];
+          selection::load_b_cols(bk, ks, kk * 16, warp * kOutCols + np * 16);
+          selection::mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bk);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = i == 0 ? r_lo : r_hi;
+    if (r >= rows_here) continue;
+    T* dst = dq.row(seq.batch, row, hq0 + r);
+#pragma unroll
+    for (int nt = 0; nt < kOutCols / 8; ++nt) {
+      const int col = warp * kOutCols + nt * 8 + 2 * (lane % 4);
+      dst[col] = from_float<T>(acc[nt][2 * i] * c.scale);
+      dst[col + 1] = from_float<T>(acc[nt][2 * i + 1] * c.scale);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ dK / dV
+
+template <class T, int DQK, int DV>
+struct DkvSmem {
+  using K = SmemTile<T, kKeys, DQK>;
+  using V = SmemTile<T, kKeys, DV>;
+  using Q = SmemTile<T, kGather, DQK>;
+  using DO = SmemTile<T, kGather, DV>;
+  static constexpr std::size_t kElements = K::kElements + V::kElements + Q::kElements + DO::kElements;
+  static constexpr std::size_t kBytes = kElements * sizeof(T) + 3 * kGather * sizeof(float);
+};
+
+struct DkvConfig {
+  std::int64_t heads_kv, group, block, rows, subtiles, blocks_per_seq;  // blocks_per_seq: batched only
+  std::uint32_t blocks_bound;
+  bool packed;
+  float scale, scale_log2;
+};
+
+template <class T, int DQK, int DV, int SPLIT>
+__global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
+    Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, LseView<const float> lse, Tokens<const T> d_o,
+    const float* delta, const std::int32_t* offsets, const std::int32_t* seg_begin, const std::int32_t* seg_end,
+    const std::int32_t* tokens, Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
+  using S = DkvSmem<T, DQK, DV>;
+  constexpr int kCk = DQK / SPLIT, kCv = DV / SPLIT;  // dK / dV columns of this CTA
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* base = reinterpret_cast<T*>(smem_raw);
+  const typename S::K ks{base};
+  const typename S::V vs{ks.base + S::K::kElements};
+  const typename S::Q qs{vs.base + S::V::kElements};
+  const typename S::DO dos{qs.base + S::Q::kElements};
+  float* lse_s = reinterpret_cast<float*>(dos.base + S::DO::kElements);
+  float* delta_s = lse_s + kGather;
+  int* pos_s = reinterpret_cast<int*>(delta_s + kGather);
+
+  const std::int64_t b = blockIdx.x / c.subtiles, sub = blockIdx.x % c.subtiles;
+  const std::int64_t h = blockIdx.y / SPLIT, half = blockIdx.y % SPLIT;
+  const std::int64_t sq = blockIdx.z;
+  const auto seq = seqs[sq];
+  const std::int64_t first = b * c.block + sub * kKeys;
+  const std::int64_t end = min(min((b + 1) * c.block, seq.length), first + kKeys);
+  if (first >= end) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t heads_q = c.heads_kv * c.group;
+
+  selection::load_rows<T, kKeys, DQK, kThreads>(
+      ks, [&](int r) { return first + r < end ? k.row(seq.batch, seq.begin + first + r, h) : nullptr; },
+      k.row(seq.batch, seq.begin + first, h));
+  selection::load_rows<T, kKeys, DV, kThreads>(
+      vs, [&](int r) { return first + r < end ? v.row(seq.batch, seq.begin + first + r, h) : nullptr; },
+      v.row(seq.batch, seq.begin + first, h));
+  cp_async_commit();
+
+  const std::int64_t block_base = c.packed ? offsets[sq] : sq * c.blocks_per_seq;
+  const std::int64_t key = h * c.blocks_bound + block_base + b;
+  const std::int64_t list_begin = seg_begin[key], list_end = seg_end[key];
+  const std::int64_t pairs = (list_end - list_begin) * c.group;
+
+  float dk_acc[kCk / 8][4] = {}, dv_acc[kCv / 8][4] = {};
+  const int k_lo = warp * 16 + lane / 4, k_hi = k_lo + 8;  // key rows of this thread in the tile
+  const T* q_fallback = q.row(seq.batch, seq.begin, 0);
+  const T* do_fallback = d_o.row(seq.batch, seq.begin, 0);
+  for (std::int64_t p0 = 0; p0 < pairs; p0 += kGather) {
+    __syncthreads();  // the previous chunk is done with qs, dos, *_s
+    auto q_row = [&](int r, const Tokens<const T>& x) -> const T* {
+      const std::int64_t pidx = p0 + r;
+      if (pidx >= pairs) return nullptr;
+      const std::int64_t pos = tokens[list_begin + pidx / c.group];
+      return x.row(seq.batch, seq.begin + pos, h * c.group + pidx % c.group);
+    };
+    selection::load_rows<T, kGather, DQK, kThreads>(qs, [&](int r) { return q_row(r, q); }, q_fallback);
+    selection::load_rows<T, kGather, DV, kThreads>(dos, [&](int r) { return q_row(r, d_o); }, do_fallback);
+    cp_async_commit();
+    if (threadIdx.x < kGather) {
+      const int r = threadIdx.x;
+      const std::int64_t pidx = p0 + r;
+      float lv = INFINITY, dl = 0.f;
+      int pos = -1;
+      if (pidx < pairs) {
+        pos = tokens[list_begin + pidx / c.group];
+        const std::int64_t hq = h * c.group + pidx % c.group;
+        const float x = lse.at(seq.batch, seq.begin + pos, hq);
+        if (x != -INFINITY) lv = x * kLog2e;
+        dl = delta[(seq.batch * c.rows + seq.begin + pos) * heads_q + hq];
+      }
+      lse_s[r] = lv;
+      delta_s[r] = dl;
+      pos_s[r] = pos;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // S^T and dP^T: 16 keys of this warp x 32 gathered rows.
+    float st[kGather / 8][4] = {}, dpt[kGather / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+      std::uint32_t a[4];
+      selection::load_a(a, ks, warp * 16, kk * 16);
+#pragma unroll
+      for (int np = 0; np < kGather / 16; ++np) {
+        std::uint32_t bq[4];
+        selection::load_b_rows(bq, qs, np * 16, kk * 16);
+        selection::mma_pair<T>(st[2 * np], st[2 * np + 1], a, bq);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < DV / 16; ++kk) {
+      std::uint32_t a[4];
+      selection::load_a(a, vs, warp * 16, kk * 16);
+#pragma unroll
+      for (int np = 0; np < kGather / 16; ++np) {
+        std::uint32_t bo[4];
+        selection::load_b_rows(bo, dos, np * 16, kk * 16);
+        selection::mma_pair<T>(dpt[2 * np], dpt[2 * np + 1], a, bo);
+      }
+    }
+    // P^T and dS^T in place.
+#pragma unroll
+    for (int nt = 0; nt < kGather / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * (lane % 4) + (e & 1);
+        const std::int64_t s = first + (e < 2 ? k_lo : k_hi);
+        const int pos = pos_s[col];
+        const float p = (s < end && pos >= 0 && s <= pos) ? exp2f(st[nt][e] * c.scale_log2 - lse_s[col]) : 0.f;
+        st[nt][e] = p;
+        dpt[nt][e] = p * (dpt[nt][e] - delta_s[col]);
+      }
+    }
+    // dV += P^T dO, dK += dS^T Q (k = the 32 gathered rows, two k-steps).
+#pragma unroll
+    for (int kk = 0; kk < kGather / 16; ++kk) {
+      std::uint32_t ap[4], ads[4];
+      ap[0] = pack2<T>(st[2 * kk][0], st[2 * kk][1]);
+      ap[1] = pack2<T>(st[2 * kk][2], st[2 * kk][3]);
+      ap[2] = pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+      ap[3] = pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+      ads[0] = pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]);
+      ads[1] = pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]);
+      ads[2] = pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+      ads[3] = pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+      for (int np = 0; np < kCv / 16; ++np) {
+        std::uint32_t bo[4];
+        selection::load_b_cols(bo, dos, kk * 16, static_cast<int>(half) * kCv + np * 16);
+        selection::mma_pair<T>(dv_acc[2 * np], dv_acc[2 * np + 1], ap, bo);
+      }
+#pragma unroll
+      for (int np = 0; np < kCk / 16; ++np) {
+        std::uint32_t bq[4];
+        selection::load_b_cols(bq, qs, kk * 16, static_cast<int>(half) * kCk + np * 16);
+        selection::mma_pair<T>(dk_acc[2 * np], dk_acc[2 * np + 1], ads, bq);
+      }
+    }
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const std::int64_t s = first + (i == 0 ? k_lo : k_hi);
+    if (s >= end) continue;
+    T* dkp = dk.row(seq.batch, seq.begin + s, h);
+    T* dvp = dv.row(seq.batch, seq.begin + s, h);
+#pragma unroll
+    for (int nt = 0; nt < kCk / 8; ++nt) {
+      const int col = static_cast<int>(half) * kCk + nt * 8 + 2 * (lane % 4);
+      dkp[col] = from_float<T>(dk_acc[nt][2 * i] * c.scale);
+      dkp[col + 1] = from_float<T>(dk_acc[nt][2 * i + 1] * c.scale);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kCv / 8; ++nt) {
+      const int col = static_cast<int>(half) * kCv + nt * 8 + 2 * (lane % 4);
+      dvp[col] = from_float<T>(dv_acc[nt][2 * i]);
+      dvp[col + 1] = from_float<T>(dv_acc[nt][2 * i + 1]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------- host
+
+// The backward's workspace, from shapes only.
+struct BwdPlan {
+  selection::HostShape shape;
+  std::int64_t heads_q, heads_kv, num_idx, block;
+  std::int64_t total_rows;     // B*T or N
+  std::int64_t blocks_bound;   // selection blocks of all sequences (per KV head), an upper bound
+  std::int64_t blocks_per_seq; // batched: ceil(T / block)
+  std::int64_t entries;        // total_rows * Hkv * n
+  std::uint32_t sentinel;
+  int end_bit;
+  std::size_t delta, offsets, keys_in, keys_out, values_in, values_out, seg_begin, seg_end, temp, temp_bytes, total;
+};
+
+BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
+  BwdPlan plan{};
+  plan.shape = selection::host_shape(p.q, p.seqs);
+  plan.heads_q = p.q.shape[p.q.rank - 2];
+  plan.heads_kv = p.k.shape[p.k.rank - 2];
+  plan.num_idx = p.indices.shape[p.indices.rank - 1];
+  plan.block = p.block;
+  const auto& s = plan.shape;
+  plan.total_rows = s.packed ? s.rows : s.batch * s.rows;
+  plan.blocks_per_seq = (s.rows + p.block - 1) / p.block;
+  plan.blocks_bound = s.packed ? s.rows / p.block + s.batch : s.batch * plan.blocks_per_seq;
+  plan.entries = plan.total_rows * plan.heads_kv * plan.num_idx;
+  const std::int64_t keys = plan.heads_kv * plan.blocks_bound;
+  if (keys >= (std::int64_t{1} << 31) - 1 || plan.entries >= (std::int64_t{1} << 31) - 1) {
+    throw std::length_error("sparseattn: selected_attention_backward: tokens x KV heads x n exceeds 2^31 entries");
+  }
+  plan.sentinel = static_cast<std::uint32_t>(keys);
+  plan.end_bit = selection::key_end_bit(plan.sentinel);
+  std::size_t at = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t offset = at;
+    at = selection::align_up(at + bytes);
+    return offset;
+  };
+  plan.delta = take(sizeof(float) * plan.total_rows * plan.heads_q);
+  plan.offsets = take(sizeof(std::int32_t) * (s.batch + 1));
+  plan.keys_in = take(sizeof(std::uint32_t) * plan.entries);
+  plan.keys_out = take(sizeof(std::uint32_t) * plan.entries);
+  plan.values_in = take(sizeof(std::int32_t) * plan.entries);
+  plan.values_out = take(sizeof(std::int32_t) * plan.entries);
+  plan.seg_begin = take(sizeof(std::int32_t) * keys);
+  plan.seg_end = take(sizeof(std::int32_t) * keys);
+  {
+    const DeviceGuard device(p.q.device_index);
+    plan.temp_bytes = selection::radix_sort_temp_bytes(plan.entries, plan.end_bit);
+  }
+  plan.temp = take(plan.temp_bytes);
+  plan.total = at + 256;  // slack: the base is only promised 16-byte aligned
+  return plan;
+}
+
+}  // namespace
+
+std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBackwardParams& p) {
+  return plan_of(p).total;
+}
+
+void selected_attention_backward(const SelectedAttentionBackwardParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  const BwdPlan plan = plan_of(p);
+  const selection::HostShape& s = plan.shape;
+  const std::int64_t dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+  if (s.batch <= 0 || s.max_len <= 0 || plan.heads_q <= 0) return;
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  unsigned char* ws = selection::aligned_workspace(p.workspace);
+  float* delta = reinterpret_cast<float*>(ws + plan.delta);
+  auto* offsets = reinterpret_cast<std::int32_t*>(ws + plan.offsets);
+  auto* keys_in = reinterpret_cast<std::uint32_t*>(ws + plan.keys_in);
+  auto* keys_out = reinterpret_cast<std::uint32_t*>(ws + plan.keys_out);
+  auto* values_in = reinterpret_cast<std::int32_t*>(ws + plan.values_in);
+  auto* values_out = reinterpret_cast<std::int32_t*>(ws + plan.values_out);
+  auto* seg_begin = reinterpret_cast<std::int32_t*>(ws + plan.seg_begin);
+  auto* seg_end = reinterpret_cast<std::int32_t*>(ws + plan.seg_end);
+  const std::int64_t group = plan.heads_q / plan.heads_kv, chunks = (group + kRows - 1) / kRows;
+  const double scale = softmax_scale(p.scale, dqk);
+  const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  const SeqTable table = selection::seq_table(s, p.seqs);
+  const auto* cu = static_cast<const std::int32_t*>(p.seqs.cu_seqlens.data);
+  const std::int64_t keys = plan.heads_kv * plan.blocks_bound;
+
+  selection::dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    // 1. delta = rowsum(dO * O).
+    if (plan.total_rows * plan.heads_q > 0) {
+      const std::int64_t items = plan.total_rows * plan.heads_q;
+      delta_kernel<T><<<static_cast<unsigned>(ceil_div(items, 8)), 256, 0, stream>>>(
+          tokens_of<const T>(p.o), tokens_of<const T>(p.d_o), delta, s.rows, plan.total_rows,
+          plan.heads_q, dv);
+      check_launch("delta_kernel");
+    }
+    // 2. Inverse index: block offsets (packed), keys, stable sort, segments.
+    if (s.packed) selection::launch_block_offsets(cu, s.batch, plan.block, offsets, stream);
+    const selection::KeyConfig kc{plan.heads_kv, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
+                                  /*row0=*/0, plan.total_rows, static_cast<std::uint32_t>(plan.blocks_bound),
+                                  plan.sentinel, s.packed, /*value_is_entry=*/false};
+    selection::launch_make_keys(selection::index_of(p.indices), cu, offsets, kc, keys_in, values_in, stream);
+    selection::radix_sort_pairs(ws + plan.temp, plan.temp_bytes, keys_in, keys_out, values_in, values_out,
+                                plan.entries, plan.end_bit, stream);
+    selection::launch_segments(keys_out, plan.entries, plan.sentinel, seg_begin, seg_end, keys, stream);
+    selection::dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
+      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+      // 3. dQ, query-outer.
+      {
+        const BwdConfig c{plan.heads_kv, group, chunks, plan.num_idx, plan.block, s.rows,
+                          static_cast<float>(scale), scale_log2};
+        auto kernel = selected_dq_kernel<T, DQK, DV>;
+        const std::size_t smem = DqSmem<T, DQK, DV>::kBytes;
+        selection::set_smem(kernel, smem);
+        const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(plan.heads_kv * chunks),
+                        static_cast<unsigned>(s.batch));
+        kernel<<<grid, kThreads, smem, stream>>>(tokens_of<const T>(p.q), tokens_of<const T>(p.k),
+                                                 tokens_of<const T>(p.v), selection::index_of(p.indices),
+                                                 selection::lse_of<const float>(p.lse), tokens_of<const T>(p.d_o),
+                                                 delta, tokens_of<T>(p.dq), table, c);
+        check_launch("selected_dq_kernel");
+      }
+      // 4. dK, dV, KV-block-outer over the inverse index.
+      {
+        constexpr int SPLIT = DQK > 128 ? 2 : 1;
+        const std::int64_t subtiles = (plan.block + kKeys - 1) / kKeys;
+        const std::int64_t max_blocks = (s.max_len + plan.block - 1) / plan.block;
+        const DkvConfig c{plan.heads_kv, group, plan.block, s.rows, subtiles, plan.blocks_per_seq,
+                          static_cast<std::uint32_t>(plan.blocks_bound), s.packed, static_cast<float>(scale),
+                          scale_log2};
+        auto kernel = selected_dkv_kernel<T, DQK, DV, SPLIT>;
+        const std::size_t smem = DkvSmem<T, DQK, DV>::kBytes;
+        selection::set_smem(kernel, smem);
+        const dim3 grid(static_cast<unsigned>(max_blocks * subtiles), static_cast<unsigned>(plan.heads_kv * SPLIT),
+                        static_cast<unsigned>(s.batch));
+        kernel<<<grid, kThreads, smem, stream>>>(
+            tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v),
+            selection::lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, offsets, seg_begin, seg_end,
+            values_out, tokens_of<T>(p.dk), tokens_of<T>(p.dv), table, c);
+        check_launch("selected_dkv_kernel");
+      }
+    });
+  });
+}
+
+}  // namespace sparseattn::cuda

@@ -1,0 +1,522 @@
+// KV-block-outer forward of selected_attention (the FSA design) on tensor cores (mma.sync m16n8k16, fp32
+// accumulation). For each chunk of token rows (forward_plan.h bounds the scratch):
+//  1. make_keys (inverse_index.h): each (token, KV head h, slot j) whose block b is visible (b * block <= t,
+//     before the first -1) gets the key (h, global block of b) and the value e = its entry index (token row,
+//     h, j); other entries get the sentinel key and sort last;
+//  2. a stable radix sort by key: the entries of one (h, block) become a run in ascending token order;
+//  3. kv_forward_kernel: CTA c takes the sorted entries [c*P, (c+1)*P), P = kKvCtaRows / G (about 256 query
+//     rows). For each run of one key in that range it loads the block's K and V (<= 128 keys) into shared
+//     memory once; its 4 warps take the run's query rows, (token, group head) token-major, 16 at a time, so
+//     rows of different tokens share an mma tile and G = 1 fills tiles as well as G = 16. A warp owns whole
+//     rows: scores against the block 64 keys at a time (causal per row: keys <= t), online softmax in
+//     registers, P as the A operand straight from the accumulators, O = P V in registers; no shared-memory
+//     reductions, no CTA barrier inside a run. Per-warp Q tiles are double buffered (cp.async). It writes
+//     the partial of each (token, query head, slot): o_j = O / l in compact form (below) and lse_j (log2);
+//  4. kv_merge_kernel: one warp per (token, query head) merges its valid slots in slot order (log-sum-exp)
+//     into o and lse; a row without a valid slot gets o = 0 and lse = -inf. Rows of a packed batch outside
+//     every sequence are left untouched.
+// Deterministic: each partial is computed by one warp in a fixed order (a row's mma results do not depend on
+// the other rows of its tile) and merged in slot order; no atomics.
+//
+// The partials bound this path: written once and read once, they are the bulk of its memory traffic. Two
+// measures keep them in check:
+//  - compact form: o_j is stored as fp16 of o_j / max|o_j| plus that fp32 scale (and the fp32 lse_j): Dv * 2
+//    + 8 bytes per slot instead of Dv * 4 + 4. Its rounding is at most 2^-12 of the slot's largest element
+//    (a slot's output is of the order of the final o), against 2^-9 for the final rounding of o to bf16 and
+//    2^-11 to fp16; P itself enters the P V product rounded to 16 bits. The merge runs in fp32. The per-row
+//    scale makes the fp16 range safe whatever the magnitude of v (plain fp16 could overflow for bf16 inputs,
+//    plain bf16 would round 8x coarser). On H100 (T = 64K, Hkv = 8, G = 8) it took this path from 47.7 to
+//    37.2 ms (the query-outer forward: 51.5 ms);
+//  - chunks: partials cost Hq * n * (2 Dv + 8) bytes per token (33 KB at Hq = 8, n = 16, Dv = 128), too much
+//    for a long sequence at once, so tokens go in chunks whose scratch stays near kKvWorkspaceCap (256 MB)
+//    whatever T is; the price is re-reading a block's K and V once per chunk that selects it and a few
+//    launches per chunk, both small next to the partials' own traffic.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/selection/common.cuh"
+#include "cuda/selection/forward_plan.h"
+#include "cuda/selection/inverse_index.h"
+#include "cuda/selection/kernels.h"
+#include "cuda/selection/launch.cuh"
+#include "cuda/selection/tile.cuh"
+
+namespace sparseattn::cuda::selection {
+
+namespace {
+
+constexpr int kThreads = kKvWarps * 32;
+constexpr int kTile = kKvTileRows;
+constexpr int kSub = 64;  // keys per online-softmax step
+constexpr int kRowSlots = kKvQBuffers * kKvWarps * kTile;
+constexpr int kMergeWarps = 8;
+
+struct KvConfig {
+  std::int64_t heads_kv, group, num_idx, block, rows, batch, blocks_per_seq;  // rows: T or N; B; batched only
+  std::int64_t row0, entries, per_cta;  // chunk's first token row, its entries, entries per CTA
+  std::uint32_t blocks_bound, sentinel;
+  int key_rows;  // K/V rows in shared memory: round_up16(block)
+  bool packed;
+  float scale_log2;
+};
+
+template <class T, int DQK, int DV>
+__global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v,
+                                                              const std::uint32_t* keys, const std::int32_t* values,
+                                                              const std::int32_t* cu_seqlens,
+                                                              const std::int32_t* offsets, __half* o_part,
+                                                              float* scale_part, float* lse_part, KvConfig c) {
+  using QTile = SmemTile<T, kTile, DQK>;
+  using KTile = SmemTile<T, kKvMaxBlock, DQK>;
+  using VTile = SmemTile<T, kKvMaxBlock, DV>;
+  static_assert(DV <= DQK, "the epilogue stages a 16 x Dv fp16 tile in a Q tile");
+  // Carved as kv_forward_smem_bytes counts it.
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto* keys_s = reinterpret_cast<std::uint32_t*>(smem_raw);
+  auto* vals_s = reinterpret_cast<std::int32_t*>(keys_s + kKvCtaRows);
+  auto* qptr_s = reinterpret_cast<const T**>(vals_s + kKvCtaRows);  // [buffer][warp][row]: q row or null
+  auto* slot_s = reinterpret_cast<std::int64_t*>(qptr_s + kRowSlots);  // partial slot, -1: padding row
+  auto* t_s = reinterpret_cast<std::int32_t*>(slot_s + kRowSlots);     // position in the sequence, -1: padding
+  T* q_base = reinterpret_cast<T*>(t_s + kRowSlots);
+  const KTile ks{q_base + kRowSlots * QTile::kPitch};
+  const VTile vs{ks.base + c.key_rows * KTile::kPitch};
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t e0 = std::int64_t{blockIdx.x} * c.per_cta;
+  const int count = static_cast<int>(min(c.per_cta, c.entries - e0));
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    keys_s[i] = keys[e0 + i];
+    vals_s[i] = values[e0 + i];
+  }
+  __syncthreads();
+
+  const std::int64_t entries_per_row = c.heads_kv * c.num_idx, heads_q = c.heads_kv * c.group;
+  int cur = 0;
+  while (cur < count && keys_s[cur] < c.sentinel) {
+    // The run [cur, stop) of one (KV head, block).
+    const std::uint32_t key = keys_s[cur];
+    int stop = cur + 1;
+    while (stop < count && keys_s[stop] == key) ++stop;
+    const std::int64_t h = key / c.blocks_bound, gblock = key % c.blocks_bound;
+    std::int64_t begin = 0, length = c.rows, b = 0, batch = 0;
+    if (c.packed) {
+      // The sequence of the run's first token (every token of the run is in it): last s with cu[s] <= row.
+      const std::int64_t row = c.row0 + vals_s[cur] / entries_per_row;
+      std::int64_t lo = 0, hi = c.batch;
+      while (hi - lo > 1) {
+        const std::int64_t mid = (lo + hi) / 2;
+        if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
+      }
+      begin = cu_seqlens[lo];
+      length = cu_seqlens[lo + 1] - begin;
+      b = gblock - offsets[lo];
+    } else {
+      batch = gblock / c.blocks_per_seq;
+      b = gblock % c.blocks_per_seq;
+    }
+    const std::int64_t first = b * c.block;
+    const int keys_here = static_cast<int>(min(c.block, length - first));
+    for (int i = threadIdx.x; i < c.key_rows * (DQK / 8); i += kThreads) {
+      const int r = i / (DQK / 8), cc = i % (DQK / 8);
+      const bool in = r < keys_here;
+      cp_async_16(ks.at(r, cc * 8), k.row(batch, begin + first + (in ? r : 0), h) + cc * 8, in ? 16 : 0);
+    }
+    for (int i = threadIdx.x; i < c.key_rows * (DV / 8); i += kThreads) {
+      const int r = i / (DV / 8), cc = i % (DV / 8);
+      const bool in = r < keys_here;
+      cp_async_16(vs.at(r, cc * 8), v.row(batch, begin + first + (in ? r : 0), h) + cc * 8, in ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    const std::int64_t run_rows = std::int64_t{stop - cur} * c.group;
+    const int tiles = static_cast<int>((run_rows + kTile - 1) / kTile);
+    // Describes the 16 rows of `tile` in row buffer `buf` and starts loading their q rows.
+    auto stage = [&](int tile, int buf) {
+      const int base = (buf * kKvWarps + warp) * kTile;
+      if (lane < kTile) {
+        const std::int64_t pidx = std::int64_t{tile} * kTile + lane;
+        const T* ptr = nullptr;
+        std::int64_t slot = -1;
+        int t = -1;
+        if (pidx < run_rows) {
+          // 32-bit arithmetic: entries, token rows and run rows stay below 2^31 (checked by the API).
+          const auto p32 = static_cast<std::uint32_t>(pidx), group = static_cast<std::uint32_t>(c.group);
+          const auto e = static_cast<std::uint32_t>(vals_s[cur + p32 / group]);
+          const std::uint32_t row_local = e / static_cast<std::uint32_t>(entries_per_row);
+          const std::uint32_t j = e % static_cast<std::uint32_t>(c.num_idx);
+          const auto row_g = static_cast<std::uint32_t>(c.row0) + row_local;
+          const std::int64_t hq = h * c.group + p32 % group;
+          const auto rows = static_cast<std::uint32_t>(c.rows);
+          const std::int64_t bt = c.packed ? 0 : row_g / rows, row = c.packed ? row_g : row_g % rows;
+          ptr = q.row(bt, row, hq);
+          slot = (std::int64_t{row_local} * heads_q + hq) * c.num_idx + j;
+          t = static_cast<int>(row - begin);
+        }
+        qptr_s[base + lane] = ptr;
+        slot_s[base + lane] = slot;
+        t_s[base + lane] = t;
+      }
+      __syncwarp();
+      const QTile qt{q_base + base * QTile::kPitch};
+      const T* fallback = qptr_s[base];  // row 0 of a tile always exists
+      for (int i = lane; i < kTile * (DQK / 8); i += 32) {
+        const int r = i / (DQK / 8), cc = i % (DQK / 8);
+        const T* src = qptr_s[base + r];
+        cp_async_16(qt.at(r, cc * 8), (src != nullptr ? src : fallback) + cc * 8, src != nullptr ? 16 : 0);
+      }
+      cp_async_commit();
+    };
+
+    int buf = 0;
+    if (warp < tiles) stage(warp, 0);
+    for (int tile = warp; tile < tiles; tile += kKvWarps) {
+      if (tile + kKvWarps < tiles) {
+        stage(tile + kKvWarps, buf ^ 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncwarp();
+      const int base = (buf * kKvWarps + warp) * kTile;
+      const QTile qt{q_base + base * QTile::kPitch};
+      const std::int64_t t_row[2] = {t_s[base + lane / 4], t_s[base + lane / 4 + 8]};
+      int t_max = t_s[base + lane % kTile];
+#pragma unroll
+      for (int off = 8; off > 0; off /= 2) t_max = max(t_max, __shfl_xor_sync(0xffffffffu, t_max, off));
+      // Keys past the tile's last token are invisible to all its rows (every real row sees key 0 of the block).
+      const int keys_vis = static_cast<int>(min(std::int64_t{keys_here}, std::int64_t{t_max} - first + 1));
+
+      float acc[DV / 8][4] = {};
+      float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+      for (int s0 = 0; s0 < keys_vis; s0 += kSub) {
+        float s[kSub / 8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < DQK / 16; ++kk) {
+          std::uint32_t a[4];
+          load_a(a, qt, 0, kk * 16);
+#pragma unroll
+          for (int np = 0; np < kSub / 16; ++np) {
+            if (s0 + np * 16 < keys_vis) {
+              std::uint32_t bk[4];
+              load_b_rows(bk, ks, s0 + np * 16, kk * 16);
+              mma_pair<T>(s[2 * np], s[2 * np + 1], a, bk);
+            }
+          }
+        }
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int nt = 0; nt < kSub / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int kc = s0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+            const bool visible = kc < keys_here && first + kc <= t_row[e / 2];
+            s[nt][e] = visible ? s[nt][e] * c.scale_log2 : -INFINITY;
+            mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+          }
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+          mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+          m_use[i] = mx[i] == -INFINITY ? 0.f : mx[i];
+          alpha[i] = exp2f(m[i] - m_use[i]);
+          m[i] = mx[i];
+          l[i] *= alpha[i];
+        }
+#pragma unroll
+        for (int nt = 0; nt < kSub / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[nt][e] = exp2f(s[nt][e] - m_use[e / 2]);
+            l[e / 2] += s[nt][e];
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < DV / 8; ++nt) {
+          acc[nt][0] *= alpha[0];
+          acc[nt][1] *= alpha[0];
+          acc[nt][2] *= alpha[1];
+          acc[nt][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < kSub / 16; ++kk) {
+          if (s0 + kk * 16 < keys_vis) {
+            std::uint32_t a[4];
+            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int np = 0; np < DV / 16; ++np) {
+              std::uint32_t bv[4];
+              load_b_cols(bv, vs, s0 + kk * 16, np * 16);
+              mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bv);
+            }
+          }
+        }
+      }
+      // Epilogue: o / l of each row, scaled by the row's largest magnitude into fp16 in this (now free) Q
+      // tile, then written as 16-byte pieces of whole rows.
+      float amax[2] = {0.f, 0.f}, inv[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      }
+#pragma unroll
+      for (int nt = 0; nt < DV / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[nt][e] *= inv[e / 2];
+          amax[e / 2] = fmaxf(amax[e / 2], fabsf(acc[nt][e]));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 1));
+        amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 2));
+        const std::int64_t slot = slot_s[base + lane / 4 + 8 * i];
+        if (slot >= 0 && lane % 4 == 0) {
+          lse_part[slot] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
+          scale_part[slot] = amax[i];
+        }
+      }
+      const float rs[2] = {amax[0] > 0.f ? 1.f / amax[0] : 0.f, amax[1] > 0.f ? 1.f / amax[1] : 0.f};
+      __syncwarp();  // every lane is done reading the Q tile
+      auto* staged = reinterpret_cast<__half*>(qt.base);  // 16 x DV halves, pitch DQK + 8 (DV <= DQK)
+#pragma unroll
+      for (int nt = 0; nt < DV / 8; ++nt) {
+        const int col = nt * 8 + 2 * (lane % 4);
+        *reinterpret_cast<__half2*>(staged + (lane / 4) * QTile::kPitch + col) =
+            __floats2half2_rn(acc[nt][0] * rs[0], acc[nt][1] * rs[0]);
+        *reinterpret_cast<__half2*>(staged + (lane / 4 + 8) * QTile::kPitch + col) =
+            __floats2half2_rn(acc[nt][2] * rs[1], acc[nt][3] * rs[1]);
+      }
+      __syncwarp();
+      for (int i = lane; i < kTile * (DV / 8); i += 32) {
+        const int r = i / (DV / 8), cc = i % (DV / 8);
+        const std::int64_t slot = slot_s[base + r];
+        if (slot >= 0) {
+          *reinterpret_cast<uint4*>(o_part + slot * DV + cc * 8) =
+              *reinterpret_cast<const uint4*>(staged + r * QTile::kPitch + cc * 8);
+        }
+      }
+      __syncwarp();  // the lanes are done with this buffer before it is staged again
+      buf ^= 1;
+    }
+    cur = stop;
+    __syncthreads();  // all warps are done with ks and vs before the next run loads them
+  }
+}
+
+// N (2, 4 or 8) consecutive halves in one vector load.
+template <int N>
+__device__ __forceinline__ void load_halves(std::uint32_t (&raw)[N / 2], const __half* src) {
+  if constexpr (N == 2) {
+    raw[0] = *reinterpret_cast<const std::uint32_t*>(src);
+  } else if constexpr (N == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(src);
+    raw[0] = u.x, raw[1] = u.y;
+  } else {
+    static_assert(N == 8, "Dv / 32 halves per lane");
+    const uint4 u = *reinterpret_cast<const uint4*>(src);
+    raw[0] = u.x, raw[1] = u.y, raw[2] = u.z, raw[3] = u.w;
+  }
+}
+
+struct MergeConfig {
+  std::int64_t heads_q, group, num_idx, block, rows, batch, row0, row_count;
+  bool packed;
+};
+
+// One warp per (token row, query head) of the chunk: o = sum_j w_j o_j / sum_j w_j, w_j = 2^(lse_j - max),
+// o_j = scale_j * (its fp16 row).
+template <class T, int DV>
+__global__ void __launch_bounds__(kMergeWarps * 32) kv_merge_kernel(const __half* o_part, const float* scale_part,
+                                                                    const float* lse_part, IndexView indices,
+                                                                    const std::int32_t* cu_seqlens, Tokens<T> o,
+                                                                    LseView<float> lse, MergeConfig c) {
+  constexpr int kVec = DV / 32;  // output columns per lane
+  const std::int64_t item = std::int64_t{blockIdx.x} * kMergeWarps + threadIdx.x / 32;
+  if (item >= c.row_count * c.heads_q) return;
+  const int lane = threadIdx.x % 32;
+  const std::int64_t row_local = item / c.heads_q, hq = item % c.heads_q, h = hq / c.group;
+  const std::int64_t row_g = c.row0 + row_local;
+  std::int64_t batch = 0, row = row_g, t = 0;
+  if (c.packed) {
+    if (c.batch <= 0 || row < cu_seqlens[0] || row >= cu_seqlens[c.batch]) return;  // outside every sequence
+    std::int64_t lo = 0, hi = c.batch;  // last s with cu[s] <= row
+    while (hi - lo > 1) {
+      const std::int64_t mid = (lo + hi) / 2;
+      if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
+    }
+    t = row - cu_seqlens[lo];
+  } else {
+    batch = row_g / c.rows;
+    row = t = row_g % c.rows;
+  }
+  const std::int32_t* idx = indices.row(batch, row, h);
+  const std::int64_t base = (row_local * c.heads_q + hq) * c.num_idx;
+  // The slots that hold a partial follow the rule of make_keys: before the first -1, block starting <= t.
+  // Pass 1, a lane per slot: where the list ends and the largest lse of a valid slot.
+  std::int64_t end = c.num_idx;
+  float mx = -INFINITY;
+  for (std::int64_t j0 = 0; j0 < end; j0 += 32) {
+    const std::int64_t j = j0 + lane;
+    const std::int64_t b = j < end ? idx[j] : 0;
+    const unsigned negative = __ballot_sync(0xffffffffu, b < 0);
+    if (negative != 0) end = j0 + __ffs(static_cast<int>(negative)) - 1;
+    if (j < end && b * c.block <= t) mx = fmaxf(mx, lse_part[base + j]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  // Pass 2, in slot order, four slots' loads in flight at a time (any valid slot makes mx finite).
+  constexpr int kAhead = 4;
+  float acc[kVec] = {};
+  float sum = 0.f;
+  for (std::int64_t j0 = 0; j0 < end; j0 += kAhead) {
+    float ws[kAhead];
+    std::uint32_t raw[kAhead][kVec / 2];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const std::int64_t j = j0 + u;
+      ws[u] = 0.f;
+#pragma unroll
+      for (int x = 0; x < kVec / 2; ++x) raw[u][x] = 0u;
+      if (j < end && std::int64_t{idx[j]} * c.block <= t) {
+        const float w = exp2f(lse_part[base + j] - mx);
+        sum += w;
+        ws[u] = w * scale_part[base + j];
+        load_halves<kVec>(raw[u], o_part + (base + j) * DV + lane * kVec);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+#pragma unroll
+      for (int x = 0; x < kVec / 2; ++x) {
+        __half2 pair;
+        memcpy(&pair, &raw[u][x], sizeof(pair));
+        const float2 f = __half22float2(pair);
+        acc[2 * x] += ws[u] * f.x;
+        acc[2 * x + 1] += ws[u] * f.y;
+      }
+    }
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  T* dst = o.row(batch, row, hq) + lane * kVec;
+#pragma unroll
+  for (int x = 0; x < kVec; x += 2) *reinterpret_cast<std::uint32_t*>(dst + x) = pack2<T>(acc[x] * inv, acc[x + 1] * inv);
+  if (lane == 0) lse.at(batch, row, hq) = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
+}
+
+}  // namespace
+
+KvForwardPlan kv_forward_plan(const SelectedAttentionParams& p) {
+  KvForwardPlan plan;
+  plan.shape = host_shape(p.q, p.seqs);
+  const HostShape& s = plan.shape;
+  plan.heads_q = p.q.shape[p.q.rank - 2];
+  plan.heads_kv = p.k.shape[p.k.rank - 2];
+  plan.group = plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 0;
+  plan.num_idx = p.indices.shape[p.indices.rank - 1];
+  plan.block = p.block;
+  plan.dim_v = p.v.shape[p.v.rank - 1];
+  plan.total_rows = s.packed ? s.rows : s.batch * s.rows;
+  plan.blocks_per_seq = (s.rows + p.block - 1) / p.block;
+  plan.blocks_bound = s.packed ? s.rows / p.block + s.batch : s.batch * plan.blocks_per_seq;
+  const std::int64_t keys = plan.heads_kv * plan.blocks_bound;
+  if (keys >= (std::int64_t{1} << 31) - 1) {
+    throw std::length_error("sparseattn: selected_attention: KV heads x selection blocks exceeds 2^31");
+  }
+  plan.sentinel = static_cast<std::uint32_t>(keys);
+  plan.end_bit = key_end_bit(plan.sentinel);
+  plan.chunk_rows = kv_chunk_rows(plan.total_rows, plan.heads_q, plan.heads_kv, plan.num_idx, plan.dim_v);
+  plan.chunk_entries = plan.chunk_rows * plan.heads_kv * plan.num_idx;
+  std::size_t at = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t offset = at;
+    at = align_up(at + bytes);
+    return offset;
+  };
+  const std::size_t entries = static_cast<std::size_t>(plan.chunk_entries);
+  const std::size_t partials = static_cast<std::size_t>(plan.chunk_rows * plan.heads_q * plan.num_idx);
+  plan.offsets = take(sizeof(std::int32_t) * (s.batch + 1));
+  plan.keys_in = take(sizeof(std::uint32_t) * entries);
+  plan.keys_out = take(sizeof(std::uint32_t) * entries);
+  plan.values_in = take(sizeof(std::int32_t) * entries);
+  plan.values_out = take(sizeof(std::int32_t) * entries);
+  plan.o_part = take(sizeof(std::uint16_t) * partials * plan.dim_v);
+  plan.scale_part = take(sizeof(float) * partials);
+  plan.lse_part = take(sizeof(float) * partials);
+  {
+    const DeviceGuard device(p.q.device_index);
+    plan.temp_bytes = radix_sort_temp_bytes(plan.chunk_entries, plan.end_bit);
+  }
+  plan.temp = take(plan.temp_bytes);
+  plan.total = at + 256;  // slack: the base is only promised 16-byte aligned
+  return plan;
+}
+
+void forward_kv_outer(const SelectedAttentionParams& p, const KvForwardPlan& plan) {
+  const HostShape& s = plan.shape;
+  if (s.batch <= 0 || s.max_len <= 0 || plan.heads_q <= 0 || plan.total_rows <= 0) return;
+  const std::int64_t dqk = p.q.shape[p.q.rank - 1], dv = plan.dim_v;
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  unsigned char* ws = aligned_workspace(p.workspace);
+  auto* offsets = reinterpret_cast<std::int32_t*>(ws + plan.offsets);
+  auto* keys_in = reinterpret_cast<std::uint32_t*>(ws + plan.keys_in);
+  auto* keys_out = reinterpret_cast<std::uint32_t*>(ws + plan.keys_out);
+  auto* values_in = reinterpret_cast<std::int32_t*>(ws + plan.values_in);
+  auto* values_out = reinterpret_cast<std::int32_t*>(ws + plan.values_out);
+  auto* o_part = reinterpret_cast<__half*>(ws + plan.o_part);
+  auto* scale_part = reinterpret_cast<float*>(ws + plan.scale_part);
+  auto* lse_part = reinterpret_cast<float*>(ws + plan.lse_part);
+  const auto* cu = s.packed ? static_cast<const std::int32_t*>(p.seqs.cu_seqlens.data) : nullptr;
+  const float scale_log2 = static_cast<float>(softmax_scale(p.scale, dqk) * 1.4426950408889634);
+  const std::int64_t per_cta = kv_entries_per_cta(plan.group);
+  if (s.packed) launch_block_offsets(cu, s.batch, plan.block, offsets, stream);
+
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
+      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+      auto kernel = kv_forward_kernel<T, DQK, DV>;
+      const std::size_t smem = kv_forward_smem_bytes(DQK, DV, plan.block);
+      set_smem(kernel, smem);
+      for (std::int64_t row0 = 0; row0 < plan.total_rows; row0 += plan.chunk_rows) {
+        const std::int64_t rows_here = std::min(plan.chunk_rows, plan.total_rows - row0);
+        const std::int64_t entries = rows_here * plan.heads_kv * plan.num_idx;
+        const KeyConfig kc{plan.heads_kv, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
+                           row0, rows_here, static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel,
+                           s.packed, /*value_is_entry=*/true};
+        launch_make_keys(index_of(p.indices), cu, offsets, kc, keys_in, values_in, stream);
+        radix_sort_pairs(ws + plan.temp, plan.temp_bytes, keys_in, keys_out, values_in, values_out, entries,
+                         plan.end_bit, stream);
+        const KvConfig c{plan.heads_kv, plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
+                         row0, entries, per_cta, static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel,
+                         static_cast<int>(round_up16(plan.block)), s.packed, scale_log2};
+        kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
+            tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), keys_out, values_out, cu,
+            offsets, o_part, scale_part, lse_part, c);
+        check_launch("kv_forward_kernel");
+        const MergeConfig mc{plan.heads_q, plan.group, plan.num_idx, plan.block, s.rows, s.batch, row0, rows_here,
+                             s.packed};
+        kv_merge_kernel<T, DV><<<static_cast<unsigned>(ceil_div(rows_here * plan.heads_q, kMergeWarps)),
+                                 kMergeWarps * 32, 0, stream>>>(o_part, scale_part, lse_part, index_of(p.indices), cu,
+                                                                tokens_of<T>(p.o), lse_of<float>(p.lse), mc);
+        check_launch("kv_merge_kernel");
+      }
+    });
+  });
+}
+
+}  // namespace sparseattn::cuda::selection

@@ -1,0 +1,128 @@
+// Host-only planning of the selected-attention forward on CUDA: which of the two forwards runs, the shared
+// memory the KV-block-outer kernel needs, and how its workspace is cut into token chunks. Plain C++ (no CUDA
+// headers) so that tests/cpp checks it on machines without a GPU.
+//
+// The two forwards (see selected_attention.cu):
+//  - query-outer: one CTA per (token, KV head, 16 query heads of the group); the G heads of one token are
+//    the 16 rows of an mma tile, padded with zero rows, so G = 1 does 16x the useful math and every token
+//    re-reads all K/V rows of its n selected blocks;
+//  - KV-block-outer (the FSA design): the (token, slot) pairs are sorted by (KV head, selected block); a CTA
+//    loads one block's K and V once and packs the query rows (token x group head) of many tokens into full
+//    16-row tiles, writing a partial (o, lse) per (token, query head, slot) that a merge kernel combines.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace sparseattn::cuda::selection {
+
+// ----------------------------------------------------------------------------- KV-block-outer kernel shape
+
+inline constexpr int kKvWarps = 4;         // warps per CTA
+inline constexpr int kKvTileRows = 16;     // gathered query rows per warp tile (mma M)
+inline constexpr int kKvCtaRows = 256;     // target query rows per CTA (entries per CTA = kKvCtaRows / G)
+inline constexpr int kKvMaxBlock = 128;    // the whole selection block's K and V sit in shared memory
+inline constexpr int kKvQBuffers = 2;      // per-warp Q tiles (the next tile loads while one is computed)
+// Partial outputs are bounded by cutting the tokens into chunks whose scratch stays below this many bytes
+// (one chunk holds at least one token row, so huge head counts may exceed it).
+inline constexpr std::size_t kKvWorkspaceCap = std::size_t{256} << 20;
+
+// (token, slot) entries one CTA takes from the sorted list: about kKvCtaRows query rows.
+inline std::int64_t kv_entries_per_cta(std::int64_t group) {
+  return std::max<std::int64_t>(1, kKvCtaRows / std::max<std::int64_t>(1, group));
+}
+
+inline std::int64_t round_up16(std::int64_t x) { return (x + 15) / 16 * 16; }
+
+// Dynamic shared memory of the KV-block-outer kernel for 16-bit inputs: sorted keys and values of its
+// entries, per-warp row descriptors, per-warp Q tiles and the block's K and V (rows padded by 8 elements).
+inline std::size_t kv_forward_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block) {
+  const std::size_t key_rows = static_cast<std::size_t>(round_up16(std::min<std::int64_t>(block, kKvMaxBlock)));
+  const std::size_t lists = 2 * sizeof(std::int32_t) * kKvCtaRows;
+  const std::size_t rows = std::size_t{kKvQBuffers} * kKvWarps * kKvTileRows * (8 + 8 + 4);
+  const std::size_t q = std::size_t{kKvQBuffers} * kKvWarps * kKvTileRows * (dim_qk + 8) * 2;
+  const std::size_t kv = key_rows * ((dim_qk + 8) + (dim_v + 8)) * 2;
+  return lists + rows + q + kv;
+}
+
+// Whether the KV-block-outer kernel can run these shapes: the block fits its shared memory tiles
+// (block <= kKvMaxBlock) and the device grants that much shared memory per CTA (smem_limit: the opt-in
+// maximum, cudaDevAttrMaxSharedMemoryPerBlockOptin; 227 KB on H100, 163 KB on A100).
+inline bool kv_forward_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block, std::size_t smem_limit) {
+  return block > 0 && block <= kKvMaxBlock && kv_forward_smem_bytes(dim_qk, dim_v, block) <= smem_limit;
+}
+
+// ------------------------------------------------------------------------------------------- the heuristic
+
+// Measured on H100 (bf16, Dqk = Dv = 128, n = 16, block 64, one sequence, NSA-like indices: block 0, the two
+// local blocks and 13 random earlier ones; see docs/architecture.md), KV-block-outer vs query-outer time:
+// T = 16K and 64K with Hkv = 4 and 8: G = 1 7.4-9.1x faster, G = 2 5.0-5.5x, G = 4 2.8-3.2x, G = 8 1.5-1.6x,
+// G = 10 1.19-1.33x, G = 12 1.02-1.13x, G = 16 0.79-0.88x (slower: the query-outer tiles are full and it
+// needs no sort, no partials and no merge, whose traffic grows with G). T = 4K: G = 1 4.3x, G = 8 1.5x,
+// G = 12 1.08x. So the KV-block-outer forward runs up to G = 12 (G = 11 interpolated).
+inline constexpr std::int64_t kKvMaxGroup = 12;
+// Below this many token rows the sort and merge launches cost as much as the padding saves (T = 512:
+// 0.92-0.97x; T = 1024: 1.97x at G = 1, 1.24x at G = 8).
+inline constexpr std::int64_t kKvMinTokens = 1024;
+
+// The pure heuristic: use the KV-block-outer forward for group size `group`, head dims, `tokens` token rows
+// (B*T, or N packed), n = `num_idx` slots and selection block `block`, on a device granting `smem_limit`
+// bytes of shared memory per CTA.
+inline bool use_kv_outer_forward(std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v, std::int64_t tokens,
+                                 std::int64_t num_idx, std::int64_t block, std::size_t smem_limit) {
+  if (!kv_forward_supported(dim_qk, dim_v, block, smem_limit)) return false;
+  if (group < 1 || num_idx < 1) return false;
+  return group <= kKvMaxGroup && tokens >= kKvMinTokens;
+}
+
+// Internal switch for tests and measurements: the environment variable SPARSEATTN_SELECTED_FORWARD, read on
+// the host by the CUDA entry points (size query and launch alike, so both agree): "query" or "kv" force a
+// forward ("kv" only where kv_forward_supported; otherwise the query-outer one runs), anything else (or
+// unset) leaves the choice to use_kv_outer_forward.
+enum class ForwardChoice { automatic, query_outer, kv_outer };
+inline constexpr const char* kForwardEnv = "SPARSEATTN_SELECTED_FORWARD";
+
+inline ForwardChoice parse_forward_choice(const char* value) {
+  if (value == nullptr) return ForwardChoice::automatic;
+  if (std::strcmp(value, "query") == 0) return ForwardChoice::query_outer;
+  if (std::strcmp(value, "kv") == 0) return ForwardChoice::kv_outer;
+  return ForwardChoice::automatic;
+}
+
+inline bool choose_kv_outer(ForwardChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
+                            std::int64_t tokens, std::int64_t num_idx, std::int64_t block, std::size_t smem_limit) {
+  if (group < 1 || num_idx < 1 || tokens < 1) return false;
+  switch (choice) {
+    case ForwardChoice::query_outer: return false;
+    case ForwardChoice::kv_outer: return kv_forward_supported(dim_qk, dim_v, block, smem_limit);
+    case ForwardChoice::automatic: break;
+  }
+  return use_kv_outer_forward(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit);
+}
+
+// --------------------------------------------------------------------------------------- workspace chunks
+
+// Scratch bytes per token row of a chunk: the partial of every (query head, slot) (fp16 o row, fp32 scale
+// and lse), and the inverse-index entries of every (KV head, slot) (keys and values, in and out of the sort,
+// and about as much again for the radix sort's own buffers).
+inline std::size_t kv_bytes_per_row(std::int64_t heads_q, std::int64_t heads_kv, std::int64_t num_idx,
+                                    std::int64_t dim_v) {
+  const std::size_t partial = static_cast<std::size_t>(heads_q * num_idx) * (dim_v * 2 + 8);
+  const std::size_t index = static_cast<std::size_t>(heads_kv * num_idx) * 6 * sizeof(std::int32_t);
+  return partial + index;
+}
+
+// Token rows per chunk: as many as fit kKvWorkspaceCap (at least 1), then evened out over the chunks so
+// that the last chunk is not a sliver. Depends on shapes only.
+inline std::int64_t kv_chunk_rows(std::int64_t total_rows, std::int64_t heads_q, std::int64_t heads_kv,
+                                  std::int64_t num_idx, std::int64_t dim_v) {
+  if (total_rows <= 0) return 0;
+  const std::size_t per_row = std::max<std::size_t>(1, kv_bytes_per_row(heads_q, heads_kv, num_idx, dim_v));
+  const std::int64_t fit = std::max<std::int64_t>(1, static_cast<std::int64_t>(kKvWorkspaceCap / per_row));
+  const std::int64_t chunks = (total_rows + fit - 1) / fit;
+  return (total_rows + chunks - 1) / chunks;
+}
+
+}  // namespace sparseattn::cuda::selection

@@ -1,0 +1,47 @@
+// The inverse index of selected attention: for each KV head and selection block, the (token, slot) entries
+// whose index row lists that block (and can see it: the block starts at or before the token). Built by a
+// deterministic stable radix sort (cub) of (key, value) pairs in caller-provided scratch; used by the
+// KV-block-outer forward (forward_kv.cu) and the dK/dV backward (backward.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/selection/common.cuh"
+
+namespace sparseattn::cuda::selection {
+
+// Keys number the selection blocks globally: key = h * blocks_bound + block_base(sequence) + b, where
+// block_base is seq * blocks_per_seq (batched) or offsets[seq] (packed, from launch_block_offsets).
+// Entries that list no visible block get the sentinel key (Hkv * blocks_bound) and sort last.
+struct KeyConfig {
+  std::int64_t heads_kv, num_idx, block, rows, batch, blocks_per_seq;  // rows: T or N; blocks_per_seq: batched
+  std::int64_t row0, row_count;  // the token rows [row0, row0 + row_count) of B*T (or N) this build covers
+  std::uint32_t blocks_bound, sentinel;
+  bool packed;
+  bool value_is_entry;  // value = entry index within the build (forward) instead of the token position t
+};
+
+// Number of key bits the radix sort must look at to order keys in [0, sentinel].
+int key_end_bit(std::uint32_t sentinel);
+
+// offsets[s] = sum_{s' < s} ceil(len_s' / block) from cu_seqlens (packed layout); one CTA, deterministic.
+void launch_block_offsets(const std::int32_t* cu_seqlens, std::int64_t batch, std::int64_t block,
+                          std::int32_t* offsets, cudaStream_t stream);
+// keys/values of the row_count * heads_kv * num_idx entries of the rows; entry (row - row0, h, j) sits at
+// ((row - row0) * heads_kv + h) * num_idx + j.
+void launch_make_keys(const IndexView& indices, const std::int32_t* cu_seqlens, const std::int32_t* offsets,
+                      const KeyConfig& c, std::uint32_t* keys, std::int32_t* values, cudaStream_t stream);
+// cub radix sort scratch for `count` pairs (host-side query, no device work).
+std::size_t radix_sort_temp_bytes(std::int64_t count, int end_bit);
+// Stable sort by key; throws on a cub error.
+void radix_sort_pairs(void* temp, std::size_t temp_bytes, const std::uint32_t* keys_in, std::uint32_t* keys_out,
+                      const std::int32_t* values_in, std::int32_t* values_out, std::int64_t count, int end_bit,
+                      cudaStream_t stream);
+// seg_begin/seg_end[key] from the sorted keys (both zeroed first, here: an empty list is [0, 0)).
+void launch_segments(const std::uint32_t* sorted_keys, std::int64_t count, std::uint32_t sentinel,
+                     std::int32_t* seg_begin, std::int32_t* seg_end, std::int64_t keys, cudaStream_t stream);
+
+}  // namespace sparseattn::cuda::selection

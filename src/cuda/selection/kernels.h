@@ -1,0 +1,36 @@
+// Internal launchers of the selected-attention forward (the entry points are in selected_attention.cu, the
+// backward in backward.cu).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/selection/common.cuh"
+#include "sparseattn/selected_attention.h"
+
+namespace sparseattn::cuda::selection {
+
+// Query-outer forward (forward_query.cu); no workspace.
+void forward_query_outer(const SelectedAttentionParams& p);
+
+// Workspace of the KV-block-outer forward, from shapes only: byte offsets of each slice from the 256-byte
+// aligned base (see forward_kv.cu for what they hold).
+struct KvForwardPlan {
+  HostShape shape;
+  std::int64_t heads_q = 0, heads_kv = 0, group = 0, num_idx = 0, block = 0, dim_v = 0;
+  std::int64_t total_rows = 0;      // B*T or N
+  std::int64_t blocks_per_seq = 0;  // batched: ceil(T / block)
+  std::int64_t blocks_bound = 0;    // selection blocks of all sequences (per KV head), an upper bound
+  std::int64_t chunk_rows = 0;      // token rows per chunk
+  std::int64_t chunk_entries = 0;   // chunk_rows * Hkv * n
+  std::uint32_t sentinel = 0;
+  int end_bit = 1;
+  std::size_t offsets = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, o_part = 0, scale_part = 0, lse_part = 0,
+              temp = 0, temp_bytes = 0, total = 0;
+};
+
+KvForwardPlan kv_forward_plan(const SelectedAttentionParams& p);
+// Enqueues the KV-block-outer forward on p.stream; p.workspace holds at least plan.total bytes.
+void forward_kv_outer(const SelectedAttentionParams& p, const KvForwardPlan& plan);
+
+}  // namespace sparseattn::cuda::selection

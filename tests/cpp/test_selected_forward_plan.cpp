@@ -1,0 +1,88 @@
+// The host-only plan of the CUDA selected-attention forward (src/cuda/selection/forward_plan.h): which
+// forward runs, its shared memory and its workspace chunks. Pure host code, so it runs without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "cuda/selection/forward_plan.h"
+
+namespace sparseattn::test {
+namespace {
+
+using namespace sparseattn::cuda::selection;
+
+constexpr std::size_t kH100 = 227 * 1024;  // cudaDevAttrMaxSharedMemoryPerBlockOptin
+constexpr std::size_t kA100 = 163 * 1024;
+
+TEST(SelectedForwardPlan, SmallGroupsOfLongSequencesRunKvOuter) {
+  for (std::int64_t g : {1, 2, 3, 4, 7, 8, 12}) {
+    EXPECT_TRUE(use_kv_outer_forward(g, 128, 128, 16384, 16, 64, kH100)) << "G=" << g;
+    EXPECT_TRUE(use_kv_outer_forward(g, 64, 64, 65536, 16, 64, kA100)) << "G=" << g;
+  }
+}
+
+TEST(SelectedForwardPlan, FullTilesAndShortInputsRunQueryOuter) {
+  for (std::int64_t g : {13, 16, 32, 64}) EXPECT_FALSE(use_kv_outer_forward(g, 128, 128, 65536, 16, 64, kH100));
+  EXPECT_FALSE(use_kv_outer_forward(1, 128, 128, kKvMinTokens - 1, 16, 64, kH100));
+  EXPECT_TRUE(use_kv_outer_forward(1, 128, 128, kKvMinTokens, 16, 64, kH100));
+  EXPECT_FALSE(use_kv_outer_forward(0, 128, 128, 65536, 16, 64, kH100));
+  EXPECT_FALSE(use_kv_outer_forward(1, 128, 128, 65536, 0, 64, kH100));
+}
+
+TEST(SelectedForwardPlan, BlockAndSharedMemoryLimits) {
+  for (std::int64_t block : {16, 32, 48, 64, 96, 112, 128}) {
+    EXPECT_TRUE(kv_forward_supported(128, 128, block, kA100)) << block;
+    EXPECT_TRUE(kv_forward_supported(192, 128, block, kA100)) << block;
+    EXPECT_TRUE(kv_forward_supported(256, 256, block, kH100)) << block;
+  }
+  EXPECT_FALSE(kv_forward_supported(128, 128, 144, kH100));  // the block must fit one shared-memory tile
+  EXPECT_FALSE(kv_forward_supported(128, 128, 256, kH100));
+  EXPECT_FALSE(kv_forward_supported(256, 256, 128, kA100));  // 256/256 with 128-token blocks needs > 163 KB
+  EXPECT_FALSE(use_kv_outer_forward(1, 256, 256, 65536, 16, 128, kA100));
+  EXPECT_FALSE(kv_forward_supported(64, 64, 64, 0));  // no shared-memory information: query-outer
+  // Grows with the head dims and the block (rounded up to 16 rows).
+  EXPECT_LT(kv_forward_smem_bytes(64, 64, 64), kv_forward_smem_bytes(128, 128, 64));
+  EXPECT_LT(kv_forward_smem_bytes(128, 128, 64), kv_forward_smem_bytes(128, 128, 128));
+  EXPECT_EQ(kv_forward_smem_bytes(128, 128, 50), kv_forward_smem_bytes(128, 128, 64));
+}
+
+TEST(SelectedForwardPlan, OverrideSwitch) {
+  EXPECT_EQ(parse_forward_choice(nullptr), ForwardChoice::automatic);
+  EXPECT_EQ(parse_forward_choice("query"), ForwardChoice::query_outer);
+  EXPECT_EQ(parse_forward_choice("kv"), ForwardChoice::kv_outer);
+  EXPECT_EQ(parse_forward_choice("auto"), ForwardChoice::automatic);
+  EXPECT_EQ(parse_forward_choice("KV "), ForwardChoice::automatic);
+  // Forced kv runs any group and length it supports; forced query always wins; automatic is the heuristic.
+  EXPECT_TRUE(choose_kv_outer(ForwardChoice::kv_outer, 32, 256, 256, 1, 16, 64, kH100));
+  EXPECT_FALSE(choose_kv_outer(ForwardChoice::kv_outer, 1, 128, 128, 65536, 16, 256, kH100));
+  EXPECT_FALSE(choose_kv_outer(ForwardChoice::kv_outer, 1, 128, 128, 0, 16, 64, kH100));
+  EXPECT_FALSE(choose_kv_outer(ForwardChoice::query_outer, 1, 128, 128, 65536, 16, 64, kH100));
+  EXPECT_EQ(choose_kv_outer(ForwardChoice::automatic, 2, 128, 128, 65536, 16, 64, kH100),
+            use_kv_outer_forward(2, 128, 128, 65536, 16, 64, kH100));
+}
+
+TEST(SelectedForwardPlan, ChunksBoundTheWorkspace) {
+  EXPECT_EQ(kv_chunk_rows(0, 8, 1, 16, 128), 0);
+  EXPECT_EQ(kv_chunk_rows(1000, 8, 1, 16, 128), 1000);  // small inputs: one chunk
+  struct Case {
+    std::int64_t rows, hq, hkv, n, dv;
+  };
+  for (const Case& c : {Case{65536, 4, 4, 16, 128}, Case{4 * 65536, 64, 8, 16, 128}, Case{131072, 16, 1, 32, 256},
+                        Case{12345, 1, 1, 16, 64}, Case{1 << 20, 2, 1, 16, 128}}) {
+    const std::int64_t rows = kv_chunk_rows(c.rows, c.hq, c.hkv, c.n, c.dv);
+    ASSERT_GE(rows, 1);
+    EXPECT_LE(rows, c.rows);
+    EXPECT_LE(static_cast<std::size_t>(rows) * kv_bytes_per_row(c.hq, c.hkv, c.n, c.dv), kKvWorkspaceCap);
+    const std::int64_t chunks = (c.rows + rows - 1) / rows;
+    EXPECT_GT(rows * chunks, c.rows - rows);  // evened out: the last chunk is not a sliver
+    EXPECT_LE(rows * (chunks - 1), c.rows);
+  }
+  // Huge heads: one row per chunk, over the cap rather than no progress.
+  EXPECT_EQ(kv_chunk_rows(10, 1 << 14, 1, 1024, 256), 1);
+  EXPECT_EQ(kv_entries_per_cta(1), kKvCtaRows);
+  EXPECT_EQ(kv_entries_per_cta(3), kKvCtaRows / 3);
+  EXPECT_EQ(kv_entries_per_cta(1000), 1);
+}
+
+}  // namespace
+}  // namespace sparseattn::test
