@@ -40,7 +40,8 @@ struct NsaWorkspace {
   TensorView indices;                              // when selection runs
   TensorView combined;  // packed layout: combine's output, whose rows of sequences are then copied to o
                         // (combine writes every row; rows past cu_seqlens[B] of o must stay untouched)
-  TensorView step_workspace;  // uint8: the workspace of select_blocks and then selected_attention
+  TensorView step_workspace;  // uint8: the workspace of select_blocks and then selected_attention (in the
+                              // sliding window's output slice when that is large enough)
   std::size_t bytes = 0;
 };
 

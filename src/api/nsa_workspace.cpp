@@ -61,7 +61,19 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_wor
   if (plan.run_selection) ws.indices = carve.take(DType::int32, layout.tokens(plan.heads_kv, plan.num_selected));
   if (layout.packed) ws.combined = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
   if (step_workspace_bytes > 0) {
-    ws.step_workspace = carve.take(DType::boolean, {static_cast<std::int64_t>(step_workspace_bytes)});
+    // The steps that use it (select_blocks, selected_attention) run before the sliding window writes its
+    // output, so that slice holds it when it fits: the workspace kept for the backward does not grow.
+    const TensorView& window = ws.o[2];
+    const bool fits = window.present() && window.numel() * element_size(window.dtype) >= step_workspace_bytes;
+    if (fits) {
+      ws.step_workspace = window;
+      ws.step_workspace.dtype = DType::boolean;
+      ws.step_workspace.rank = 1;
+      ws.step_workspace.shape[0] = static_cast<std::int64_t>(step_workspace_bytes);
+      ws.step_workspace.stride[0] = 1;
+    } else {
+      ws.step_workspace = carve.take(DType::boolean, {static_cast<std::int64_t>(step_workspace_bytes)});
+    }
   }
   ws.bytes = carve.bytes();
   return ws;

@@ -409,8 +409,10 @@ __global__ void __launch_bounds__(kThreads) attention_delta_kernel(AttnArgs<T> a
 
 template <int Dqk, int Dv>
 struct DqTile {
-  static constexpr int kM = 64;
-  static constexpr int kN = Dqk <= 128 ? 64 : 32;
+  // As the forward: two 16-row tiles per warp where the dQ accumulator leaves room (Dqk <= 128).
+  static constexpr int kMT = Dqk <= 128 ? 2 : 1;
+  static constexpr int kM = 16 * kMT * kWarps;
+  static constexpr int kN = kMT == 2 || Dqk > 128 ? 32 : 64;
   static constexpr int kQ = kM * ld_of<Dqk>(), kDO = kM * ld_of<Dv>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
   static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + 2 * kK + 2 * kV);
 };
@@ -418,7 +420,7 @@ struct DqTile {
 template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, typename Mask::Config mc) {
   using Tile = DqTile<Dqk, Dv>;
-  constexpr int kM = Tile::kM, kN = Tile::kN;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kMT = Tile::kMT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sDO = sQ + Tile::kQ;
@@ -431,20 +433,25 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   const i64 h = blockIdx.y, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_row0 = warp * kMT * 16;
   const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
   const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
   const i64 tile_begin = k_lo / kN;
   const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
 
-  float acc[Dqk / 8][4];
-  zero(acc);
-  if (tile_end > tile_begin) {
-    float lse2[2], delta[2];
+  float acc[kMT][Dqk / 8][4];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const i64 t = t0 + warp * 16 + lane / 4 + half * 8;
-      lse2[half] = t < seq.T ? *a.lse.at(seq.batch, h, seq.q_begin + t) * kLog2e : 0.f;
-      delta[half] = t < seq.T ? *a.delta.at(seq.batch, h, seq.q_begin + t) : 0.f;
+  for (int mt = 0; mt < kMT; ++mt) zero(acc[mt]);
+  if (tile_end > tile_begin) {
+    float lse2[kMT][2], delta[kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const i64 t = t0 + warp_row0 + 16 * mt + lane / 4 + half * 8;
+        lse2[mt][half] = t < seq.T ? *a.lse.at(seq.batch, h, seq.q_begin + t) * kLog2e : 0.f;
+        delta[mt][half] = t < seq.T ? *a.delta.at(seq.batch, h, seq.q_begin + t) : 0.f;
+      }
     }
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
     load_tile<kM, Dv>(sDO, a.d_o, seq.batch, seq.q_begin + t0, rows, h);
@@ -470,32 +477,47 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
       const T* v_tile = sV + buf * Tile::kV;
       const i64 j0 = it * kN;
 
-      float s[kN / 8][4];
-      zero(s);
-      gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sQ, warp * 16, k_tile);
-      float dp[kN / 8][4];
-      zero(dp);
-      gemm_ss_nk<T, kN, Dv, ld_of<Dv>(), ld_of<Dv>()>(dp, sDO, warp * 16, v_tile);
+      float s[kMT][kN / 8][4], dp[kMT][kN / 8][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        zero(s[mt]);
+        zero(dp[mt]);
+      }
+      gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
+      gemm_ss_nk<T, kN, Dv, ld_of<Dv>(), ld_of<Dv>(), kMT>(dp, sDO, warp_row0, v_tile);
       const bool full = tile_full(mask, t0, kM, j0, kN);
 #pragma unroll
-      for (int n = 0; n < kN / 8; ++n) {
+      for (int mt = 0; mt < kMT; ++mt) {
+        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};  // visible columns relative to j0, per row
+        if (!full) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float p = exp2f(s[n][i] * a.scale_log2 - lse2[i / 2]);
-          if (!full) {
-            const i64 t = t0 + warp * 16 + lane / 4 + (i / 2) * 8;
-            const i64 j = j0 + n * 8 + 2 * (lane % 4) + (i % 2);
-            if (!visible(mask, t, j)) p = 0.f;
+          for (int half = 0; half < 2; ++half) {
+            const i64 t = t0 + warp_row0 + 16 * mt + lane / 4 + half * 8;
+            const i64 lo = mask.lo(t), hi = t < seq.T ? min(mask.hi(t), seq.S - 1) : i64{-1};
+            col_lo[half] = static_cast<int>(max(i64{0}, min(lo - j0, i64{kN})));
+            col_hi[half] = static_cast<int>(max(i64{-1}, min(hi - j0, i64{kN - 1})));
           }
-          s[n][i] = p * (dp[n][i] - delta[i / 2]);  // dS (without the scale)
+        }
+#pragma unroll
+        for (int n = 0; n < kN / 8; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+            const bool shown = col >= col_lo[i / 2] && col <= col_hi[i / 2];
+            const float p = shown ? exp2f(s[mt][n][i] * a.scale_log2 - lse2[mt][i / 2]) : 0.f;
+            s[mt][n][i] = p * (dp[mt][n][i] - delta[mt][i / 2]);  // dS (without the scale)
+          }
         }
       }
-      gemm_rs_kn<T, Dqk, kN, ld_of<Dqk>()>(acc, s, k_tile);
+      gemm_rs_kn<T, Dqk, kN, ld_of<Dqk>(), kMT>(acc, s, k_tile);
       __syncthreads();
     }
   }
-  const i64 row0 = t0 + warp * 16;
-  store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + row0, seq.T - row0, h);
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    const i64 row0 = t0 + warp_row0 + 16 * mt;
+    store_rows<Dqk>(acc[mt], a.scale, a.scale, a.dq, seq.batch, seq.q_begin + row0, seq.T - row0, h);
+  }
 }
 
 // Pass: 0 computes dK and dV, 1 only dV, 2 only dK.
