@@ -3,9 +3,9 @@
 # Environment knobs (all optional):
 #   SPARSEATTN_PYTHON      interpreter the venv is made from (default: python3 on PATH)
 #   SPARSEATTN_VENV        venv directory (default: $HOME/.cache/sparseattn/venv-<hash>)
-#   SPARSEATTN_ENABLE_CUDA, SPARSEATTN_ARCHS, SPARSEATTN_HEADDIMS
+#   SPARSEATTN_ENABLE_CUDA, SPARSEATTN_ARCHS
 #                          build switches for both the C++ test build and the package build, e.g.
-#                          SPARSEATTN_ARCHS=90a SPARSEATTN_HEADDIMS=128 (default: CMakeLists.txt's)
+#                          SPARSEATTN_ARCHS=90a (default: CMakeLists.txt's)
 #   SPARSEATTN_CMAKE_ARGS  extra CMake arguments for every build (space separated)
 #   SPARSEATTN_JOBS        parallel build jobs (default: number of cores)
 #   SPARSEATTN_SKIP_APT=1  do not look at or install Debian packages

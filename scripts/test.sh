@@ -29,7 +29,6 @@ if command -v nvcc >/dev/null 2>&1 || [[ -n "${CUDACXX:-}" ]]; then cuda=ON; fi
 cuda="${SPARSEATTN_ENABLE_CUDA:-$cuda}"
 switches=()
 [[ -z "${SPARSEATTN_ARCHS:-}" ]] || switches+=("-DSPARSEATTN_ARCHS=$SPARSEATTN_ARCHS")
-[[ -z "${SPARSEATTN_HEADDIMS:-}" ]] || switches+=("-DSPARSEATTN_HEADDIMS=$SPARSEATTN_HEADDIMS")
 cmake --version | head -n 1
 # shellcheck disable=SC2086  # SPARSEATTN_CMAKE_ARGS is a space-separated list on purpose
 if cmake -S . -B build/ci-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSEATTN_BUILD_TESTS=ON \
