@@ -230,6 +230,21 @@ def forward(request, monkeypatch):
 
 @pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n,future", SELECTED_CASES)
 def test_selected_attention(forward, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
+    _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
+
+
+# The two CUDA dQ paths of the backward (src/cuda/selection/dq_kv.h): query-outer or KV-block-outer, read on the
+# host like the forward switch.
+DQ_ENV = "SPARSEATTN_SELECTED_DQ"
+
+
+@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n,future", SELECTED_CASES)
+def test_selected_attention_kv_outer_dq(monkeypatch, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
+    monkeypatch.setenv(DQ_ENV, "kv")
+    _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
+
+
+def _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
     g = torch.Generator().manual_seed(1)
     if packed:
         N = sum(lengths) + 3  # 3 rows past the last sequence: left untouched (zero from the Python layer)
@@ -261,7 +276,9 @@ def test_selected_attention(forward, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, b
         assert_lowp(got, ref, base, dtype, name)
 
 
-def test_selected_attention_backward_deterministic(forward):
+@pytest.mark.parametrize("dq", ["query", "kv"])
+def test_selected_attention_backward_deterministic(monkeypatch, forward, dq):
+    monkeypatch.setenv(DQ_ENV, dq)
     T, Hq, Hkv, D, block, n = 777, 8, 2, 128, 64, 16
     g = torch.Generator().manual_seed(5)
     q, k, v, d_o = (torch.randn(1, T, h, D, generator=g).to(torch.bfloat16).cuda() for h in (Hq, Hkv, Hkv, Hq))
@@ -298,6 +315,65 @@ def test_selected_attention_out_of_range_indices_are_ignored(forward):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     for x, y in zip(a[2], b[2]):
         assert torch.equal(x, y)
+
+
+def _nsa_indices(lengths, Hkv, n, block, seed):
+    """NSA-like rows: block 0, the (up to) 2 local blocks, random earlier ones; ascending, -1 padded. Block 0
+    is selected by every token, so its inverse-index segment is as long as the sequence."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for T in lengths:
+        idx = torch.full((T, Hkv, n), -1, dtype=torch.int32)
+        for t in range(T):
+            last = t // block
+            for h in range(Hkv):
+                chosen = {0, last, max(last - 1, 0)}
+                rest = [b for b in torch.randperm(last + 1, generator=g).tolist() if b not in chosen]
+                chosen = sorted(chosen | set(rest[: max(0, n - len(chosen))]))[:n]
+                idx[t, h, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+        rows.append(idx)
+    return rows
+
+
+# dK/dV splits inverse-index segments longer than max(256 / G, 2 n block) tokens (rounded up to 32) into
+# chunks with fp32 partials merged in chunk order (src/cuda/selection/chunks.cuh): block 0 here spans many
+# chunks (and both 64-key subtiles of a 128 block, and the two column halves of Dqk = 192).
+LONG_SEGMENT_CASES = [
+    # (dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n)
+    (torch.bfloat16, [3000], False, 4, 1, 64, 64, 16, 4),
+    (torch.float16, [1500, 7, 0, 2100], True, 2, 2, 192, 128, 32, 4),
+    (torch.bfloat16, [2500], False, 8, 2, 128, 128, 128, 2),
+    (torch.float16, [2000], False, 1, 1, 256, 256, 16, 3),
+]
+
+
+@pytest.mark.parametrize("dq", ["query", "kv"])
+@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n", LONG_SEGMENT_CASES)
+def test_selected_attention_backward_long_segments(monkeypatch, dq, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n):
+    monkeypatch.setenv(DQ_ENV, dq)
+    g = torch.Generator().manual_seed(21)
+    if packed:
+        shape, cu = (sum(lengths) + 2,), cu_seqlens_of(lengths)
+        idx = torch.cat(_nsa_indices(lengths, Hkv, n, block, seed=22) + [torch.full((2, Hkv, n), -1, dtype=torch.int32)])
+    else:
+        shape, cu = (2, lengths[0]), None
+        idx = torch.stack(_nsa_indices(lengths * 2, Hkv, n, block, seed=22))
+    q = torch.randn(*shape, Hq, Dqk, generator=g).to(dtype)
+    k = torch.randn(*shape, Hkv, Dqk, generator=g).to(dtype)
+    v = torch.randn(*shape, Hkv, Dv, generator=g).to(dtype)
+    d_o = torch.randn(*shape, Hq, Dv, generator=g).to(dtype)
+    _, _, g_ref = _run_selected(q.double(), k.double(), v.double(), idx, block, cu, d_o.double())
+    dev = [x.cuda() for x in (q, k, v)]
+    cu_d = None if cu is None else cu.cuda()
+    _, _, g_base = _naive_selected(*dev, idx.cuda(), block, cu_d, d_o.cuda())
+    poison_allocator()
+    _, _, grads = _run_selected(*dev, idx.cuda(), block, cu_d, d_o.cuda())
+    for name, got, ref, base in zip(("dq", "dk", "dv"), grads, g_ref, g_base):
+        assert_lowp(got, ref, base, dtype, name)
+    poison_allocator()
+    _, _, again = _run_selected(*dev, idx.cuda(), block, cu_d, d_o.cuda())
+    for a, b in zip(grads, again):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("path,uses_workspace", [("kv", True), ("query", False), ("auto", True)])

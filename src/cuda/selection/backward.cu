@@ -1,24 +1,44 @@
 // selected_attention backward on tensor cores (mma.sync m16n8k16, fp32 accumulation).
 //
-// dQ is query-outer: one CTA (4 warps) per (token t, KV head h, chunk of 16 query heads of the group), like
-// the query-outer forward (forward_query.cu): warp w computes scores for keys [16w, 16w+16) of a 64-key tile
-// and accumulates dQ columns [w*Dqk/4, (w+1)*Dqk/4).
+// dQ has two paths, picked on the host from shapes by selection::use_kv_outer_dq (dq_kv.h):
+//  - query-outer (here): one CTA (4 warps) per (token t, KV head h, chunk of 16 query heads of the group),
+//    like the query-outer forward (forward_query.cu): warp w computes scores for keys [16w, 16w+16) of a
+//    64-key tile and accumulates dQ columns [w*Dqk/4, (w+1)*Dqk/4). The G heads of a token are its 16 mma
+//    rows, so small groups waste most of the tile and every token re-reads its n blocks' K and V;
+//  - KV-block-outer (dq_kv.cu, the FSA forward's design): per selected block, gathered query rows of many
+//    tokens, compact partial dQ per (token, query head, slot), merged in slot order. H100, bf16, D = 128,
+//    T = 64K, n = 16, block 64, NSA-like indices, dQ time query-outer -> KV-block-outer (sort + kernel +
+//    merge): G = 1 (Hq/Hkv 32/32) 225.9 -> 40.2 ms, G = 2 (16/8) 56.2 -> 13.7, G = 4 (16/4) 28.7 -> 11.9,
+//    G = 8 (32/4) 28.9 -> 23.1, G = 16 (64/4) 29.3 -> 44.9 (slower). So it runs for G <= 8.
 //
 // dK/dV are KV-block-outer (the FSA idea): an inverse index (for each sequence, KV head and selection
 // block, the ascending tokens whose index row lists it; inverse_index.h) is built in the workspace by a
-// stable radix sort, then one CTA per (64-key tile of a block, KV head, Dqk/Dv half for head dims > 128)
-// gathers those tokens' query rows (all G heads, 32 (token, head) rows at a time) and accumulates dK and dV
-// in registers: warp w owns keys [16w, 16w+16) of the tile and computes S^T = K Q^T and dP^T = V dO^T
-// directly in key-major form, so no reduction across warps is needed and no float atomics are used
-// anywhere: the backward is deterministic.
+// stable radix sort. Its segments are cut into chunks of at most C tokens (chunks.cuh, dkv_chunk_tokens):
+// block 0, which NSA forces into every row, is selected by every token, and one CTA walking it alone set the
+// kernel time (H100, 64/4 as above: 144.7 ms before, 33.6 ms chunked; 32/32: 29.7 -> 20.9 ms). One CTA per
+// (chunk, 64-key tile of the block, Dqk/Dv half for head dims > 128) gathers its tokens' query rows (all G
+// heads, 32 (token, head) rows at a time) and accumulates dK and dV in registers: warp w owns keys
+// [16w, 16w+16) of the tile and computes S^T = K Q^T and dP^T = V dO^T directly in key-major form, so no
+// reduction across warps is needed. A segment that fits one chunk writes dK/dV directly; the chunks of a
+// longer one write fp32 partials to their own workspace slots and dkv_reduce_kernel sums them in chunk
+// order. No float atomics anywhere: the backward is deterministic.
+//
+// Workspace (shapes only): delta, the inverse index (4 x 4 bytes per (token, KV head, slot) entry + the
+// radix sort's scratch), the chunk table (16 bytes per (KV head, block)), the dK/dV partials (at most
+// kDkvPartialCap = 256 MB, see dkv_chunk_tokens) and, on the KV-block-outer dQ path, its partials (at most
+// about kDqKvPartialCap = 256 MB: tokens go in chunks, dq_kv_chunk_rows; a chunk holds at least one token).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <stdexcept>
 
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/selection/chunks.cuh"
 #include "cuda/selection/common.cuh"
+#include "cuda/selection/dq_kv.h"
 #include "cuda/selection/inverse_index.h"
 #include "cuda/selection/launch.cuh"
 #include "cuda/selection/ops.h"
@@ -211,7 +231,8 @@ struct DkvSmem {
 };
 
 struct DkvConfig {
-  std::int64_t heads_kv, group, block, rows, subtiles, blocks_per_seq;  // blocks_per_seq: batched only
+  std::int64_t heads_kv, group, block, rows, blocks_per_seq, batch;  // blocks_per_seq: batched only
+  std::int64_t keys, chunk_tokens;
   std::uint32_t blocks_bound;
   bool packed;
   float scale, scale_log2;
@@ -221,7 +242,8 @@ template <class T, int DQK, int DV, int SPLIT>
 __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
     Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, LseView<const float> lse, Tokens<const T> d_o,
     const float* delta, const std::int32_t* offsets, const std::int32_t* seg_begin, const std::int32_t* seg_end,
-    const std::int32_t* tokens, Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
+    const std::int32_t* tokens, const std::uint64_t* chunk_scan, float* partials, Tokens<T> dk, Tokens<T> dv,
+    SeqTable seqs, DkvConfig c) {
   using S = DkvSmem<T, DQK, DV>;
   constexpr int kCk = DQK / SPLIT, kCv = DV / SPLIT;  // dK / dV columns of this CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -234,9 +256,21 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
   float* delta_s = lse_s + kGather;
   int* pos_s = reinterpret_cast<int*>(delta_s + kGather);
 
-  const std::int64_t b = blockIdx.x / c.subtiles, sub = blockIdx.x % c.subtiles;
-  const std::int64_t h = blockIdx.y / SPLIT, half = blockIdx.y % SPLIT;
-  const std::int64_t sq = blockIdx.z;
+  // Which (key, chunk of its segment) this CTA takes (selection::locate_chunk).
+  __shared__ std::int64_t task_s[3];
+  if (threadIdx.x == 0) {
+    const selection::ChunkTask task = selection::locate_chunk(chunk_scan, c.keys, blockIdx.x);
+    task_s[0] = task.key;
+    task_s[1] = task.chunk;
+    task_s[2] = task.slot;
+  }
+  __syncthreads();
+  const std::int64_t key = task_s[0], chunk = task_s[1];
+  if (key < 0) return;
+  const selection::BlockOf where = selection::block_of(static_cast<std::uint64_t>(key), c.blocks_bound,
+                                                       c.blocks_per_seq, offsets, c.batch, c.packed);
+  const std::int64_t h = where.head, b = where.block, sq = where.seq;
+  const std::int64_t sub = blockIdx.y / SPLIT, half = blockIdx.y % SPLIT;
   const auto seq = seqs[sq];
   const std::int64_t first = b * c.block + sub * kKeys;
   const std::int64_t end = min(min((b + 1) * c.block, seq.length), first + kKeys);
@@ -252,9 +286,8 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
       v.row(seq.batch, seq.begin + first, h));
   cp_async_commit();
 
-  const std::int64_t block_base = c.packed ? offsets[sq] : sq * c.blocks_per_seq;
-  const std::int64_t key = h * c.blocks_bound + block_base + b;
-  const std::int64_t list_begin = seg_begin[key], list_end = seg_end[key];
+  const std::int64_t list_begin = seg_begin[key] + chunk * c.chunk_tokens;
+  const std::int64_t list_end = min(std::int64_t{seg_end[key]}, list_begin + c.chunk_tokens);
   const std::int64_t pairs = (list_end - list_begin) * c.group;
 
   float dk_acc[kCk / 8][4] = {}, dv_acc[kCv / 8][4] = {};
@@ -355,6 +388,29 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
     }
   }
   cp_async_wait<0>();
+  const std::int64_t slot = task_s[2];  // re-read here: shared memory, not a register held through the loop
+  if (slot >= 0) {
+    // One chunk of a split segment: fp32 partial (dK unscaled) at rows s - b * block of the slot.
+    float* dk_part = partials + slot * c.block * (DQK + DV);
+    float* dv_part = dk_part + c.block * DQK;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const std::int64_t s = first + (i == 0 ? k_lo : k_hi);
+      if (s >= end) continue;
+      const std::int64_t r = s - b * c.block;
+#pragma unroll
+      for (int nt = 0; nt < kCk / 8; ++nt) {
+        const int col = static_cast<int>(half) * kCk + nt * 8 + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(dk_part + r * DQK + col) = make_float2(dk_acc[nt][2 * i], dk_acc[nt][2 * i + 1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < kCv / 8; ++nt) {
+        const int col = static_cast<int>(half) * kCv + nt * 8 + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(dv_part + r * DV + col) = make_float2(dv_acc[nt][2 * i], dv_acc[nt][2 * i + 1]);
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const std::int64_t s = first + (i == 0 ? k_lo : k_hi);
@@ -376,6 +432,40 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
   }
 }
 
+// dK/dV of the split segments: one CTA per key; the sum of its partial slots in chunk order.
+template <class T>
+__global__ void dkv_reduce_kernel(const std::uint64_t* chunk_scan, const float* partials, const std::int32_t* offsets,
+                                  Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c, int dqk, int dv_dim) {
+  const std::int64_t key = blockIdx.x;
+  const std::int64_t end_slot = static_cast<std::int64_t>(chunk_scan[key] >> 32);
+  const std::int64_t slot0 = key > 0 ? static_cast<std::int64_t>(chunk_scan[key - 1] >> 32) : 0;
+  if (end_slot == slot0) return;
+  const selection::BlockOf w = selection::block_of(static_cast<std::uint64_t>(key), c.blocks_bound, c.blocks_per_seq,
+                                                   offsets, c.batch, c.packed);
+  const auto seq = seqs[w.seq];
+  const std::int64_t first = w.block * c.block;
+  const std::int64_t rows = min(c.block, seq.length - first);
+  const std::int64_t stride = c.block * (dqk + dv_dim);
+  const std::int64_t dk_pairs = rows * dqk / 2, pairs = dk_pairs + rows * dv_dim / 2;
+  for (std::int64_t i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const bool is_k = i < dk_pairs;
+    const std::int64_t e = is_k ? 2 * i : 2 * (i - dk_pairs);
+    const int dim = is_k ? dqk : dv_dim;
+    const std::int64_t r = e / dim, col = e % dim;
+    const std::int64_t off = is_k ? e : c.block * dqk + e;
+    float2 acc = make_float2(0.f, 0.f);
+    for (std::int64_t sl = slot0; sl < end_slot; ++sl) {
+      const float2 x = *reinterpret_cast<const float2*>(partials + sl * stride + off);
+      acc.x += x.x;
+      acc.y += x.y;
+    }
+    const float mul = is_k ? c.scale : 1.f;
+    T* dst = (is_k ? dk : dv).row(seq.batch, seq.begin + first + r, w.head) + col;
+    dst[0] = from_float<T>(acc.x * mul);
+    dst[1] = from_float<T>(acc.y * mul);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------- host
 
 // The backward's workspace, from shapes only.
@@ -386,10 +476,48 @@ struct BwdPlan {
   std::int64_t blocks_bound;   // selection blocks of all sequences (per KV head), an upper bound
   std::int64_t blocks_per_seq; // batched: ceil(T / block)
   std::int64_t entries;        // total_rows * Hkv * n
+  std::int64_t keys;           // Hkv * blocks_bound
+  std::int64_t chunk_tokens;   // tokens per dK/dV chunk (dkv_chunk_tokens)
+  std::int64_t slots;          // partial slots: an upper bound of the chunks of all split segments
+  std::int64_t grid;           // dK/dV CTAs along x: slots + keys
   std::uint32_t sentinel;
   int end_bit;
-  std::size_t delta, offsets, keys_in, keys_out, values_in, values_out, seg_begin, seg_end, temp, temp_bytes, total;
+  std::size_t delta, offsets, keys_in, keys_out, values_in, values_out, seg_begin, seg_end, temp, temp_bytes,
+      counts, scan, scan_temp, scan_temp_bytes, partials, total;
+  bool dq_kv;                  // KV-block-outer dQ (dq_kv.h) instead of the query-outer one
+  std::int64_t dq_chunk_rows;  // its token rows per chunk
+  std::size_t dq_half, dq_scale;
 };
+
+std::size_t smem_optin(int device) {
+  int bytes = 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 48 * 1024;
+  }
+  return static_cast<std::size_t>(bytes);
+}
+
+// The dK/dV chunk length in tokens (a multiple of 32, so that chunks hold whole 32-row gathers for any G):
+//  - at least kDkvMinChunkRows query rows and twice the mean segment length (n * block tokens: a block is
+//    selected by about n * block tokens on average), so that only the long segments (block 0, the local
+//    blocks of long sequences) are split and the partial traffic stays small;
+//  - large enough that the partial slots fit kDkvPartialCap: a segment of L > C tokens makes ceil(L / C) <
+//    2 L / C partials, and the segments hold at most `entries` tokens in all, so there are fewer than
+//    2 * entries / C slots of block * (Dqk + Dv) * 4 bytes each. E.g. T = 64K, n = 16, block 64, D = 128:
+//    C = 2048 tokens at Hkv = 4 and 16384 at Hkv = 32 (a 64K-token block 0 becomes 32 or 4 chunks).
+constexpr std::int64_t kDkvMinChunkRows = 256;
+constexpr std::size_t kDkvPartialCap = std::size_t{256} << 20;
+
+std::int64_t dkv_chunk_tokens(std::int64_t entries, std::int64_t group, std::int64_t num_idx, std::int64_t block,
+                              std::int64_t dqk, std::int64_t dv) {
+  const std::int64_t slot_bytes = block * (dqk + dv) * 4;
+  const std::int64_t max_slots = std::max<std::int64_t>(1, static_cast<std::int64_t>(kDkvPartialCap) / slot_bytes);
+  std::int64_t c = std::max<std::int64_t>(ceil_div(kDkvMinChunkRows, std::max<std::int64_t>(1, group)),
+                                          2 * num_idx * block);
+  c = std::max(c, ceil_div(2 * entries, max_slots));
+  return std::max<std::int64_t>(32, ceil_div(c, 32) * 32);
+}
 
 BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
   BwdPlan plan{};
@@ -428,6 +556,36 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
     plan.temp_bytes = selection::radix_sort_temp_bytes(plan.entries, plan.end_bit);
   }
   plan.temp = take(plan.temp_bytes);
+  const std::int64_t dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+  plan.keys = keys;
+  plan.chunk_tokens = dkv_chunk_tokens(plan.entries, plan.heads_q / std::max<std::int64_t>(1, plan.heads_kv),
+                                       plan.num_idx, plan.block, dqk, dv);
+  plan.slots = 2 * plan.entries / plan.chunk_tokens;
+  plan.grid = plan.slots + keys;
+  plan.counts = take(sizeof(std::uint64_t) * keys);
+  plan.scan = take(sizeof(std::uint64_t) * keys);
+  {
+    const DeviceGuard device(p.q.device_index);
+    plan.scan_temp_bytes = selection::chunk_scan_temp_bytes(keys);
+  }
+  plan.scan_temp = take(plan.scan_temp_bytes);
+  plan.partials = take(sizeof(float) * plan.slots * plan.block * (dqk + dv));
+  {
+    const std::int64_t group = plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 0;
+    std::size_t limit = 0;
+    {
+      const DeviceGuard device(p.q.device_index);
+      limit = smem_optin(p.q.device_index);
+    }
+    plan.dq_kv = selection::use_kv_outer_dq(std::getenv(selection::kDqEnv), group, dqk, dv, plan.total_rows,
+                                            plan.num_idx, plan.block, limit);
+    if (plan.dq_kv) {
+      plan.dq_chunk_rows = selection::dq_kv_chunk_rows(plan.total_rows, plan.heads_q, plan.num_idx, dqk);
+      const std::size_t partials = static_cast<std::size_t>(plan.dq_chunk_rows * plan.heads_q * plan.num_idx);
+      plan.dq_half = take(sizeof(std::uint16_t) * partials * dqk);
+      plan.dq_scale = take(sizeof(float) * partials);
+    }
+  }
   plan.total = at + 256;  // slack: the base is only promised 16-byte aligned
   return plan;
 }
@@ -454,6 +612,9 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p) {
   auto* values_out = reinterpret_cast<std::int32_t*>(ws + plan.values_out);
   auto* seg_begin = reinterpret_cast<std::int32_t*>(ws + plan.seg_begin);
   auto* seg_end = reinterpret_cast<std::int32_t*>(ws + plan.seg_end);
+  auto* counts = reinterpret_cast<std::uint64_t*>(ws + plan.counts);
+  auto* scan = reinterpret_cast<std::uint64_t*>(ws + plan.scan);
+  auto* partials = reinterpret_cast<float*>(ws + plan.partials);
   const std::int64_t group = plan.heads_q / plan.heads_kv, chunks = (group + kRows - 1) / kRows;
   const double scale = softmax_scale(p.scale, dqk);
   const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
@@ -482,8 +643,8 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p) {
     selection::launch_segments(keys_out, plan.entries, plan.sentinel, seg_begin, seg_end, keys, stream);
     selection::dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-      // 3. dQ, query-outer.
-      {
+      // 3. dQ, query-outer (or KV-block-outer after step 4).
+      if (!plan.dq_kv) {
         const BwdConfig c{plan.heads_kv, group, chunks, plan.num_idx, plan.block, s.rows,
                           static_cast<float>(scale), scale_log2};
         auto kernel = selected_dq_kernel<T, DQK, DV>;
@@ -497,24 +658,63 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p) {
                                                  delta, tokens_of<T>(p.dq), table, c);
         check_launch("selected_dq_kernel");
       }
-      // 4. dK, dV, KV-block-outer over the inverse index.
+      // 4. dK, dV, KV-block-outer over the inverse index cut into chunks (chunks.cuh).
       {
         constexpr int SPLIT = DQK > 128 ? 2 : 1;
         const std::int64_t subtiles = (plan.block + kKeys - 1) / kKeys;
-        const std::int64_t max_blocks = (s.max_len + plan.block - 1) / plan.block;
-        const DkvConfig c{plan.heads_kv, group, plan.block, s.rows, subtiles, plan.blocks_per_seq,
-                          static_cast<std::uint32_t>(plan.blocks_bound), s.packed, static_cast<float>(scale),
-                          scale_log2};
+        const DkvConfig c{plan.heads_kv, group, plan.block, s.rows, plan.blocks_per_seq, s.batch, keys,
+                          plan.chunk_tokens, static_cast<std::uint32_t>(plan.blocks_bound), s.packed,
+                          static_cast<float>(scale), scale_log2};
+        const selection::ChunkConfig cc{keys, plan.chunk_tokens, plan.block, plan.blocks_per_seq, s.batch,
+                                        static_cast<std::uint32_t>(plan.blocks_bound), s.packed};
+        selection::launch_chunk_counts(seg_begin, seg_end, offsets, table, cc, counts, stream);
+        selection::chunk_scan(ws + plan.scan_temp, plan.scan_temp_bytes, counts, scan, keys, stream);
         auto kernel = selected_dkv_kernel<T, DQK, DV, SPLIT>;
         const std::size_t smem = DkvSmem<T, DQK, DV>::kBytes;
         selection::set_smem(kernel, smem);
-        const dim3 grid(static_cast<unsigned>(max_blocks * subtiles), static_cast<unsigned>(plan.heads_kv * SPLIT),
-                        static_cast<unsigned>(s.batch));
+        const dim3 grid(static_cast<unsigned>(plan.grid), static_cast<unsigned>(subtiles * SPLIT));
         kernel<<<grid, kThreads, smem, stream>>>(
             tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v),
             selection::lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, offsets, seg_begin, seg_end,
-            values_out, tokens_of<T>(p.dk), tokens_of<T>(p.dv), table, c);
+            values_out, scan, partials, tokens_of<T>(p.dk), tokens_of<T>(p.dv), table, c);
         check_launch("selected_dkv_kernel");
+        if (plan.slots > 0) {
+          dkv_reduce_kernel<T><<<static_cast<unsigned>(keys), 256, 0, stream>>>(
+              scan, partials, offsets, tokens_of<T>(p.dk), tokens_of<T>(p.dv), table, c, DQK, DV);
+          check_launch("dkv_reduce_kernel");
+        }
+      }
+      // 5. dQ, KV-block-outer (dq_kv.h); reuses the inverse index's buffers, which step 4 is done with.
+      if (plan.dq_kv) {
+        selection::DqKvArgs a{};
+        a.heads_q = plan.heads_q;
+        a.heads_kv = plan.heads_kv;
+        a.group = group;
+        a.num_idx = plan.num_idx;
+        a.block = plan.block;
+        a.rows = s.rows;
+        a.batch = s.batch;
+        a.blocks_per_seq = plan.blocks_per_seq;
+        a.total_rows = plan.total_rows;
+        a.chunk_rows = plan.dq_chunk_rows;
+        a.blocks_bound = static_cast<std::uint32_t>(plan.blocks_bound);
+        a.sentinel = plan.sentinel;
+        a.end_bit = plan.end_bit;
+        a.packed = s.packed;
+        a.scale = static_cast<float>(scale);
+        a.scale_log2 = scale_log2;
+        a.cu_seqlens = s.packed ? cu : nullptr;
+        a.offsets = offsets;
+        a.delta = delta;
+        a.keys_in = keys_in;
+        a.keys_out = keys_out;
+        a.values_in = values_in;
+        a.values_out = values_out;
+        a.temp = ws + plan.temp;
+        a.temp_bytes = plan.temp_bytes;
+        a.dq_half = ws + plan.dq_half;
+        a.dq_scale = reinterpret_cast<float*>(ws + plan.dq_scale);
+        selection::dq_kv_outer(p, a);
       }
     });
   });

@@ -1,0 +1,395 @@
+// KV-block-outer dQ of selected_attention (see dq_kv.h), mirroring the KV-block-outer forward
+// (forward_kv.cu). For each chunk of token rows:
+//  1. make_keys with value = entry index, a stable radix sort by (KV head, block): the entries of one block
+//     form a run in ascending token order;
+//  2. dq_kv_kernel: CTA c takes the sorted entries [c*P, (c+1)*P), P = 256 / G; per run it loads the block's
+//     K and V (<= 128 keys) once, and its 4 warps take the run's query rows ((token, group head) token-major,
+//     16 per tile, double-buffered Q and dO tiles). A warp owns whole rows: S = Q K^T and dP = dO V^T 64 keys
+//     at a time, P = exp2(S scale log2e - lse) (causal per row), dS = P (dP - delta), dQ_j += dS K in
+//     registers; the partial of (token, query head, slot j) is written in compact form: fp16 of dQ_j /
+//     max|dQ_j| and that fp32 scale;
+//  3. dq_kv_merge_kernel: one warp per (token, query head) sums its valid slots in slot order (fp32), scales
+//     by the softmax scale and writes dq (zeros for a row without a valid slot). Rows of a packed batch
+//     outside every sequence are left untouched.
+// Deterministic: each partial is computed by one warp in a fixed order and merged in slot order; no atomics.
+// Compact partial rounding: at most 2^-12 of the slot's largest element (as in the forward's partials).
+#include "cuda/selection/dq_kv.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/selection/inverse_index.h"
+#include "cuda/selection/launch.cuh"
+#include "cuda/selection/tile.cuh"
+
+namespace sparseattn::cuda::selection {
+
+namespace {
+
+constexpr int kThreads = kDqKvWarps * 32;
+constexpr int kTile = kDqKvTile;
+constexpr int kSub = 64;
+constexpr int kRowSlots = kDqKvBuffers * kDqKvWarps * kTile;
+constexpr int kMergeWarps = 8;
+
+struct DqKvConfig {
+  std::int64_t heads_kv, group, num_idx, block, rows, batch, blocks_per_seq;
+  std::int64_t row0, entries, per_cta;
+  std::uint32_t blocks_bound, sentinel;
+  int key_rows;
+  bool packed;
+  float scale_log2;
+};
+
+template <class T, int DQK, int DV>
+__global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v,
+                                                         Tokens<const T> d_o, LseView<const float> lse,
+                                                         const float* delta, const std::uint32_t* keys,
+                                                         const std::int32_t* values, const std::int32_t* cu_seqlens,
+                                                         const std::int32_t* offsets, __half* dq_part,
+                                                         float* scale_part, DqKvConfig c) {
+  using QTile = SmemTile<T, kTile, DQK>;
+  using OTile = SmemTile<T, kTile, DV>;
+  using KTile = SmemTile<T, kDqKvMaxBlock, DQK>;
+  using VTile = SmemTile<T, kDqKvMaxBlock, DV>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto* keys_s = reinterpret_cast<std::uint32_t*>(smem_raw);
+  auto* vals_s = reinterpret_cast<std::int32_t*>(keys_s + kDqKvCtaRows);
+  auto* qptr_s = reinterpret_cast<const T**>(vals_s + kDqKvCtaRows);
+  auto* optr_s = qptr_s + kRowSlots;
+  auto* slot_s = reinterpret_cast<std::int64_t*>(optr_s + kRowSlots);
+  auto* t_s = reinterpret_cast<std::int32_t*>(slot_s + kRowSlots);
+  auto* lse_s = reinterpret_cast<float*>(t_s + kRowSlots);
+  auto* delta_s = lse_s + kRowSlots;
+  T* q_base = reinterpret_cast<T*>(delta_s + kRowSlots);
+  T* o_base = q_base + kRowSlots * QTile::kPitch;
+  const KTile ks{o_base + kRowSlots * OTile::kPitch};
+  const VTile vs{ks.base + c.key_rows * KTile::kPitch};
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t e0 = std::int64_t{blockIdx.x} * c.per_cta;
+  const int count = static_cast<int>(min(c.per_cta, c.entries - e0));
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    keys_s[i] = keys[e0 + i];
+    vals_s[i] = values[e0 + i];
+  }
+  __syncthreads();
+
+  const std::int64_t entries_per_row = c.heads_kv * c.num_idx, heads_q = c.heads_kv * c.group;
+  int cur = 0;
+  while (cur < count && keys_s[cur] < c.sentinel) {
+    const std::uint32_t key = keys_s[cur];
+    int stop = cur + 1;
+    while (stop < count && keys_s[stop] == key) ++stop;
+    const std::int64_t h = key / c.blocks_bound, gblock = key % c.blocks_bound;
+    std::int64_t begin = 0, length = c.rows, b = 0, batch = 0;
+    if (c.packed) {
+      const std::int64_t row = c.row0 + vals_s[cur] / entries_per_row;
+      std::int64_t lo = 0, hi = c.batch;
+      while (hi - lo > 1) {
+        const std::int64_t mid = (lo + hi) / 2;
+        if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
+      }
+      begin = cu_seqlens[lo];
+      length = cu_seqlens[lo + 1] - begin;
+      b = gblock - offsets[lo];
+    } else {
+      batch = gblock / c.blocks_per_seq;
+      b = gblock % c.blocks_per_seq;
+    }
+    const std::int64_t first = b * c.block;
+    const int keys_here = static_cast<int>(min(c.block, length - first));
+    for (int i = threadIdx.x; i < c.key_rows * (DQK / 8); i += kThreads) {
+      const int r = i / (DQK / 8), cc = i % (DQK / 8);
+      const bool in = r < keys_here;
+      cp_async_16(ks.at(r, cc * 8), k.row(batch, begin + first + (in ? r : 0), h) + cc * 8, in ? 16 : 0);
+    }
+    for (int i = threadIdx.x; i < c.key_rows * (DV / 8); i += kThreads) {
+      const int r = i / (DV / 8), cc = i % (DV / 8);
+      const bool in = r < keys_here;
+      cp_async_16(vs.at(r, cc * 8), v.row(batch, begin + first + (in ? r : 0), h) + cc * 8, in ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    const std::int64_t run_rows = std::int64_t{stop - cur} * c.group;
+    const int tiles = static_cast<int>((run_rows + kTile - 1) / kTile);
+    auto stage = [&](int tile, int buf) {
+      const int base = (buf * kDqKvWarps + warp) * kTile;
+      if (lane < kTile) {
+        const std::int64_t pidx = std::int64_t{tile} * kTile + lane;
+        const T* qp = nullptr;
+        const T* op = nullptr;
+        std::int64_t slot = -1;
+        int t = -1;
+        float lv = INFINITY, dl = 0.f;
+        if (pidx < run_rows) {
+          const auto p32 = static_cast<std::uint32_t>(pidx), group = static_cast<std::uint32_t>(c.group);
+          const auto e = static_cast<std::uint32_t>(vals_s[cur + p32 / group]);
+          const std::uint32_t row_local = e / static_cast<std::uint32_t>(entries_per_row);
+          const std::uint32_t j = e % static_cast<std::uint32_t>(c.num_idx);
+          const auto row_g = static_cast<std::uint32_t>(c.row0) + row_local;
+          const std::int64_t hq = h * c.group + p32 % group;
+          const auto rows = static_cast<std::uint32_t>(c.rows);
+          const std::int64_t bt = c.packed ? 0 : row_g / rows, row = c.packed ? row_g : row_g % rows;
+          qp = q.row(bt, row, hq);
+          op = d_o.row(bt, row, hq);
+          slot = (std::int64_t{row_local} * heads_q + hq) * c.num_idx + j;
+          t = static_cast<int>(row - begin);
+          const float x = lse.at(bt, row, hq);
+          if (x != -INFINITY) lv = x * kLog2e;
+          dl = delta[std::int64_t{row_g} * heads_q + hq];
+        }
+        qptr_s[base + lane] = qp;
+        optr_s[base + lane] = op;
+        slot_s[base + lane] = slot;
+        t_s[base + lane] = t;
+        lse_s[base + lane] = lv;
+        delta_s[base + lane] = dl;
+      }
+      __syncwarp();
+      const QTile qt{q_base + base * QTile::kPitch};
+      const OTile ot{o_base + base * OTile::kPitch};
+      const T* qf = qptr_s[base];
+      const T* of = optr_s[base];
+      for (int i = lane; i < kTile * (DQK / 8); i += 32) {
+        const int r = i / (DQK / 8), cc = i % (DQK / 8);
+        const T* src = qptr_s[base + r];
+        cp_async_16(qt.at(r, cc * 8), (src != nullptr ? src : qf) + cc * 8, src != nullptr ? 16 : 0);
+      }
+      for (int i = lane; i < kTile * (DV / 8); i += 32) {
+        const int r = i / (DV / 8), cc = i % (DV / 8);
+        const T* src = optr_s[base + r];
+        cp_async_16(ot.at(r, cc * 8), (src != nullptr ? src : of) + cc * 8, src != nullptr ? 16 : 0);
+      }
+      cp_async_commit();
+    };
+
+    int buf = 0;
+    if (warp < tiles) stage(warp, 0);
+    for (int tile = warp; tile < tiles; tile += kDqKvWarps) {
+      if (tile + kDqKvWarps < tiles) {
+        stage(tile + kDqKvWarps, buf ^ 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncwarp();
+      const int base = (buf * kDqKvWarps + warp) * kTile;
+      const QTile qt{q_base + base * QTile::kPitch};
+      const OTile ot{o_base + base * OTile::kPitch};
+      const int r_lo = lane / 4, r_hi = lane / 4 + 8;
+      const std::int64_t t_row[2] = {t_s[base + r_lo], t_s[base + r_hi]};
+      const float lse_r[2] = {lse_s[base + r_lo], lse_s[base + r_hi]};
+      const float delta_r[2] = {delta_s[base + r_lo], delta_s[base + r_hi]};
+      int t_max = t_s[base + lane % kTile];
+#pragma unroll
+      for (int off = 8; off > 0; off /= 2) t_max = max(t_max, __shfl_xor_sync(0xffffffffu, t_max, off));
+      const int keys_vis = static_cast<int>(min(std::int64_t{keys_here}, std::int64_t{t_max} - first + 1));
+
+      float acc[DQK / 8][4] = {};
+      for (int s0 = 0; s0 < keys_vis; s0 += kSub) {
+        float s[kSub / 8][4] = {}, dp[kSub / 8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < DQK / 16; ++kk) {
+          std::uint32_t a[4];
+          load_a(a, qt, 0, kk * 16);
+#pragma unroll
+          for (int np = 0; np < kSub / 16; ++np) {
+            if (s0 + np * 16 < keys_vis) {
+              std::uint32_t bk[4];
+              load_b_rows(bk, ks, s0 + np * 16, kk * 16);
+              mma_pair<T>(s[2 * np], s[2 * np + 1], a, bk);
+            }
+          }
+        }
+#pragma unroll
+        for (int kk = 0; kk < DV / 16; ++kk) {
+          std::uint32_t a[4];
+          load_a(a, ot, 0, kk * 16);
+#pragma unroll
+          for (int np = 0; np < kSub / 16; ++np) {
+            if (s0 + np * 16 < keys_vis) {
+              std::uint32_t bv[4];
+              load_b_rows(bv, vs, s0 + np * 16, kk * 16);
+              mma_pair<T>(dp[2 * np], dp[2 * np + 1], a, bv);
+            }
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < kSub / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int kc = s0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+            const bool visible = kc < keys_here && first + kc <= t_row[e / 2];
+            const float p = visible ? exp2f(s[nt][e] * c.scale_log2 - lse_r[e / 2]) : 0.f;
+            s[nt][e] = p * (dp[nt][e] - delta_r[e / 2]);
+          }
+        }
+#pragma unroll
+        for (int kk = 0; kk < kSub / 16; ++kk) {
+          if (s0 + kk * 16 < keys_vis) {
+            std::uint32_t a[4];
+            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int np = 0; np < DQK / 16; ++np) {
+              std::uint32_t bk[4];
+              load_b_cols(bk, ks, s0 + kk * 16, np * 16);
+              mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bk);
+            }
+          }
+        }
+      }
+      float amax[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < DQK / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) amax[e / 2] = fmaxf(amax[e / 2], fabsf(acc[nt][e]));
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 1));
+        amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 2));
+        const std::int64_t slot = slot_s[base + lane / 4 + 8 * i];
+        if (slot >= 0 && lane % 4 == 0) scale_part[slot] = amax[i];
+      }
+      const float rs[2] = {amax[0] > 0.f ? 1.f / amax[0] : 0.f, amax[1] > 0.f ? 1.f / amax[1] : 0.f};
+      __syncwarp();  // every lane is done reading the Q tile
+      auto* staged = reinterpret_cast<__half*>(qt.base);  // 16 x DQK halves, pitch DQK + 8
+#pragma unroll
+      for (int nt = 0; nt < DQK / 8; ++nt) {
+        const int col = nt * 8 + 2 * (lane % 4);
+        *reinterpret_cast<__half2*>(staged + r_lo * QTile::kPitch + col) =
+            __floats2half2_rn(acc[nt][0] * rs[0], acc[nt][1] * rs[0]);
+        *reinterpret_cast<__half2*>(staged + r_hi * QTile::kPitch + col) =
+            __floats2half2_rn(acc[nt][2] * rs[1], acc[nt][3] * rs[1]);
+      }
+      __syncwarp();
+      for (int i = lane; i < kTile * (DQK / 8); i += 32) {
+        const int r = i / (DQK / 8), cc = i % (DQK / 8);
+        const std::int64_t slot = slot_s[base + r];
+        if (slot >= 0) {
+          *reinterpret_cast<uint4*>(dq_part + slot * DQK + cc * 8) =
+              *reinterpret_cast<const uint4*>(staged + r * QTile::kPitch + cc * 8);
+        }
+      }
+      __syncwarp();
+      buf ^= 1;
+    }
+    cur = stop;
+    __syncthreads();
+  }
+}
+
+struct DqMergeConfig {
+  std::int64_t heads_q, group, num_idx, block, rows, batch, row0, row_count;
+  bool packed;
+  float scale;
+};
+
+// One warp per (token row, query head): dq = scale * sum_j scale_j * (fp16 row j), valid slots in order.
+template <class T, int DQK>
+__global__ void __launch_bounds__(kMergeWarps * 32) dq_kv_merge_kernel(const __half* dq_part, const float* scale_part,
+                                                                       IndexView indices,
+                                                                       const std::int32_t* cu_seqlens, Tokens<T> dq,
+                                                                       DqMergeConfig c) {
+  constexpr int kPairs = (DQK + 63) / 64;  // half2 pairs per lane (DQK = 64: 1, 128: 2, 192: 3, 256: 4)
+  const std::int64_t item = std::int64_t{blockIdx.x} * kMergeWarps + threadIdx.x / 32;
+  if (item >= c.row_count * c.heads_q) return;
+  const int lane = threadIdx.x % 32;
+  const std::int64_t row_local = item / c.heads_q, hq = item % c.heads_q, h = hq / c.group;
+  const std::int64_t row_g = c.row0 + row_local;
+  std::int64_t batch = 0, row = row_g, t = 0;
+  if (c.packed) {
+    if (c.batch <= 0 || row < cu_seqlens[0] || row >= cu_seqlens[c.batch]) return;
+    std::int64_t lo = 0, hi = c.batch;
+    while (hi - lo > 1) {
+      const std::int64_t mid = (lo + hi) / 2;
+      if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
+    }
+    t = row - cu_seqlens[lo];
+  } else {
+    batch = row_g / c.rows;
+    row = t = row_g % c.rows;
+  }
+  const std::int32_t* idx = indices.row(batch, row, h);
+  const std::int64_t base = (row_local * c.heads_q + hq) * c.num_idx;
+  float acc[kPairs][2] = {};
+  for (std::int64_t j = 0; j < c.num_idx; ++j) {
+    const std::int64_t b = idx[j];
+    if (b < 0) break;
+    if (b * c.block > t) continue;
+    const float w = scale_part[base + j];
+    const __half* src = dq_part + (base + j) * DQK;
+#pragma unroll
+    for (int x = 0; x < kPairs; ++x) {
+      const int col = 2 * (lane + 32 * x);
+      if (col < DQK) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(src + col));
+        acc[x][0] += w * f.x;
+        acc[x][1] += w * f.y;
+      }
+    }
+  }
+  T* dst = dq.row(batch, row, hq);
+#pragma unroll
+  for (int x = 0; x < kPairs; ++x) {
+    const int col = 2 * (lane + 32 * x);
+    if (col < DQK) *reinterpret_cast<std::uint32_t*>(dst + col) = pack2<T>(acc[x][0] * c.scale, acc[x][1] * c.scale);
+  }
+}
+
+}  // namespace
+
+void dq_kv_outer(const SelectedAttentionBackwardParams& p, const DqKvArgs& a) {
+  if (a.total_rows <= 0 || a.heads_q <= 0 || a.batch <= 0) return;
+  const std::int64_t dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  const std::int64_t per_cta = std::max<std::int64_t>(1, kDqKvCtaRows / std::max<std::int64_t>(1, a.group));
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
+      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+      auto kernel = dq_kv_kernel<T, DQK, DV>;
+      const std::size_t smem = dq_kv_smem_bytes(DQK, DV, a.block);
+      set_smem(kernel, smem);
+      for (std::int64_t row0 = 0; row0 < a.total_rows; row0 += a.chunk_rows) {
+        const std::int64_t rows_here = std::min(a.chunk_rows, a.total_rows - row0);
+        const std::int64_t entries = rows_here * a.heads_kv * a.num_idx;
+        const KeyConfig kc{a.heads_kv, a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, row0, rows_here,
+                           a.blocks_bound, a.sentinel, a.packed, /*value_is_entry=*/true};
+        launch_make_keys(index_of(p.indices), a.cu_seqlens, a.offsets, kc, a.keys_in, a.values_in, stream);
+        radix_sort_pairs(a.temp, a.temp_bytes, a.keys_in, a.keys_out, a.values_in, a.values_out, entries, a.end_bit,
+                         stream);
+        if (entries > 0) {
+          const DqKvConfig c{a.heads_kv, a.group, a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, row0,
+                             entries, per_cta, a.blocks_bound, a.sentinel,
+                             static_cast<int>((std::min<std::int64_t>(a.block, kDqKvMaxBlock) + 15) / 16 * 16),
+                             a.packed, a.scale_log2};
+          kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
+              tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), tokens_of<const T>(p.d_o),
+              lse_of<const float>(p.lse), a.delta, a.keys_out, a.values_out, a.cu_seqlens, a.offsets,
+              static_cast<__half*>(a.dq_half), a.dq_scale, c);
+          check_launch("dq_kv_kernel");
+        }
+        const DqMergeConfig mc{a.heads_q, a.group, a.num_idx, a.block, a.rows, a.batch, row0, rows_here, a.packed,
+                               a.scale};
+        dq_kv_merge_kernel<T, DQK><<<static_cast<unsigned>(ceil_div(rows_here * a.heads_q, kMergeWarps)),
+                                     kMergeWarps * 32, 0, stream>>>(static_cast<const __half*>(a.dq_half),
+                                                                    a.dq_scale, index_of(p.indices), a.cu_seqlens,
+                                                                    tokens_of<T>(p.dq), mc);
+        check_launch("dq_kv_merge_kernel");
+      }
+    });
+  });
+}
+
+}  // namespace sparseattn::cuda::selection
