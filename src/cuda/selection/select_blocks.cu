@@ -46,12 +46,17 @@ struct Layout {
   static constexpr std::size_t kQ = std::size_t{2} * kRows * (D + 8);
   static constexpr std::size_t kK = std::size_t{2} * kCols * (D + 8);
   static constexpr std::size_t kProbs = sizeof(float) * kRows * kProbPitch;
-  static constexpr std::size_t kBytes = kQ + kStages * kK + kProbs + sizeof(float) * kRows;
+  static constexpr std::size_t kBytes = kQ + kStages * kK + kProbs + (sizeof(float) + sizeof(int)) * kRows;
 };
 
+// Positions within a sequence (and block numbers) fit int32 (cu_seqlens is int32); the per-element and
+// pooling arithmetic uses int32 without divisions, which matters at small groups (128 tokens per tile).
 struct Config {
   i64 heads_kv, group, tokens_per_tile;
   i64 cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local;
+  int cols_per_block;   // sel_block / cmp_stride
+  int border;           // cmp_block / cmp_stride - 1: compressed blocks reaching into the previous selection block
+  float inv_stride;     // 1 / cmp_stride
   i64 blocks_per_tile;  // selection blocks pooled per column tile
   i64 slot_blocks;      // row length of a slot: selection blocks of the longest sequence
   i64 position_tiles;   // token tiles of the longest sequence
@@ -59,15 +64,10 @@ struct Config {
   float scale_log2;
 };
 
-// First compressed block overlapping selection block b.
-__device__ __forceinline__ i64 first_cmp_block(const Config& c, i64 b) {
-  const i64 first = b * c.sel_block;
-  return first >= c.cmp_block ? (first - c.cmp_block) / c.cmp_stride + 1 : 0;
-}
-
-// Last compressed block visible from token t (-1: none).
-__device__ __forceinline__ i64 last_visible(const Config& c, i64 t) {
-  return t >= c.cmp_block - 1 ? (t - c.cmp_block + 1) / c.cmp_stride : -1;
+// First compressed block overlapping selection block b: (b*sel_block - cmp_block) / stride + 1 for b >= 1
+// (cmp_block <= sel_block, both multiples of the stride), 0 for b = 0.
+__device__ __forceinline__ int first_cmp_block(const Config& c, int b) {
+  return b == 0 ? 0 : b * c.cols_per_block - c.border;
 }
 
 template <class T, int D>
@@ -79,8 +79,28 @@ __device__ __forceinline__ void load_k_tile(const SmemTile<T, kCols, D>& tile, c
   cp_async_commit();
 }
 
-// Top-n of one token's pooled row (`row`, `candidates` blocks) by one warp; writes `out[0..n)`.
+// A candidate's rank value: chosen blocks are -inf (skipped); NaN (garbage input) ranks last but still fills
+// a slot.
+__device__ __forceinline__ float rank_value(float v) { return v != v ? -3.0e38f : v; }
+
+// The larger of (v, i) and the lanes' (ties to the lower index), across the warp.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+// Top-n of one token's pooled row (`row`, `candidates` blocks) by one warp; writes `out[0..n)`. Lane l keeps
+// the best of blocks l, l + 32, ...; a round takes the warp's best, marks it, and only its lane's subset is
+// scanned again (by the whole warp), so a round costs a few loads rather than a scan of the row.
 __device__ void choose_blocks(float* row, i64 candidates, const Config& c, std::int32_t* out) {
+  constexpr int kNone = 0x7fffffff;
   const int lane = threadIdx.x % 32;
   const i64 init = min(c.num_init, candidates);
   const i64 local_lo = max(init, candidates - c.num_local);
@@ -89,30 +109,38 @@ __device__ void choose_blocks(float* row, i64 candidates, const Config& c, std::
     if (b < init || b >= local_lo) row[b] = -INFINITY;
   }
   __syncwarp();
+  float mine = -INFINITY;
+  int mine_i = kNone;
+  for (i64 b = lane; b < candidates; b += 32) {
+    const float v = row[b];
+    if (v != -INFINITY && rank_value(v) > mine) {
+      mine = rank_value(v);
+      mine_i = static_cast<int>(b);
+    }
+  }
   const i64 count = min(c.num_selected, candidates);
   for (i64 round = forced; round < count; ++round) {
-    float best = -INFINITY;
-    int best_i = 0x7fffffff;
-    for (i64 b = lane; b < candidates; b += 32) {
-      float v = row[b];
-      if (v == -INFINITY) continue;
-      if (v != v) v = -3.0e38f;  // NaN (garbage input) ranks last but still fills a slot
-      if (v > best) {
-        best = v;
-        best_i = static_cast<int>(b);
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-      const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-      if (ov > best || (ov == best && oi < best_i)) {
-        best = ov;
-        best_i = oi;
-      }
-    }
-    if (lane == 0 && best_i < candidates) row[best_i] = -INFINITY;
+    float best = mine;
+    int best_i = mine_i;
+    warp_argmax(best, best_i);
+    if (best_i == kNone) break;  // cannot happen while round < count <= candidates
+    const int owner = best_i % 32;
+    if (lane == owner) row[best_i] = -INFINITY;
     __syncwarp();
+    float next = -INFINITY;
+    int next_i = kNone;
+    for (i64 b = owner + 32 * i64{lane}; b < candidates; b += 32 * 32) {
+      const float v = row[b];
+      if (v != -INFINITY && rank_value(v) > next) {
+        next = rank_value(v);
+        next_i = static_cast<int>(b);
+      }
+    }
+    warp_argmax(next, next_i);
+    if (lane == owner) {
+      mine = next;
+      mine_i = next_i;
+    }
   }
   // Collect the marked blocks in ascending order, then pad with -1.
   i64 written = 0;
@@ -138,6 +166,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   T* const k_base = reinterpret_cast<T*>(smem + L::kQ);
   float* const probs = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK);  // [kRows][kProbPitch]
   float* const row_lse = probs + kRows * kProbPitch;                                 // lse * log2e per row
+  int* const row_visible_end = reinterpret_cast<int*>(row_lse + kRows);  // compressed blocks a row's token sees
   float* const slot = slots + static_cast<i64>(blockIdx.x) * c.tokens_per_tile * c.slot_blocks;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -163,8 +192,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         },
         q.data);
     for (int r = tid; r < kRows; r += kThreads) {
-      const i64 m = r / G;
-      row_lse[r] = m < tokens ? lse.at(seq.batch, seq.begin + t0 + m, h * G + r % G) * kLog2e : -INFINITY;
+      const i64 m = r / G, t = t0 + m;
+      row_lse[r] = m < tokens ? lse.at(seq.batch, seq.begin + t, h * G + r % G) * kLog2e : -INFINITY;
+      const bool sees = m < tokens && t >= c.cmp_block - 1;  // compressed block j is visible iff j*d + l - 1 <= t
+      row_visible_end[r] = sees ? static_cast<int>(min((t - c.cmp_block + 1) / c.cmp_stride + 1, cmp_count)) : 0;
     }
     const i64 col_tiles = ceil_div((t0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
     const auto k_stage = [&](i64 k) {
@@ -172,20 +203,22 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     };
     load_k_tile<T, D>(k_stage(0), k_cmp, seq.batch, cmp_begin, first_cmp_block(c, 0), cmp_count, h);
 
-    // This warp's rows: tokens m_lo..m_hi of the tile (none if its first row is past the last token).
-    const i64 m_lo = (16 * warp) / G, m_hi = min((16 * warp + 15) / G, tokens - 1);
+    // This warp's rows hold tokens (the first row's is the earliest), or none past the tile's last token.
+    const int rows_used = static_cast<int>(tokens * G);
+    const bool warp_has_rows = 16 * warp < rows_used;
+    const int warp_last_row = min(16 * warp + 15, rows_used - 1);
     for (i64 k = 0; k < col_tiles; ++k) {
       if (L::kStages == 2 && k + 1 < col_tiles) {
-        load_k_tile<T, D>(k_stage(k + 1), k_cmp, seq.batch, cmp_begin, first_cmp_block(c, (k + 1) * c.blocks_per_tile),
-                          cmp_count, h);
+        load_k_tile<T, D>(k_stage(k + 1), k_cmp, seq.batch, cmp_begin,
+                          first_cmp_block(c, static_cast<int>((k + 1) * c.blocks_per_tile)), cmp_count, h);
         cp_async_wait<1>();
       } else {
         cp_async_wait<0>();
       }
       __syncthreads();
-      const i64 j0 = first_cmp_block(c, k * c.blocks_per_tile);
+      const int j0 = first_cmp_block(c, static_cast<int>(k * c.blocks_per_tile));
       float acc[kCols / 8][4] = {};
-      const bool any_visible = m_lo < tokens && last_visible(c, t0 + m_hi) >= j0;
+      const bool any_visible = warp_has_rows && row_visible_end[warp_last_row] > j0;
       if (any_visible) {
         const SmemTile<T, kCols, D> k_tile = k_stage(k);
 #pragma unroll
@@ -203,9 +236,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 16 * warp + lane / 4 + 8 * half;
-        const i64 m = r / G;
         const float l2 = row_lse[r];
-        const i64 visible_end = m < tokens && l2 != -INFINITY ? min(last_visible(c, t0 + m) + 1, cmp_count) : 0;
+        const int visible_end = l2 != -INFINITY ? row_visible_end[r] : 0;  // -inf: the row saw no block
 #pragma unroll
         for (int n = 0; n < kCols / 8; ++n) {
           const int col = n * 8 + 2 * (lane % 4);
@@ -217,8 +249,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       }
       __syncthreads();  // probs written; every warp is done with this K stage
       if (L::kStages == 1 && k + 1 < col_tiles) {
-        load_k_tile<T, D>(k_stage(k + 1), k_cmp, seq.batch, cmp_begin, first_cmp_block(c, (k + 1) * c.blocks_per_tile),
-                          cmp_count, h);
+        load_k_tile<T, D>(k_stage(k + 1), k_cmp, seq.batch, cmp_begin,
+                          first_cmp_block(c, static_cast<int>((k + 1) * c.blocks_per_tile)), cmp_count, h);
       }
       if (G > 1) {  // sum over the group heads into the token's first row
         for (i64 i = tid; i < tokens * kCols; i += kThreads) {
@@ -231,17 +263,18 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         __syncthreads();
       }
       // Pool: selection block b gets sum_j overlap(j, b) / stride * P[j] over its compressed blocks.
-      for (i64 i = tid; i < tokens * c.blocks_per_tile; i += kThreads) {
-        const i64 m = i / c.blocks_per_tile, b = k * c.blocks_per_tile + i % c.blocks_per_tile;
-        if (b > (t0 + m) / c.sel_block) continue;  // not a candidate of this token
+      const int nb = static_cast<int>(c.blocks_per_tile), b0 = static_cast<int>(k * c.blocks_per_tile);
+      const int block = static_cast<int>(c.sel_block), cmp_block = static_cast<int>(c.cmp_block);
+      const int stride = static_cast<int>(c.cmp_stride), first_token = static_cast<int>(t0);
+      for (int i = tid; i < rows_used / G * nb; i += kThreads) {
+        const int m = i / nb, b = b0 + (i - m * nb);
+        if (b * block > first_token + m) continue;  // not a candidate of this token
         const float* p = probs + m * G * kProbPitch;
-        const i64 first = b * c.sel_block, end = first + c.sel_block;
-        const i64 j_end = (end - 1) / c.cmp_stride + 1;
+        const int first = b * block, end = first + block;
         float score = 0.f;
-        for (i64 j = first_cmp_block(c, b); j < j_end; ++j) {
-          const i64 jf = j * c.cmp_stride;
-          const i64 overlap = min(jf + c.cmp_block, end) - max(jf, first);
-          score = fmaf(static_cast<float>(overlap) / static_cast<float>(c.cmp_stride), p[j - j0], score);
+        for (int j = first_cmp_block(c, b); j < (b + 1) * c.cols_per_block; ++j) {
+          const int overlap = min(j * stride + cmp_block, end) - max(j * stride, first);
+          score = fmaf(static_cast<float>(overlap) * c.inv_stride, p[j - j0], score);
         }
         slot[m * c.slot_blocks + b] = score;
       }
@@ -293,7 +326,10 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
   c.num_selected = p.num_selected;
   c.num_init = p.num_init;
   c.num_local = p.num_local;
-  c.blocks_per_tile = (kCols - p.cmp_block / p.cmp_stride + 1) / (p.sel_block / p.cmp_stride);
+  c.cols_per_block = p.sel_block / p.cmp_stride;
+  c.border = p.cmp_block / p.cmp_stride - 1;
+  c.inv_stride = 1.f / static_cast<float>(p.cmp_stride);
+  c.blocks_per_tile = (kCols - c.border) / c.cols_per_block;
   c.slot_blocks = ceil_div(s.max_len, p.sel_block);
   c.position_tiles = ceil_div(s.max_len, c.tokens_per_tile);
   c.batch = s.batch;
