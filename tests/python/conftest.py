@@ -31,6 +31,8 @@ NO_CUDA_REASON = "needs a CUDA device (torch.cuda.is_available() is False on thi
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped where there is none")
     config.addinivalue_line("markers", "slow: longer cases (T = 1000 and similar)")
+    config.addinivalue_line("markers", "big: needs most of a GPU's memory; scripts/gpu_check.sh runs these alone, "
+                                       "after the others")
 
 
 def pytest_report_header(config):

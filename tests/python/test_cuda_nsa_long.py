@@ -29,6 +29,7 @@ sa = require_sparseattn()
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.big,
     pytest.mark.skipif(not torch.cuda.is_available() or not sa._C.built_with_cuda(),
                        reason="needs a CUDA GPU and a CUDA build of sparseattn"),
 ]

@@ -240,6 +240,29 @@ __device__ __forceinline__ void store_partial_rows(const float (&acc)[kDim / 8][
   }
 }
 
+// The K and V tiles of keys [j0, j0 + kN) of KV head hk (zero-filled past the sequence), into shared memory.
+template <int kN, int Dqk, int Dv, class T, class Seq>
+__device__ __forceinline__ void load_kv_tiles(T* k_tile, T* v_tile, const AttnArgs<T>& a, const Seq& seq, i64 j0,
+                                              i64 hk) {
+  load_tile<kN, Dqk>(k_tile, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+  load_tile<kN, Dv>(v_tile, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+}
+
+// The visible key columns [col_lo, col_hi] (relative to j0, clamped to the tile) of this thread's two rows of
+// the 16-row tile starting at query row0: computed once per row rather than tested per element.
+template <int kN, class Mask>
+__device__ __forceinline__ void visible_columns(const Mask& mask, i64 row0, i64 j0, int (&col_lo)[2],
+                                                int (&col_hi)[2]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const i64 t = row0 + lane / 4 + half * 8;
+    const i64 lo = mask.lo(t), hi = t < mask.T ? min(mask.hi(t), mask.S - 1) : i64{-1};
+    col_lo[half] = static_cast<int>(max(i64{0}, min(lo - j0, i64{kN})));
+    col_hi[half] = static_cast<int>(max(i64{-1}, min(hi - j0, i64{kN - 1})));
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ forward
 
 template <int Dqk, int Dv>
@@ -286,18 +309,12 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
 
   if (tile_end > tile_begin) {
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
-    {
-      const i64 j0 = tile_begin * kN;
-      load_tile<kN, Dqk>(sK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-      load_tile<kN, Dv>(sV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-    }
+    load_kv_tiles<kN, Dqk, Dv>(sK, sV, a, seq, tile_begin * kN, hk);
     cp_async_commit();
     for (i64 it = tile_begin; it < tile_end; ++it) {
       const int buf = (it - tile_begin) & 1;
       if (it + 1 < tile_end) {
-        const i64 j0 = (it + 1) * kN;
-        load_tile<kN, Dqk>(sK + (buf ^ 1) * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-        load_tile<kN, Dv>(sV + (buf ^ 1) * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+        load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, (it + 1) * kN, hk);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
@@ -316,17 +333,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
       const bool full = tile_full(mask, t0, kM, j0, kN);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        // Visible columns of this thread's two rows, relative to j0 (computed once per row, not per element).
         int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-        if (!full) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const i64 t = t0 + warp_row0 + 16 * mt + lane / 4 + half * 8;
-            const i64 lo = mask.lo(t), hi = t < seq.T ? min(mask.hi(t), seq.S - 1) : i64{-1};
-            col_lo[half] = static_cast<int>(max(i64{0}, min(lo - j0, i64{kN})));
-            col_hi[half] = static_cast<int>(max(i64{-1}, min(hi - j0, i64{kN - 1})));
-          }
-        }
+        if (!full) visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
 #pragma unroll
         for (int n = 0; n < kN / 8; ++n) {
 #pragma unroll
@@ -455,18 +463,12 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
     }
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
     load_tile<kM, Dv>(sDO, a.d_o, seq.batch, seq.q_begin + t0, rows, h);
-    {
-      const i64 j0 = tile_begin * kN;
-      load_tile<kN, Dqk>(sK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-      load_tile<kN, Dv>(sV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-    }
+    load_kv_tiles<kN, Dqk, Dv>(sK, sV, a, seq, tile_begin * kN, hk);
     cp_async_commit();
     for (i64 it = tile_begin; it < tile_end; ++it) {
       const int buf = (it - tile_begin) & 1;
       if (it + 1 < tile_end) {
-        const i64 j0 = (it + 1) * kN;
-        load_tile<kN, Dqk>(sK + (buf ^ 1) * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-        load_tile<kN, Dv>(sV + (buf ^ 1) * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+        load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, (it + 1) * kN, hk);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
@@ -488,16 +490,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
       const bool full = tile_full(mask, t0, kM, j0, kN);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};  // visible columns relative to j0, per row
-        if (!full) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const i64 t = t0 + warp_row0 + 16 * mt + lane / 4 + half * 8;
-            const i64 lo = mask.lo(t), hi = t < seq.T ? min(mask.hi(t), seq.S - 1) : i64{-1};
-            col_lo[half] = static_cast<int>(max(i64{0}, min(lo - j0, i64{kN})));
-            col_hi[half] = static_cast<int>(max(i64{-1}, min(hi - j0, i64{kN - 1})));
-          }
-        }
+        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+        if (!full) visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
 #pragma unroll
         for (int n = 0; n < kN / 8; ++n) {
 #pragma unroll
