@@ -114,7 +114,8 @@ void compressed_attention(const CompressedAttentionParams& params) {
 }
 
 std::size_t compressed_attention_backward_workspace_size(const CompressedAttentionBackwardParams& params) {
-  // The CPU reference keeps its scratch on the host; CUDA needs delta = rowsum(dO * O) (fp32, one per row).
+  // The CPU reference keeps its scratch on the host; CUDA needs delta = rowsum(dO * O) (fp32, one per row) and,
+  // when the dK/dV kernel splits the group's heads over CTAs, their fp32 partials.
 #ifdef SPARSEATTN_WITH_CUDA
   if (params.q.present() && params.q.device == DeviceType::cuda) {
     return cuda::compressed_attention_backward_workspace_size(params);

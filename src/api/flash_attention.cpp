@@ -119,7 +119,8 @@ void flash_attention(const FlashAttentionParams& params) {
 }
 
 std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& params) {
-  // The CPU reference keeps its scratch on the host; CUDA needs delta = rowsum(dO * O) (fp32, one per row).
+  // The CPU reference keeps its scratch on the host; CUDA needs delta = rowsum(dO * O) (fp32, one per row) and,
+  // when the dK/dV kernel splits the group's heads over CTAs, their fp32 partials.
 #ifdef SPARSEATTN_WITH_CUDA
   if (params.q.present() && params.q.device == DeviceType::cuda) return cuda::flash_attention_backward_workspace_size(params);
 #endif

@@ -1,22 +1,22 @@
 // The attention kernels: one FlashAttention-2 style mainloop on mma.sync m16n8k16 (bf16/fp16 in, fp32
 // accumulate), templated on head dims and a masking policy (policy.cuh).
 //
-// Forward: a CTA of 4 warps owns kM = 64 queries of one query head (16 rows per warp); Q stays in shared
-// memory, K/V tiles of kN keys are double-buffered with cp.async; online softmax in fp32 on log2e-prescaled
-// scores with exp2. Backward (deterministic, no atomics): preprocess delta = rowsum(dO * O) into the
-// workspace; a dK/dV kernel whose CTA owns 64 keys of one KV head (16 per warp) and loops over every query
-// tile of all G query heads of its group, computing S^T = K Q^T so that P^T and dS^T stay in registers as
-// the A operands of dV += P^T dO and dK += dS^T Q; a dQ kernel whose CTA owns 64 queries and loops over
-// key tiles, recomputing P from lse.
+// Forward: a CTA of 4 warps owns kM queries of one query head (two 16-row tiles per warp when Dv <= 128:
+// kM = 128; else one: kM = 64); Q stays in shared memory, K/V tiles of kN keys are double-buffered with
+// cp.async; online softmax in fp32 on log2e-prescaled scores with exp2. Backward (deterministic, no atomics):
+// preprocess delta = rowsum(dO * O) into the workspace; a dK/dV kernel whose CTA owns 64 keys of one KV head
+// (16 per warp) and loops over the query tiles of its share of the group's heads (head splits, see AttnArgs),
+// computing S^T = K Q^T so that P^T and dS^T stay in registers as the A operands of dV += P^T dO and
+// dK += dS^T Q; a dQ kernel tiled like the forward that loops over key tiles, recomputing P from lse.
 //
-// Tile choices (shared memory rows padded by 8 elements = 16 bytes against ldmatrix bank conflicts; sizes
-// are for 2-byte elements, limits: 163 KB sm_80 and 227 KB sm_90 per CTA):
-//   forward kN: 64 for Dqk <= 192 (64/64: 46 KB, 128/128: 87 KB, 192/128: 112 KB), 32 for 256/256 (101 KB).
-//   dQ kN: 64 for Dqk <= 128 (<= 104 KB), 32 above (256/256: 135 KB).
+// Tile choices (shared memory rows padded by 8 elements = 16 bytes against ldmatrix bank conflicts; limits:
+// 163 KB sm_80 and 227 KB sm_90 per CTA). On sm_90 these loops are bound by shared-memory bandwidth, so more
+// row tiles per warp (each B fragment feeds more MMAs) pays where the fp32 accumulators fit in registers:
+//   forward: two row tiles and kN = 32 when Dv <= 128 (kN = 64 spills registers); 256/256: one, kN = 32.
+//   dQ: two row tiles and kN = 32 when Dqk <= 128; 192/128 and 256/256: one, kN = 32.
 //   dK/dV query tile kM: 64 for Dqk = 64, 32 above; 192/128 and 256/256 compute dV and dK in two passes (dK, dV
 //   accumulators together would need 256 fp32 registers per thread), the others in one.
-// These are first choices that fit registers (checked with -Xptxas -v: no spills) and shared memory, not
-// yet tuned by measurement.
+// Register use checked with -Xptxas -v (at most a few dozen bytes of spills at 128/128).
 #pragma once
 
 #include <cuda_bf16.h>
