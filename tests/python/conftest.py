@@ -103,3 +103,15 @@ def generator(request):
     g = torch.Generator()
     g.manual_seed(zlib.crc32(request.node.nodeid.encode()) ^ 0x5EED)
     return g
+
+
+# The attention kernels' two MMA paths (src/cuda/attention/launch.cuh): "auto" takes the wgmma kernels where the
+# device runs them (Hopper), "sync" forces the mma.sync kernels. The CUDA entry points read the switch at every
+# call, so a test sees the path of its parameter.
+@pytest.fixture(params=["auto", "sync"])
+def attention_mma(request, monkeypatch):
+    if request.param == "sync":
+        monkeypatch.setenv("SPARSEATTN_ATTENTION_MMA", "sync")
+    else:
+        monkeypatch.delenv("SPARSEATTN_ATTENTION_MMA", raising=False)
+    return request.param

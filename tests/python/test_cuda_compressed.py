@@ -38,7 +38,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}-{}D{}-{}l{}d{}".format(*c))
-def test_compressed_batched(dtype, case):
+def test_compressed_batched(attention_mma, dtype, case):
     B, T, Hq, Hkv, Dqk, Dv, block, stride = case
     Tc = num_blocks(T, block, stride)
     q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
@@ -59,7 +59,7 @@ def test_compressed_batched(dtype, case):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dims,group", [((64, 64), 4), ((192, 128), 1), ((256, 256), 2)])
-def test_compressed_varlen(dtype, dims, group):
+def test_compressed_varlen(attention_mma, dtype, dims, group):
     lengths = [0, 1, 31, 32, 47, 1000, 65]
     block, stride = 32, 16
     Hkv = 2

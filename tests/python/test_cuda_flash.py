@@ -51,7 +51,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}S{}H{}-{}D{}-{}c{}w{}".format(*c[:8], c[8]))
-def test_flash_batched(dtype, case):
+def test_flash_batched(attention_mma, dtype, case):
     B, T, S, Hq, Hkv, Dqk, Dv, causal, window = case
     q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
     k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
@@ -70,7 +70,7 @@ def test_flash_batched(dtype, case):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [(-1, -1), (40, -1)])
 @pytest.mark.parametrize("dims", [(128, 128), (64, 64)])
-def test_flash_varlen(dtype, window, dims):
+def test_flash_varlen(attention_mma, dtype, window, dims):
     lengths_q = [0, 1, 5, 64, 300, 1000, 7]
     lengths_k = [3, 0, 70, 64, 299, 1001, 7]
     Hq, Hkv = 4, 2

@@ -55,13 +55,19 @@ int multiprocessors(int device_index) {
   return std::max(count, 1);
 }
 
-// Head splits of the dK/dV kernel: a CTA owns 64 keys of one KV head and loops over the queries of its
-// group's heads; with causal masks the first key tiles carry the most work, and a long sequence with few
-// KV heads gives few CTAs (compressed keys at T = 64K, 4 KV heads: 256). Splitting the group's heads over
-// CTAs until there are about 4 per SM balances the load, at the cost of fp32 partials and a reduction.
-int dkv_head_splits(i64 group, i64 key_ctas, int multiprocessor_count) {
-  if (key_ctas <= 0) return 1;
-  return static_cast<int>(std::clamp<i64>(ceil_div(4 * i64{multiprocessor_count}, key_ctas), 1, group));
+// Head splits of the dK/dV kernels: a CTA owns a block of keys of one KV head and loops over the queries of
+// its group's heads; with causal masks the first key blocks carry the most work, and a long sequence with few
+// KV heads gives few CTAs (compressed keys at T = 64K, 4 KV heads: 256 blocks of 64). Splitting the group's
+// heads over CTAs balances the load, at the cost of fp32 partials (split_bytes each) and a reduction. Target:
+// about 16 blocks of 64 keys per SM (H100, compressed 64/4 at 64K, wgmma kernel: 3 splits 97 ms, 8 splits
+// 83 ms, 16 splits 80 ms for the whole compressed backward), with the partials kept under kSplitPartialsCap.
+constexpr std::size_t kSplitPartialsCap = std::size_t{128} << 20;
+
+int dkv_head_splits(i64 group, i64 key_blocks, int multiprocessor_count, std::size_t split_bytes) {
+  if (key_blocks <= 0) return 1;
+  const i64 wanted = ceil_div(16 * i64{multiprocessor_count}, key_blocks);
+  const i64 affordable = static_cast<i64>(kSplitPartialsCap / std::max<std::size_t>(split_bytes, 1));
+  return static_cast<int>(std::clamp<i64>(std::min(wanted, affordable), 1, group));
 }
 
 // The backward workspace: delta, then (with head splits) the fp32 dK and dV partials.
@@ -79,14 +85,16 @@ BackwardWorkspace backward_workspace(const TensorView& q, const TensorView& k, c
     return w;
   }
   w.delta = delta_bytes(q);
-  w.head_splits = dkv_head_splits(l.q_heads / l.kv_heads, ceil_div(l.max_k, 64) * l.kv_heads * l.batch,
-                                  multiprocessors(q.device_index));
-  if (w.head_splits == 1) return w;
   w.batch = k.rank == 3 ? 1 : k.shape[0];
   w.rows = k.shape[k.rank - 3];
   w.kv_heads = l.kv_heads;
   w.dqk = k.shape[k.rank - 1];
   w.dv = v.shape[v.rank - 1];
+  const std::size_t split_bytes =
+      static_cast<std::size_t>(w.batch * w.rows * w.kv_heads * (w.dqk + w.dv)) * sizeof(float);
+  w.head_splits = dkv_head_splits(l.q_heads / l.kv_heads, ceil_div(l.max_k, 64) * l.kv_heads * l.batch,
+                                  multiprocessors(q.device_index), split_bytes);
+  if (w.head_splits == 1) return w;
   const std::size_t cells = static_cast<std::size_t>(w.head_splits * w.batch * w.rows * w.kv_heads) * sizeof(float);
   w.dk_partial = round256(cells * static_cast<std::size_t>(w.dqk));
   w.dv_partial = round256(cells * static_cast<std::size_t>(w.dv));

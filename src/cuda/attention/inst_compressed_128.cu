@@ -1,5 +1,5 @@
 // Explicit instantiation: CompressedMask, Dqk = 128, Dv = 128, fp16 and bf16.
-#include "cuda/attention/kernels.cuh"
+#include "cuda/attention/launch.cuh"
 
 namespace sparseattn::cuda::attention {
 template void run_forward<__half, 128, 128, CompressedMask>(const AttnArgs<__half>&, const CompressedMask::Config&, const Launch&);

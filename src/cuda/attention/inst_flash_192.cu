@@ -1,5 +1,5 @@
 // Explicit instantiation: FlashMask, Dqk = 192, Dv = 128, fp16 and bf16.
-#include "cuda/attention/kernels.cuh"
+#include "cuda/attention/launch.cuh"
 
 namespace sparseattn::cuda::attention {
 template void run_forward<__half, 192, 128, FlashMask>(const AttnArgs<__half>&, const FlashMask::Config&, const Launch&);

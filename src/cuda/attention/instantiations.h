@@ -2,7 +2,7 @@
 // (inst_<mask>_<Dqk>.cu) to keep compile units small.
 #pragma once
 
-#include "cuda/attention/kernels.cuh"
+#include "cuda/attention/launch.cuh"
 
 #define SPARSEATTN_ATTENTION_CONFIGS(X) X(64, 64) X(128, 128) X(192, 128) X(256, 256)
 

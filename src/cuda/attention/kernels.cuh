@@ -263,6 +263,70 @@ __device__ __forceinline__ void visible_columns(const Mask& mask, i64 row0, i64 
   }
 }
 
+// One key tile of the online softmax for a warp's 16-row tile: masks the raw scores s to the visible columns
+// [col_lo, col_hi] of each of the thread's two rows, turns them into exp2-probabilities against the updated
+// running max m (log2e-prescaled), and rescales the output accumulator and the running sum l.
+template <int kN, int Dv>
+__device__ __forceinline__ void online_softmax_step(float (&s)[kN / 8][4], float (&acc)[Dv / 8][4], float (&m)[2],
+                                                    float (&l)[2], const int (&col_lo)[2], const int (&col_hi)[2],
+                                                    float scale_log2) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int n = 0; n < kN / 8; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+      const bool shown = col >= col_lo[i / 2] && col <= col_hi[i / 2];
+      s[n][i] = shown ? s[n][i] * scale_log2 : -INFINITY;
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = m[half];
+#pragma unroll
+    for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+    mx = quad_max(mx);
+    const float use = mx == -INFINITY ? 0.f : mx;
+    const float correction = exp2f(m[half] - use);  // 0 when m was -inf
+    m[half] = mx;
+    l[half] *= correction;
+#pragma unroll
+    for (int n = 0; n < Dv / 8; ++n) {
+      acc[n][2 * half] *= correction;
+      acc[n][2 * half + 1] *= correction;
+    }
+#pragma unroll
+    for (int n = 0; n < kN / 8; ++n) {
+      s[n][2 * half] = exp2f(s[n][2 * half] - use);
+      s[n][2 * half + 1] = exp2f(s[n][2 * half + 1] - use);
+      l[half] += s[n][2 * half] + s[n][2 * half + 1];
+    }
+  }
+}
+
+// The forward's epilogue for a warp's 16 rows starting at query row0: O = acc / l and lse = (m + log2 l) ln 2
+// (-inf for rows that see no key, whose O is 0).
+template <int Dv, class T, class Seq>
+__device__ __forceinline__ void store_forward_rows(const float (&acc)[Dv / 8][4], float (&m)[2], float (&l)[2],
+                                                   const AttnArgs<T>& a, const Seq& seq, i64 row0, i64 h) {
+  const int lane = threadIdx.x % 32;
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] = quad_sum(l[half]);
+    inv[half] = l[half] > 0.f ? 1.f / l[half] : 0.f;
+  }
+  store_rows<Dv>(acc, inv[0], inv[1], a.o, seq.batch, seq.q_begin + row0, seq.T - row0, h);
+  if (lane % 4 != 0) return;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const i64 t = row0 + lane / 4 + half * 8;
+    if (t < seq.T) {
+      *a.lse.at(seq.batch, h, seq.q_begin + t) = l[half] > 0.f ? (m[half] + log2f(l[half])) * kLn2 : -INFINITY;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ forward
 
 template <int Dqk, int Dv>
@@ -290,7 +354,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   if (t0 >= seq.T) return;
   const i64 h = blockIdx.y, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
   const int warp_row0 = warp * kMT * 16;  // this warp's rows: [warp_row0, warp_row0 + 16 * kMT)
   const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
 
@@ -335,37 +399,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
       for (int mt = 0; mt < kMT; ++mt) {
         int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
         if (!full) visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
-#pragma unroll
-        for (int n = 0; n < kN / 8; ++n) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-            const bool shown = col >= col_lo[i / 2] && col <= col_hi[i / 2];
-            s[mt][n][i] = shown ? s[mt][n][i] * a.scale_log2 : -INFINITY;
-          }
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float mx = m[mt][half];
-#pragma unroll
-          for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * half], s[mt][n][2 * half + 1]));
-          mx = quad_max(mx);
-          const float use = mx == -INFINITY ? 0.f : mx;
-          const float correction = exp2f(m[mt][half] - use);  // 0 when m was -inf
-          m[mt][half] = mx;
-          l[mt][half] *= correction;
-#pragma unroll
-          for (int n = 0; n < Dv / 8; ++n) {
-            acc[mt][n][2 * half] *= correction;
-            acc[mt][n][2 * half + 1] *= correction;
-          }
-#pragma unroll
-          for (int n = 0; n < kN / 8; ++n) {
-            s[mt][n][2 * half] = exp2f(s[mt][n][2 * half] - use);
-            s[mt][n][2 * half + 1] = exp2f(s[mt][n][2 * half + 1] - use);
-            l[mt][half] += s[mt][n][2 * half] + s[mt][n][2 * half + 1];
-          }
-        }
+        online_softmax_step<kN, Dv>(s[mt], acc[mt], m[mt], l[mt], col_lo, col_hi, a.scale_log2);
       }
       gemm_rs_kn<T, Dv, kN, ld_of<Dv>(), kMT>(acc, s, v_tile);
       __syncthreads();
@@ -373,26 +407,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   }
 
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-    float inv[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      l[mt][half] = quad_sum(l[mt][half]);
-      inv[half] = l[mt][half] > 0.f ? 1.f / l[mt][half] : 0.f;
-    }
-    const i64 row0 = t0 + warp_row0 + 16 * mt;
-    store_rows<Dv>(acc[mt], inv[0], inv[1], a.o, seq.batch, seq.q_begin + row0, seq.T - row0, h);
-    if (lane % 4 == 0) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const i64 t = row0 + lane / 4 + half * 8;
-        if (t < seq.T) {
-          *a.lse.at(seq.batch, h, seq.q_begin + t) =
-              l[mt][half] > 0.f ? (m[mt][half] + log2f(l[mt][half])) * kLn2 : -INFINITY;
-        }
-      }
-    }
-  }
+  for (int mt = 0; mt < kMT; ++mt) store_forward_rows<Dv>(acc[mt], m[mt], l[mt], a, seq, t0 + warp_row0 + 16 * mt, h);
 }
 
 // ------------------------------------------------------------------------------------------------ backward
@@ -514,6 +529,21 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   }
 }
 
+// The dK/dV kernels' epilogue for a warp's 16 key rows starting at row0: dK (times the softmax scale) and dV
+// into the outputs, or with head splits into split `split` of the fp32 partials.
+template <bool kDoDK, bool kDoDV, int kDK, int kDV, class T, class Seq>
+__device__ __forceinline__ void store_dkv_rows(const float (&dk)[kDK][4], const float (&dv)[kDV][4],
+                                               const AttnArgs<T>& a, const Seq& seq, i64 split, i64 row0, i64 hk) {
+  const i64 row = seq.k_begin + row0, valid = seq.S - row0;
+  if (a.head_splits > 1) {
+    if constexpr (kDoDK) store_partial_rows<kDK * 8>(dk, a.scale, a.dk_partial, split, seq.batch, row, valid, hk);
+    if constexpr (kDoDV) store_partial_rows<kDV * 8>(dv, 1.f, a.dv_partial, split, seq.batch, row, valid, hk);
+    return;
+  }
+  if constexpr (kDoDK) store_rows<kDK * 8>(dk, a.scale, a.scale, a.dk, seq.batch, row, valid, hk);
+  if constexpr (kDoDV) store_rows<kDV * 8>(dv, 1.f, 1.f, a.dv, seq.batch, row, valid, hk);
+}
+
 // Pass: 0 computes dK and dV, 1 only dV, 2 only dK.
 template <int Dqk, int Dv>
 struct DkvTile {
@@ -629,14 +659,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
       __syncthreads();
     }
   }
-  const i64 row0 = j0 + warp * 16;
-  if (a.head_splits > 1) {
-    if constexpr (kDoDK) store_partial_rows<Dqk>(dk, a.scale, a.dk_partial, split, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
-    if constexpr (kDoDV) store_partial_rows<Dv>(dv, 1.f, a.dv_partial, split, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
-    return;
-  }
-  if constexpr (kDoDK) store_rows<Dqk>(dk, a.scale, a.scale, a.dk, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
-  if constexpr (kDoDV) store_rows<Dv>(dv, 1.f, 1.f, a.dv, seq.batch, seq.k_begin + row0, seq.S - row0, hk);
+  store_dkv_rows<kDoDK, kDoDV>(dk, dv, a, seq, split, j0 + warp * 16, hk);
 }
 
 // dK or dV = the sum of the head splits' partials, for the rows the dK/dV kernel's CTA (same grid, one
@@ -657,85 +680,6 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_reduce_kernel(Tokens<T
     T* dst = out.row(seq.batch, r, hk) + d;
     *reinterpret_cast<std::uint32_t*>(dst) = pack2<T>(sum.x, sum.y);
     *reinterpret_cast<std::uint32_t*>(dst + 2) = pack2<T>(sum.z, sum.w);
-  }
-}
-
-// ------------------------------------------------------------------------------------------------ launch
-
-struct Launch {
-  i64 batch;       // sequences (grid z)
-  i64 max_q;       // longest query sequence
-  i64 max_k;       // longest key sequence
-  i64 q_heads, kv_heads;
-  i64 rows_q;      // rows of the q tensor's token dim per batch (T, or N packed), for the delta kernel
-  i64 batch_rows;  // leading batch dim of the q tensor (B, or 1 packed)
-  cudaStream_t stream;
-};
-
-template <class Kernel>
-void prepare(Kernel kernel, std::size_t smem) {
-  if (smem > 48 * 1024) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  }
-}
-
-template <class T, int Dqk, int Dv, class Mask>
-void run_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
-  using Tile = FwdTile<Dqk, Dv>;
-  if (l.batch == 0 || l.max_q == 0) return;
-  auto kernel = attention_forward_kernel<T, Dqk, Dv, Mask>;
-  prepare(kernel, Tile::kSmemBytes);
-  const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
-                  static_cast<unsigned>(l.batch));
-  kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
-  check_launch("attention_forward_kernel");
-}
-
-template <class T, int Dqk, int Dv, class Mask>
-void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
-  if (l.batch == 0) return;
-  const i64 delta_items = l.batch_rows * l.rows_q * l.q_heads;
-  if (delta_items > 0) {
-    attention_delta_kernel<T, Dv><<<static_cast<unsigned>(ceil_div(delta_items, kWarps)), kThreads, 0, l.stream>>>(
-        args, l.batch_rows, l.rows_q, l.q_heads);
-    check_launch("attention_delta_kernel");
-  }
-  if (l.max_q > 0) {
-    using Tile = DqTile<Dqk, Dv>;
-    auto kernel = attention_dq_kernel<T, Dqk, Dv, Mask>;
-    prepare(kernel, Tile::kSmemBytes);
-    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
-                    static_cast<unsigned>(l.batch));
-    kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
-    check_launch("attention_dq_kernel");
-  }
-  if (l.max_k > 0) {
-    using Tile = DkvTile<Dqk, Dv>;
-    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_k, Tile::kN)),
-                    static_cast<unsigned>(l.kv_heads * args.head_splits), static_cast<unsigned>(l.batch));
-    if constexpr (Tile::kSplit) {
-      auto dv_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 1>;
-      auto dk_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 2>;
-      prepare(dv_kernel, Tile::kSmemBytes);
-      prepare(dk_kernel, Tile::kSmemBytes);
-      dv_kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
-      check_launch("attention_dkv_kernel (dV)");
-      dk_kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
-      check_launch("attention_dkv_kernel (dK)");
-    } else {
-      auto kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 0>;
-      prepare(kernel, Tile::kSmemBytes);
-      kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
-      check_launch("attention_dkv_kernel");
-    }
-    if (args.head_splits > 1) {
-      const dim3 reduce_grid(grid.x, static_cast<unsigned>(l.kv_heads), grid.z);
-      attention_dkv_reduce_kernel<T, Dqk><<<reduce_grid, kThreads, 0, l.stream>>>(args.dk, args.dk_partial, args.seqs,
-                                                                                   args.head_splits, Tile::kN);
-      attention_dkv_reduce_kernel<T, Dv><<<reduce_grid, kThreads, 0, l.stream>>>(args.dv, args.dv_partial, args.seqs,
-                                                                                  args.head_splits, Tile::kN);
-      check_launch("attention_dkv_reduce_kernel");
-    }
   }
 }
 

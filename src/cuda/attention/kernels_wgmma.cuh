@@ -1,0 +1,274 @@
+// The attention kernels on Hopper (sm_90a): the forward and dK/dV mainloops of kernels.cuh with their
+// products on warpgroup MMAs (wgmma.cuh). On H100 the mma.sync loops are bound by shared-memory bandwidth
+// (ldmatrix feeding the tensor cores); wgmma reads its shared-memory operands directly. The dQ kernel stays
+// on mma.sync.
+//
+// Forward: a CTA of two warpgroups owns kM = 128 queries of one query head (64 rows per warpgroup, 16 per warp, the
+// accumulator layout of wgmma.cuh). Q stays in shared memory; K/V tiles of kN = 128 keys are double-buffered
+// with cp.async into swizzled tiles. Per key tile, each warpgroup computes S = Q K^T (A and B from shared
+// memory, K-major), the online softmax in registers exactly as the mma.sync kernel (fp32, exp2 on log2e-
+// prescaled scores, per-row visible-column bounds), then O += P V with P as the register A operand and V as
+// an MN-major B operand. Registers: O 64 + S 64 + P 32 fp32/b32 per thread at Dv = 128 (one CTA of 256
+// threads per SM).
+//
+// dK/dV: a CTA of two warpgroups owns kN = 128 keys of one KV head (64 per warpgroup) and loops over query
+// tiles of kM = 64 rows of its share of the group's heads (head splits as the mma.sync kernel), double-
+// buffering Q, dO, lse and delta. Per step each warpgroup computes S^T = K Q^T and dP^T = V dO^T (shared-memory
+// operands, K-major), P^T and dS^T in registers, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as
+// register A operands and dO, Q as MN-major B operands. Registers: dK 64 + dV 64 + S^T 32 + dP^T 32 + the A
+// fragments 32 at D = 128; Dqk = Dv in {64, 128} only (192/128 and 256/256 keep the two-pass mma.sync kernel).
+#pragma once
+
+#include "cuda/attention/kernels.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace sparseattn::cuda::attention {
+
+template <int Dqk, int Dv>
+struct WgmmaFwdTile {
+  // wgmma N is 64 or 128 here (O's N = Dv); tiles are whole 64-column panels.
+  static constexpr bool kSupported = (Dv == 64 || Dv == 128) && Dqk % 64 == 0 && Dqk <= 192;
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kM = 64 * kWarpgroups;
+  static constexpr int kN = 128;
+  static constexpr int kQ = kM * Dqk, kK = kN * Dqk, kV = kN * Dv;  // elements (no padding)
+  // Q, 2 x K, 2 x V (2-byte elements), plus room to align the start to a swizzle atom.
+  static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV) + wgmma::kTileAlignment;
+};
+
+// Copies rows [row0, row0 + valid) of head h into a kRows x kDim swizzled tile (wgmma.cuh), zero-filling the
+// rest. Eight consecutive threads move the 8 chunks of 16 bytes of one 128-byte row piece: one coalesced
+// global read, and a conflict-free shared-memory write.
+template <int kRows, int kDim, int kThreadCount, class T>
+__device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<T>& g, i64 b, i64 row0, i64 valid, i64 h) {
+  static_assert(kDim % 64 == 0, "swizzled tiles: whole 128-byte panels");
+  constexpr int kChunks = kDim / 8;
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreadCount) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool ok = r < valid;
+    const T* src = ok ? g.row(b, row0 + r, h) + c * 8 : g.data;
+    cp_async_16(smem + wgmma::swizzled_offset<kRows>(r, c * 8), src, ok ? 16 : 0);
+  }
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
+    attention_forward_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
+#if SPARSEATTN_WGMMA_ENABLED
+  using Tile = WgmmaFwdTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kThreadCount = Tile::kThreads;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
+  T* sK = sQ + Tile::kQ;
+  T* sV = sK + 2 * Tile::kK;
+
+  const auto seq = a.seqs[blockIdx.z];
+  const i64 t0 = i64{blockIdx.x} * kM;
+  if (t0 >= seq.T) return;
+  const i64 h = blockIdx.y, hk = h / a.group;
+  const Mask mask{mc, seq.T, seq.S};
+  const int warp = threadIdx.x / 32;
+  const int warpgroup_row0 = (warp / 4) * 64, warp_row0 = warp * 16;
+  const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
+
+  const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
+  const i64 tile_begin = k_lo / kN;
+  const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
+
+  float acc[Dv / 8][4];
+  zero(acc);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  auto load_kv = [&](i64 tile, int buf) {
+    const i64 j0 = tile * kN;
+    load_swizzled_tile<kN, Dqk, kThreadCount>(sK + buf * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+    load_swizzled_tile<kN, Dv, kThreadCount>(sV + buf * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+  };
+
+  if (tile_end > tile_begin) {
+    load_swizzled_tile<kM, Dqk, kThreadCount>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
+    load_kv(tile_begin, 0);
+    cp_async_commit();
+    for (i64 it = tile_begin; it < tile_end; ++it) {
+      const int buf = (it - tile_begin) & 1;
+      if (it + 1 < tile_end) {
+        load_kv(it + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      wgmma::fence_shared_for_async();
+      __syncthreads();
+      const T* k_tile = sK + buf * Tile::kK;
+      const T* v_tile = sV + buf * Tile::kV;
+      const i64 j0 = it * kN;
+
+      float s[kN / 8][4];
+      wgmma::fence();
+#pragma unroll
+      for (int k0 = 0; k0 < Dqk; k0 += 16) {
+        wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::k_major_descriptor<kM>(sQ, warpgroup_row0, k0),
+                                wgmma::k_major_descriptor<kN>(k_tile, 0, k0), k0 > 0);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+
+      int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+      if (!tile_full(mask, t0, kM, j0, kN)) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+      online_softmax_step<kN, Dv>(s, acc, m, l, col_lo, col_hi, a.scale_log2);
+      std::uint32_t p[kN / 16][4];
+      wgmma::to_a_fragments<T, kN>(s, p);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(acc), p[kk], wgmma::mn_major_descriptor<kN>(v_tile, 16 * kk, 0), 1);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      __syncthreads();
+    }
+  }
+
+  store_forward_rows<Dv>(acc, m, l, a, seq, t0 + warp_row0, h);
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------ dK/dV
+
+template <int Dqk, int Dv>
+struct WgmmaDkvTile {
+  static constexpr bool kSupported = Dqk == Dv && (Dv == 64 || Dv == 128);
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kN = 64 * kWarpgroups;  // keys per CTA
+  static constexpr int kM = 64;                // queries per step
+  static constexpr int kK = kN * Dqk, kV = kN * Dv, kQ = kM * Dqk, kDO = kM * Dv;  // elements
+  // K, V, 2 x Q, 2 x dO (2-byte elements; every tile a multiple of 1024 bytes), 2 x (lse2, delta) rows of kM
+  // floats, plus room to align the start to a swizzle atom.
+  static constexpr std::size_t kSmemBytes =
+      2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 2 * kM * sizeof(float) + wgmma::kTileAlignment;
+};
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
+    attention_dkv_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
+#if SPARSEATTN_WGMMA_ENABLED
+  using Tile = WgmmaDkvTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kThreadCount = Tile::kThreads;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
+  T* sV = sK + Tile::kK;
+  T* sQ = sV + Tile::kV;
+  T* sDO = sQ + 2 * Tile::kQ;
+  float* sLse = reinterpret_cast<float*>(sDO + 2 * Tile::kDO);  // [2][kM]
+  float* sDelta = sLse + 2 * kM;                                // [2][kM]
+
+  const auto seq = a.seqs[blockIdx.z];
+  const i64 j0 = i64{blockIdx.x} * kN;
+  if (j0 >= seq.S) return;
+  const i64 hk = blockIdx.y / a.head_splits, split = blockIdx.y % a.head_splits;
+  const i64 g_begin = split * a.group / a.head_splits;  // this CTA's query heads of the group
+  const i64 g_count = (split + 1) * a.group / a.head_splits - g_begin;
+  const Mask mask{mc, seq.T, seq.S};
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warpgroup_row0 = (warp / 4) * 64;
+  const i64 keys = seq.S - j0 < kN ? seq.S - j0 : kN;
+
+  const i64 q_begin = mask.first_query(j0);
+  const i64 q_end = mask.end_query(j0 + keys - 1);
+  const i64 tile_begin = q_begin / kM;
+  const i64 tiles = q_end > q_begin ? (q_end - 1) / kM + 1 - tile_begin : 0;
+  const i64 steps = tiles * g_count;  // (query head g, query tile) pairs
+
+  float dk[Dqk / 8][4], dv[Dv / 8][4];
+  zero(dk);
+  zero(dv);
+
+  auto load_step = [&](i64 step, int buf) {
+    const i64 h = hk * a.group + g_begin + step / tiles;
+    const i64 t0 = (tile_begin + step % tiles) * kM;
+    const i64 valid = seq.T - t0;
+    load_swizzled_tile<kM, Dqk, kThreadCount>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, valid, h);
+    load_swizzled_tile<kM, Dv, kThreadCount>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, valid, h);
+    for (int r = threadIdx.x; r < kM; r += kThreadCount) {
+      const bool ok = r < valid;
+      sLse[buf * kM + r] = ok ? *a.lse.at(seq.batch, h, seq.q_begin + t0 + r) * kLog2e : 0.f;
+      sDelta[buf * kM + r] = ok ? *a.delta.at(seq.batch, h, seq.q_begin + t0 + r) : 0.f;
+    }
+  };
+
+  if (steps > 0) {
+    load_swizzled_tile<kN, Dqk, kThreadCount>(sK, a.k, seq.batch, seq.k_begin + j0, keys, hk);
+    load_swizzled_tile<kN, Dv, kThreadCount>(sV, a.v, seq.batch, seq.k_begin + j0, keys, hk);
+    load_step(0, 0);
+    cp_async_commit();
+    for (i64 step = 0; step < steps; ++step) {
+      const int buf = step & 1;
+      if (step + 1 < steps) {
+        load_step(step + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      wgmma::fence_shared_for_async();
+      __syncthreads();
+      const T* q_tile = sQ + buf * Tile::kQ;
+      const T* do_tile = sDO + buf * Tile::kDO;
+      const float* lse2 = sLse + buf * kM;
+      const float* delta = sDelta + buf * kM;
+      const i64 t0 = (tile_begin + step % tiles) * kM;
+
+      // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
+      float s[kM / 8][4], dp[kM / 8][4];
+      wgmma::fence();
+#pragma unroll
+      for (int k0 = 0; k0 < Dqk; k0 += 16) {
+        wgmma::mma_ss<T, kM, 0>(wgmma::flat<kM>(s), wgmma::k_major_descriptor<kN>(sK, warpgroup_row0, k0),
+                                wgmma::k_major_descriptor<kM>(q_tile, 0, k0), k0 > 0);
+      }
+#pragma unroll
+      for (int k0 = 0; k0 < Dv; k0 += 16) {
+        wgmma::mma_ss<T, kM, 0>(wgmma::flat<kM>(dp), wgmma::k_major_descriptor<kN>(sV, warpgroup_row0, k0),
+                                wgmma::k_major_descriptor<kM>(do_tile, 0, k0), k0 > 0);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+
+      const bool full = tile_full(mask, t0, kM, j0, kN);
+#pragma unroll
+      for (int n = 0; n < kM / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+          float p = exp2f(s[n][i] * a.scale_log2 - lse2[col]);
+          if (!full && !visible(mask, t0 + col, j0 + warp * 16 + lane / 4 + (i / 2) * 8)) p = 0.f;
+          s[n][i] = p;
+          dp[n][i] = p * (dp[n][i] - delta[col]);  // dS^T (without the scale)
+        }
+      }
+      std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
+      wgmma::to_a_fragments<T, kM>(s, p_a);
+      wgmma::to_a_fragments<T, kM>(dp, ds_a);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kM / 16; ++kk) {
+        wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(dv), p_a[kk], wgmma::mn_major_descriptor<kM>(do_tile, 16 * kk, 0), 1);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kM / 16; ++kk) {
+        wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(dk), ds_a[kk], wgmma::mn_major_descriptor<kM>(q_tile, 16 * kk, 0),
+                                 1);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      __syncthreads();
+    }
+  }
+  store_dkv_rows<true, true>(dk, dv, a, seq, split, j0 + warp * 16, hk);
+#endif
+}
+
+}  // namespace sparseattn::cuda::attention

@@ -1,0 +1,149 @@
+// Host launchers of the attention kernels: grid shapes, shared-memory opt-in, and the choice between the
+// mma.sync kernels (kernels.cuh; sm_80 and later) and the wgmma kernels (kernels_wgmma.cuh; sm_90a).
+#pragma once
+
+#include <cstdlib>
+#include <string_view>
+
+#include "cuda/attention/kernels_wgmma.cuh"
+#include "cuda/attention/kernels.cuh"
+
+namespace sparseattn::cuda::attention {
+
+
+struct Launch {
+  i64 batch;       // sequences (grid z)
+  i64 max_q;       // longest query sequence
+  i64 max_k;       // longest key sequence
+  i64 q_heads, kv_heads;
+  i64 rows_q;      // rows of the q tensor's token dim per batch (T, or N packed), for the delta kernel
+  i64 batch_rows;  // leading batch dim of the q tensor (B, or 1 packed)
+  cudaStream_t stream;
+};
+
+template <class Kernel>
+void prepare(Kernel kernel, std::size_t smem) {
+  if (smem > 48 * 1024) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  }
+}
+
+// Whether a wgmma kernel runs: SPARSEATTN_ATTENTION_MMA=sync forces the mma.sync kernels (the tests use it to
+// cover them on Hopper); otherwise yes when the running device executes the kernel's sm_90a code (not on
+// A100, nor on Hopper from a build without the 90a target, where the kernel body is empty).
+template <class Kernel>
+bool wgmma_runs(Kernel kernel) {
+  const char* choice = std::getenv("SPARSEATTN_ATTENTION_MMA");
+  if (choice != nullptr && std::string_view(choice) == "sync") return false;
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attributes.binaryVersion == 90 && attributes.ptxVersion == 90;
+}
+
+// Launches the wgmma forward where it runs; false otherwise.
+template <class T, int Dqk, int Dv, class Mask>
+bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  if constexpr (WgmmaFwdTile<Dqk, Dv>::kSupported) {
+    using Tile = WgmmaFwdTile<Dqk, Dv>;
+    auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask>;
+    if (!wgmma_runs(kernel)) return false;
+    prepare(kernel, Tile::kSmemBytes);
+    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
+                    static_cast<unsigned>(l.batch));
+    kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_forward_wgmma_kernel");
+    return true;
+  }
+  return false;
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+void run_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  using Tile = FwdTile<Dqk, Dv>;
+  if (l.batch == 0 || l.max_q == 0) return;
+  if (launch_forward_wgmma<T, Dqk, Dv, Mask>(args, mc, l)) return;
+  auto kernel = attention_forward_kernel<T, Dqk, Dv, Mask>;
+  prepare(kernel, Tile::kSmemBytes);
+  const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
+                  static_cast<unsigned>(l.batch));
+  kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+  check_launch("attention_forward_kernel");
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+void launch_dkv_sync(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  using Tile = DkvTile<Dqk, Dv>;
+  const dim3 grid(static_cast<unsigned>(ceil_div(l.max_k, Tile::kN)),
+                  static_cast<unsigned>(l.kv_heads * args.head_splits), static_cast<unsigned>(l.batch));
+  if constexpr (Tile::kSplit) {
+    auto dv_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 1>;
+    auto dk_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 2>;
+    prepare(dv_kernel, Tile::kSmemBytes);
+    prepare(dk_kernel, Tile::kSmemBytes);
+    dv_kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dkv_kernel (dV)");
+    dk_kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dkv_kernel (dK)");
+  } else {
+    auto kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 0>;
+    prepare(kernel, Tile::kSmemBytes);
+    kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dkv_kernel");
+  }
+}
+
+// Launches the wgmma dK/dV kernel where it runs (setting keys_per_cta to its CTA's keys); false otherwise.
+template <class T, int Dqk, int Dv, class Mask>
+bool launch_dkv_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l, int& keys_per_cta) {
+  if constexpr (WgmmaDkvTile<Dqk, Dv>::kSupported) {
+    using Tile = WgmmaDkvTile<Dqk, Dv>;
+    auto kernel = attention_dkv_wgmma_kernel<T, Dqk, Dv, Mask>;
+    if (!wgmma_runs(kernel)) return false;
+    prepare(kernel, Tile::kSmemBytes);
+    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_k, Tile::kN)),
+                    static_cast<unsigned>(l.kv_heads * args.head_splits), static_cast<unsigned>(l.batch));
+    kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dkv_wgmma_kernel");
+    keys_per_cta = Tile::kN;
+    return true;
+  }
+  return false;
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  if (l.batch == 0) return;
+  const i64 delta_items = l.batch_rows * l.rows_q * l.q_heads;
+  if (delta_items > 0) {
+    attention_delta_kernel<T, Dv><<<static_cast<unsigned>(ceil_div(delta_items, kWarps)), kThreads, 0, l.stream>>>(
+        args, l.batch_rows, l.rows_q, l.q_heads);
+    check_launch("attention_delta_kernel");
+  }
+  if (l.max_q > 0) {
+    using Tile = DqTile<Dqk, Dv>;
+    auto kernel = attention_dq_kernel<T, Dqk, Dv, Mask>;
+    prepare(kernel, Tile::kSmemBytes);
+    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
+                    static_cast<unsigned>(l.batch));
+    kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dq_kernel");
+  }
+  if (l.max_k > 0) {
+    int keys_per_cta = DkvTile<Dqk, Dv>::kN;
+    if (!launch_dkv_wgmma<T, Dqk, Dv, Mask>(args, mc, l, keys_per_cta)) launch_dkv_sync<T, Dqk, Dv, Mask>(args, mc, l);
+    if (args.head_splits > 1) {
+      const dim3 reduce_grid(static_cast<unsigned>(ceil_div(l.max_k, keys_per_cta)), static_cast<unsigned>(l.kv_heads),
+                             static_cast<unsigned>(l.batch));
+      attention_dkv_reduce_kernel<T, Dqk><<<reduce_grid, kThreads, 0, l.stream>>>(args.dk, args.dk_partial, args.seqs,
+                                                                                   args.head_splits, keys_per_cta);
+      attention_dkv_reduce_kernel<T, Dv><<<reduce_grid, kThreads, 0, l.stream>>>(args.dv, args.dv_partial, args.seqs,
+                                                                                  args.head_splits, keys_per_cta);
+      check_launch("attention_dkv_reduce_kernel");
+    }
+  }
+}
+
+}  // namespace sparseattn::cuda::attention

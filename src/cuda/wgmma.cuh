@@ -1,0 +1,176 @@
+// Hopper warpgroup MMA (wgmma.mma_async, sm_90a) primitives: shared-memory descriptors for tiles without
+// swizzle, the fences around asynchronous MMAs, and m64nNk16 MMAs (N = 64 or 128) with bf16/fp16 inputs and
+// fp32 accumulators. Everything here is compiled only for sm_90a (SPARSEATTN_WGMMA_ENABLED); the host picks
+// these kernels only after wgmma_kernels_built() says the running device got that code.
+//
+// Layout (PTX ISA, "Asynchronous Warpgroup Level Matrix Shared Memory Layout", 128-byte swizzle): a tile of
+// R rows x C 16-bit columns (C a multiple of 64) is stored as C/64 panels of R rows x 128 bytes; in row r the
+// 16-byte chunk c sits at chunk position c ^ (r % 8) (swizzled_offset). Eight rows of a panel form a 1024-byte
+// swizzle atom (tiles start 1024-byte aligned). Any 8 chunks of one row, or one chunk column of 8 rows, hit
+// all 32 banks: the tensor cores and the cp.async writers read and write without conflicts (the layout
+// without swizzle, 8x8 core matrices, measured no faster than mma.sync: bank conflicts).
+//  - K-major operand (rows = M or N, columns = K, e.g. Q and K for Q K^T): start at the operand's first row
+//    and its K offset inside the panel (a k16 step inside a panel moves the start by 32 bytes; the hardware
+//    applies the swizzle to the final address), stride byte offset 1024 (next 8 rows);
+//  - MN-major operand (rows = K, columns = N, e.g. V for P V; wgmma's transpose flag): leading byte offset =
+//    the panel stride R * 128 (next 64 columns of N), stride byte offset 1024 (next 8 rows of K).
+// Accumulators: thread t of warp w in the warpgroup holds rows 16w + t/4 and 16w + t/4 + 8; per 8 columns n,
+// d[4n + i] is column 8n + 2(t%4) + i%2 of the row i/2 picks: the mma.sync m16n8 C fragment repeated along N.
+// An A operand from registers uses the mma.sync m16n8k16 A fragment of the warp's 16 rows.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/mma.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SPARSEATTN_WGMMA_ENABLED 1
+#else
+#define SPARSEATTN_WGMMA_ENABLED 0
+#endif
+
+namespace sparseattn::cuda::wgmma {
+
+// Swizzle atoms are 1024 bytes; tiles start at multiples of this.
+inline constexpr int kTileAlignment = 1024;
+
+// Element offset of (row, col) in an R-row swizzled tile.
+template <int kRows>
+__host__ __device__ constexpr int swizzled_offset(int row, int col) {
+  return (col >> 6) * kRows * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+}
+
+__device__ __forceinline__ std::uint64_t descriptor(const void* smem, std::uint32_t leading_bytes,
+                                                    std::uint32_t stride_bytes) {
+  const std::uint32_t address = shared_address(smem);
+  return static_cast<std::uint64_t>((address & 0x3FFFF) >> 4) |
+         (static_cast<std::uint64_t>((leading_bytes & 0x3FFFF) >> 4) << 16) |
+         (static_cast<std::uint64_t>((stride_bytes & 0x3FFFF) >> 4) << 32) |
+         (std::uint64_t{1} << 62);  // 128-byte swizzle, base offset 0 (atoms 1024-byte aligned)
+}
+
+// Operand at rows [row0, ...) and K columns [col0, col0 + 16) of an R-row tile (row0 % 8 == 0, col0 % 16 == 0).
+template <int kRows, class T>
+__device__ __forceinline__ std::uint64_t k_major_descriptor(const T* tile, int row0, int col0) {
+  return descriptor(tile + (col0 >> 6) * kRows * 64 + row0 * 64 + (col0 & 63), 16, 1024);
+}
+
+// Operand at K rows [row0, row0 + 16) and N columns [col0, ...) of an R-row tile (col0 % 64 == 0).
+template <int kRows, class T>
+__device__ __forceinline__ std::uint64_t mn_major_descriptor(const T* tile, int row0, int col0) {
+  return descriptor(tile + (col0 >> 6) * kRows * 64 + row0 * 64, kRows * 128, 1024);
+}
+
+// Before the first wgmma that reads registers (accumulators, A fragments) written by ordinary code.
+__device__ __forceinline__ void fence() {
+#if SPARSEATTN_WGMMA_ENABLED
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void commit() {
+#if SPARSEATTN_WGMMA_ENABLED
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void wait() {
+#if SPARSEATTN_WGMMA_ENABLED
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+// Shared memory written by the generic proxy (stores, cp.async) and read next by wgmma: in each writing
+// thread, after its writes landed and before the barrier.
+__device__ __forceinline__ void fence_shared_for_async() {
+#if SPARSEATTN_WGMMA_ENABLED
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// The asm of one m64nNk16 MMA; TYPE is "bf16" or "f16" (generated operand lists).
+#define SPARSEATTN_WGMMA_SS_64(TYPE) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB))
+
+#define SPARSEATTN_WGMMA_RS_64(TYPE) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB))
+
+#define SPARSEATTN_WGMMA_SS_128(TYPE) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB))
+
+#define SPARSEATTN_WGMMA_RS_128(TYPE) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB))
+
+
+// d (64 x N, fp32) (+)= A (64 x 16 from shared memory) * B (16 x N from shared memory); accumulate = 0
+// overwrites d. kTransB: B is MN-major.
+template <class T, int N, int kTransB>
+__device__ __forceinline__ void mma_ss(float (&d)[N / 2], std::uint64_t desc_a, std::uint64_t desc_b,
+                                       int accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma: N is 64 or 128 here");
+#if SPARSEATTN_WGMMA_ENABLED
+  if constexpr (N == 64) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) SPARSEATTN_WGMMA_SS_64("bf16");
+    else SPARSEATTN_WGMMA_SS_64("f16");
+  } else {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) SPARSEATTN_WGMMA_SS_128("bf16");
+    else SPARSEATTN_WGMMA_SS_128("f16");
+  }
+#endif
+}
+
+// d (64 x N) (+)= A (64 x 16, this warp's 16 rows as an mma.sync A fragment) * B (16 x N, shared memory).
+template <class T, int N, int kTransB>
+__device__ __forceinline__ void mma_rs(float (&d)[N / 2], const std::uint32_t (&a)[4], std::uint64_t desc_b,
+                                       int accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma: N is 64 or 128 here");
+#if SPARSEATTN_WGMMA_ENABLED
+  if constexpr (N == 64) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) SPARSEATTN_WGMMA_RS_64("bf16");
+    else SPARSEATTN_WGMMA_RS_64("f16");
+  } else {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) SPARSEATTN_WGMMA_RS_128("bf16");
+    else SPARSEATTN_WGMMA_RS_128("f16");
+  }
+#endif
+}
+
+// An accumulator kept as [N/8][4] (the mma.sync C-fragment view) as the flat operand list of mma_ss/mma_rs.
+template <int N>
+__device__ __forceinline__ float (&flat(float (&acc)[N / 8][4]))[N / 2] {
+  return reinterpret_cast<float(&)[N / 2]>(acc);
+}
+
+// A 64 x N fp32 accumulator (e.g. probabilities) as the A operands of the next product: k-slice kk covers
+// columns [16kk, 16kk + 16), the accumulator's column groups 2kk and 2kk + 1.
+template <class T, int N>
+__device__ __forceinline__ void to_a_fragments(const float (&acc)[N / 8][4], std::uint32_t (&a)[N / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N / 16; ++kk) {
+    a[kk][0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+    a[kk][1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+    a[kk][2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+    a[kk][3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+  }
+}
+
+#undef SPARSEATTN_WGMMA_SS_64
+#undef SPARSEATTN_WGMMA_RS_64
+#undef SPARSEATTN_WGMMA_SS_128
+#undef SPARSEATTN_WGMMA_RS_128
+
+}  // namespace sparseattn::cuda::wgmma
