@@ -263,6 +263,54 @@ __device__ __forceinline__ void visible_columns(const Mask& mask, i64 row0, i64 
   }
 }
 
+// Double buffering with cp.async: starts the next tile's loads (when there is one) and waits until the
+// current tile's loads, committed one step earlier, have landed (in this thread; a barrier follows).
+template <class LoadNext>
+__device__ __forceinline__ void advance_pipeline(bool has_next, LoadNext&& load_next) {
+  if (has_next) {
+    load_next();
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+}
+
+// What a dK/dV CTA covers: keys [j0, j0 + keys) of KV head hk (grid x: key blocks of kN; y: KV head x head
+// split; z: sequence) and, for its share of the group's query heads, the query tiles of kM rows that can see
+// them; its steps run over (query head, query tile) pairs.
+struct DkvWork {
+  i64 j0, keys, hk, split, first_head, tile_begin, tiles, steps;
+
+  template <class T, class Mask, class Seq>
+  __device__ __forceinline__ DkvWork(const AttnArgs<T>& a, const Mask& mask, const Seq& seq, int kN, int kM) {
+    j0 = i64{blockIdx.x} * kN;
+    keys = seq.S - j0 < kN ? seq.S - j0 : kN;
+    hk = blockIdx.y / a.head_splits;
+    split = blockIdx.y % a.head_splits;
+    const i64 g_begin = split * a.group / a.head_splits;
+    const i64 g_count = (split + 1) * a.group / a.head_splits - g_begin;
+    first_head = hk * a.group + g_begin;
+    const i64 q_begin = keys > 0 ? mask.first_query(j0) : 0, q_end = keys > 0 ? mask.end_query(j0 + keys - 1) : 0;
+    tile_begin = q_begin / kM;
+    tiles = q_end > q_begin ? (q_end - 1) / kM + 1 - tile_begin : 0;
+    steps = tiles * g_count;
+  }
+  __device__ __forceinline__ i64 head(i64 step) const { return first_head + step / tiles; }
+  __device__ __forceinline__ i64 tile(i64 step) const { return tile_begin + step % tiles; }
+};
+
+// The lse (times log2 e) and delta of query rows [t0, t0 + kM) of head h into shared rows (0 past the end).
+template <int kM, int kThreadCount, class T, class Seq>
+__device__ __forceinline__ void load_row_stats(float* lse2, float* delta, const AttnArgs<T>& a, const Seq& seq,
+                                               i64 t0, i64 h) {
+  for (int r = threadIdx.x; r < kM; r += kThreadCount) {
+    const bool ok = t0 + r < seq.T;
+    lse2[r] = ok ? *a.lse.at(seq.batch, h, seq.q_begin + t0 + r) * kLog2e : 0.f;
+    delta[r] = ok ? *a.delta.at(seq.batch, h, seq.q_begin + t0 + r) : 0.f;
+  }
+}
+
 // One key tile of the online softmax for a warp's 16-row tile: masks the raw scores s to the visible columns
 // [col_lo, col_hi] of each of the thread's two rows, turns them into exp2-probabilities against the updated
 // running max m (log2e-prescaled), and rescales the output accumulator and the running sum l.
@@ -377,13 +425,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
     cp_async_commit();
     for (i64 it = tile_begin; it < tile_end; ++it) {
       const int buf = (it - tile_begin) & 1;
-      if (it + 1 < tile_end) {
+      advance_pipeline(it + 1 < tile_end, [&] {
         load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, (it + 1) * kN, hk);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
+      });
       __syncthreads();
       const T* k_tile = sK + buf * Tile::kK;
       const T* v_tile = sV + buf * Tile::kV;
@@ -482,13 +526,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
     cp_async_commit();
     for (i64 it = tile_begin; it < tile_end; ++it) {
       const int buf = (it - tile_begin) & 1;
-      if (it + 1 < tile_end) {
+      advance_pipeline(it + 1 < tile_end, [&] {
         load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, (it + 1) * kN, hk);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
+      });
       __syncthreads();
       const T* k_tile = sK + buf * Tile::kK;
       const T* v_tile = sV + buf * Tile::kV;
@@ -569,20 +609,11 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   float* sDelta = sLse + 2 * kM;                                // [2][kM]
 
   const auto seq = a.seqs[blockIdx.z];
-  const i64 j0 = i64{blockIdx.x} * kN;
-  if (j0 >= seq.S) return;
-  const i64 hk = blockIdx.y / a.head_splits, split = blockIdx.y % a.head_splits;
-  const i64 g_begin = split * a.group / a.head_splits;  // this CTA's query heads of the group
-  const i64 g_count = (split + 1) * a.group / a.head_splits - g_begin;
   const Mask mask{mc, seq.T, seq.S};
+  const DkvWork w(a, mask, seq, kN, kM);
+  if (w.keys <= 0) return;
+  const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const i64 keys = seq.S - j0 < kN ? seq.S - j0 : kN;
-
-  i64 q_begin = mask.first_query(j0);
-  const i64 q_end = mask.end_query(j0 + keys - 1);
-  const i64 tile_begin = q_begin / kM;
-  const i64 tiles = q_end > q_begin ? (q_end - 1) / kM + 1 - tile_begin : 0;
-  const i64 steps = tiles * g_count;  // (query head g, query tile) pairs
 
   float dk[kDoDK ? Dqk / 8 : 1][4];
   float dv[kDoDV ? Dv / 8 : 1][4];
@@ -590,38 +621,26 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   zero(dv);
 
   auto load_step = [&](i64 step, int buf) {
-    const i64 h = hk * a.group + g_begin + step / tiles;
-    const i64 t0 = (tile_begin + step % tiles) * kM;
-    const i64 valid = seq.T - t0;
-    load_tile<kM, Dqk>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, valid, h);
-    load_tile<kM, Dv>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, valid, h);
-    for (int r = threadIdx.x; r < kM; r += kThreads) {
-      const bool ok = r < valid;
-      sLse[buf * kM + r] = ok ? *a.lse.at(seq.batch, h, seq.q_begin + t0 + r) * kLog2e : 0.f;
-      sDelta[buf * kM + r] = ok ? *a.delta.at(seq.batch, h, seq.q_begin + t0 + r) : 0.f;
-    }
+    const i64 h = w.head(step), t0 = w.tile(step) * kM;
+    load_tile<kM, Dqk>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, seq.T - t0, h);
+    load_tile<kM, Dv>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, seq.T - t0, h);
+    load_row_stats<kM, kThreads>(sLse + buf * kM, sDelta + buf * kM, a, seq, t0, h);
   };
 
-  if (steps > 0) {
-    load_tile<kN, Dqk>(sK, a.k, seq.batch, seq.k_begin + j0, keys, hk);
-    load_tile<kN, Dv>(sV, a.v, seq.batch, seq.k_begin + j0, keys, hk);
+  if (w.steps > 0) {
+    load_tile<kN, Dqk>(sK, a.k, seq.batch, seq.k_begin + j0, w.keys, w.hk);
+    load_tile<kN, Dv>(sV, a.v, seq.batch, seq.k_begin + j0, w.keys, w.hk);
     load_step(0, 0);
     cp_async_commit();
-    for (i64 step = 0; step < steps; ++step) {
+    for (i64 step = 0; step < w.steps; ++step) {
       const int buf = step & 1;
-      if (step + 1 < steps) {
-        load_step(step + 1, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
+      advance_pipeline(step + 1 < w.steps, [&] { load_step(step + 1, buf ^ 1); });
       __syncthreads();
       const T* q_tile = sQ + buf * Tile::kQ;
       const T* do_tile = sDO + buf * Tile::kDO;
       const float* lse2 = sLse + buf * kM;
       const float* delta = sDelta + buf * kM;
-      const i64 t0 = (tile_begin + step % tiles) * kM;
+      const i64 t0 = w.tile(step) * kM;
 
       // S^T (keys x queries) = K Q^T; this warp's 16 keys.
       float s[kM / 8][4];
@@ -659,7 +678,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
       __syncthreads();
     }
   }
-  store_dkv_rows<kDoDK, kDoDV>(dk, dv, a, seq, split, j0 + warp * 16, hk);
+  store_dkv_rows<kDoDK, kDoDV>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
 }
 
 // dK or dV = the sum of the head splits' partials, for the rows the dK/dV kernel's CTA (same grid, one

@@ -92,13 +92,7 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     cp_async_commit();
     for (i64 it = tile_begin; it < tile_end; ++it) {
       const int buf = (it - tile_begin) & 1;
-      if (it + 1 < tile_end) {
-        load_kv(it + 1, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
+      advance_pipeline(it + 1 < tile_end, [&] { load_kv(it + 1, buf ^ 1); });
       wgmma::fence_shared_for_async();
       __syncthreads();
       const T* k_tile = sK + buf * Tile::kK;
@@ -166,60 +160,40 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   float* sDelta = sLse + 2 * kM;                                // [2][kM]
 
   const auto seq = a.seqs[blockIdx.z];
-  const i64 j0 = i64{blockIdx.x} * kN;
-  if (j0 >= seq.S) return;
-  const i64 hk = blockIdx.y / a.head_splits, split = blockIdx.y % a.head_splits;
-  const i64 g_begin = split * a.group / a.head_splits;  // this CTA's query heads of the group
-  const i64 g_count = (split + 1) * a.group / a.head_splits - g_begin;
   const Mask mask{mc, seq.T, seq.S};
+  const DkvWork w(a, mask, seq, kN, kM);
+  if (w.keys <= 0) return;
+  const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warpgroup_row0 = (warp / 4) * 64;
-  const i64 keys = seq.S - j0 < kN ? seq.S - j0 : kN;
-
-  const i64 q_begin = mask.first_query(j0);
-  const i64 q_end = mask.end_query(j0 + keys - 1);
-  const i64 tile_begin = q_begin / kM;
-  const i64 tiles = q_end > q_begin ? (q_end - 1) / kM + 1 - tile_begin : 0;
-  const i64 steps = tiles * g_count;  // (query head g, query tile) pairs
 
   float dk[Dqk / 8][4], dv[Dv / 8][4];
   zero(dk);
   zero(dv);
 
   auto load_step = [&](i64 step, int buf) {
-    const i64 h = hk * a.group + g_begin + step / tiles;
-    const i64 t0 = (tile_begin + step % tiles) * kM;
-    const i64 valid = seq.T - t0;
-    load_swizzled_tile<kM, Dqk, kThreadCount>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, valid, h);
-    load_swizzled_tile<kM, Dv, kThreadCount>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, valid, h);
-    for (int r = threadIdx.x; r < kM; r += kThreadCount) {
-      const bool ok = r < valid;
-      sLse[buf * kM + r] = ok ? *a.lse.at(seq.batch, h, seq.q_begin + t0 + r) * kLog2e : 0.f;
-      sDelta[buf * kM + r] = ok ? *a.delta.at(seq.batch, h, seq.q_begin + t0 + r) : 0.f;
-    }
+    const i64 h = w.head(step), t0 = w.tile(step) * kM;
+    load_swizzled_tile<kM, Dqk, kThreadCount>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, seq.T - t0, h);
+    load_swizzled_tile<kM, Dv, kThreadCount>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, seq.T - t0,
+                                             h);
+    load_row_stats<kM, kThreadCount>(sLse + buf * kM, sDelta + buf * kM, a, seq, t0, h);
   };
 
-  if (steps > 0) {
-    load_swizzled_tile<kN, Dqk, kThreadCount>(sK, a.k, seq.batch, seq.k_begin + j0, keys, hk);
-    load_swizzled_tile<kN, Dv, kThreadCount>(sV, a.v, seq.batch, seq.k_begin + j0, keys, hk);
+  if (w.steps > 0) {
+    load_swizzled_tile<kN, Dqk, kThreadCount>(sK, a.k, seq.batch, seq.k_begin + j0, w.keys, w.hk);
+    load_swizzled_tile<kN, Dv, kThreadCount>(sV, a.v, seq.batch, seq.k_begin + j0, w.keys, w.hk);
     load_step(0, 0);
     cp_async_commit();
-    for (i64 step = 0; step < steps; ++step) {
+    for (i64 step = 0; step < w.steps; ++step) {
       const int buf = step & 1;
-      if (step + 1 < steps) {
-        load_step(step + 1, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
+      advance_pipeline(step + 1 < w.steps, [&] { load_step(step + 1, buf ^ 1); });
       wgmma::fence_shared_for_async();
       __syncthreads();
       const T* q_tile = sQ + buf * Tile::kQ;
       const T* do_tile = sDO + buf * Tile::kDO;
       const float* lse2 = sLse + buf * kM;
       const float* delta = sDelta + buf * kM;
-      const i64 t0 = (tile_begin + step % tiles) * kM;
+      const i64 t0 = w.tile(step) * kM;
 
       // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
       float s[kM / 8][4], dp[kM / 8][4];
@@ -267,7 +241,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       __syncthreads();
     }
   }
-  store_dkv_rows<true, true>(dk, dv, a, seq, split, j0 + warp * 16, hk);
+  store_dkv_rows<true, true>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
 #endif
 }
 

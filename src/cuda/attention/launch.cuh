@@ -21,6 +21,18 @@ struct Launch {
   cudaStream_t stream;
 };
 
+// Query-tile grids: (query tiles, query heads, sequences).
+inline dim3 query_grid(const Launch& l, int rows_per_cta) {
+  return dim3(static_cast<unsigned>(ceil_div(l.max_q, rows_per_cta)), static_cast<unsigned>(l.q_heads),
+              static_cast<unsigned>(l.batch));
+}
+
+// Key-block grids: (key blocks, KV heads x head splits, sequences).
+inline dim3 key_grid(const Launch& l, int keys_per_cta, int head_splits) {
+  return dim3(static_cast<unsigned>(ceil_div(l.max_k, keys_per_cta)), static_cast<unsigned>(l.kv_heads * head_splits),
+              static_cast<unsigned>(l.batch));
+}
+
 template <class Kernel>
 void prepare(Kernel kernel, std::size_t smem) {
   if (smem > 48 * 1024) {
@@ -51,8 +63,7 @@ bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& 
     auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask>;
     if (!wgmma_runs(kernel)) return false;
     prepare(kernel, Tile::kSmemBytes);
-    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
-                    static_cast<unsigned>(l.batch));
+    const dim3 grid = query_grid(l, Tile::kM);
     kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
     check_launch("attention_forward_wgmma_kernel");
     return true;
@@ -67,8 +78,7 @@ void run_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const
   if (launch_forward_wgmma<T, Dqk, Dv, Mask>(args, mc, l)) return;
   auto kernel = attention_forward_kernel<T, Dqk, Dv, Mask>;
   prepare(kernel, Tile::kSmemBytes);
-  const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
-                  static_cast<unsigned>(l.batch));
+  const dim3 grid = query_grid(l, Tile::kM);
   kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
   check_launch("attention_forward_kernel");
 }
@@ -76,8 +86,7 @@ void run_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const
 template <class T, int Dqk, int Dv, class Mask>
 void launch_dkv_sync(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   using Tile = DkvTile<Dqk, Dv>;
-  const dim3 grid(static_cast<unsigned>(ceil_div(l.max_k, Tile::kN)),
-                  static_cast<unsigned>(l.kv_heads * args.head_splits), static_cast<unsigned>(l.batch));
+  const dim3 grid = key_grid(l, Tile::kN, args.head_splits);
   if constexpr (Tile::kSplit) {
     auto dv_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 1>;
     auto dk_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 2>;
@@ -103,8 +112,7 @@ bool launch_dkv_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, 
     auto kernel = attention_dkv_wgmma_kernel<T, Dqk, Dv, Mask>;
     if (!wgmma_runs(kernel)) return false;
     prepare(kernel, Tile::kSmemBytes);
-    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_k, Tile::kN)),
-                    static_cast<unsigned>(l.kv_heads * args.head_splits), static_cast<unsigned>(l.batch));
+    const dim3 grid = key_grid(l, Tile::kN, args.head_splits);
     kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
     check_launch("attention_dkv_wgmma_kernel");
     keys_per_cta = Tile::kN;
@@ -126,8 +134,7 @@ void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, cons
     using Tile = DqTile<Dqk, Dv>;
     auto kernel = attention_dq_kernel<T, Dqk, Dv, Mask>;
     prepare(kernel, Tile::kSmemBytes);
-    const dim3 grid(static_cast<unsigned>(ceil_div(l.max_q, Tile::kM)), static_cast<unsigned>(l.q_heads),
-                    static_cast<unsigned>(l.batch));
+    const dim3 grid = query_grid(l, Tile::kM);
     kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
     check_launch("attention_dq_kernel");
   }
@@ -135,8 +142,7 @@ void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, cons
     int keys_per_cta = DkvTile<Dqk, Dv>::kN;
     if (!launch_dkv_wgmma<T, Dqk, Dv, Mask>(args, mc, l, keys_per_cta)) launch_dkv_sync<T, Dqk, Dv, Mask>(args, mc, l);
     if (args.head_splits > 1) {
-      const dim3 reduce_grid(static_cast<unsigned>(ceil_div(l.max_k, keys_per_cta)), static_cast<unsigned>(l.kv_heads),
-                             static_cast<unsigned>(l.batch));
+      const dim3 reduce_grid = key_grid(l, keys_per_cta, 1);
       attention_dkv_reduce_kernel<T, Dqk><<<reduce_grid, kThreads, 0, l.stream>>>(args.dk, args.dk_partial, args.seqs,
                                                                                    args.head_splits, keys_per_cta);
       attention_dkv_reduce_kernel<T, Dv><<<reduce_grid, kThreads, 0, l.stream>>>(args.dv, args.dv_partial, args.seqs,
