@@ -10,7 +10,6 @@
 
 namespace sparseattn::cuda::attention {
 
-
 struct Launch {
   i64 batch;       // sequences (grid z)
   i64 max_q;       // longest query sequence
