@@ -29,6 +29,9 @@ FLOP counts (multiply-adds x 2, causal halves counted exactly as the visible key
   sliding window            4 * Hq * D * T * w
   backward                  2.5 x the forward (FlashAttention's convention)
 Effective TFLOP/s of NSA use the sum of its three branches.
+
+--kernels adds, per case, the GPU time of every kernel of one NSA forward+backward (torch.profiler, after one
+warm-up run): the backward's own breakdown, which the stage-by-stage forward times do not give.
 """
 from __future__ import annotations
 
@@ -256,12 +259,43 @@ def measure_stages(case: Case, q, k, v, gates, c: NSAConfig) -> None:
                 outputs[name] = case.measure(name, fn)
 
 
+def kernel_name(name: str) -> str:
+    """A profiler kernel name without namespaces, `void` and the parameter list."""
+    name = name.removeprefix("void ").strip()
+    if name.endswith(")"):  # drop the parameter list: from the parenthesis that closes last, back to its match
+        depth = 0
+        for at in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[at], 0)
+            if depth == 0:
+                name = name[:at] if at > 0 else name
+                break
+    return re.sub(r"\(anonymous namespace\)::|\b(?:[A-Za-z_]\w*::)+", "", name)
+
+
+def kernel_times(fn: Callable[[], object]) -> dict[str, float]:
+    """GPU milliseconds per kernel (shortened name) of one run of fn, after a warm-up run, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        gpu_us = getattr(event, "device_time_total", 0.0)
+        if gpu_us > 0:
+            key = kernel_name(event.key)
+            totals[key] = totals.get(key, 0.0) + gpu_us / 1000
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
 def measurements_per_case(stages: bool) -> int:
     return 2 * len(DENSE) + 2 + (len(STAGES) if stages else 0)
 
 
 def run_case(shape: Shape, seqlen: int, dtype: torch.dtype, config: NSAConfig, timer: Timer,
-             stages: bool = True) -> dict:
+             stages: bool = True, kernels: bool = False) -> dict:
     case = Case(shape, seqlen, timer)
     try:
         q = torch.randn(1, seqlen, shape.heads_q, shape.dim_qk, device="cuda", dtype=dtype, requires_grad=True)
@@ -287,6 +321,8 @@ def run_case(shape: Shape, seqlen: int, dtype: torch.dtype, config: NSAConfig, t
     with torch.no_grad():
         case.measure("nsa_fwd", nsa_forward)
     case.measure("nsa_fwd_bwd", nsa_forward_backward, peak_memory=True)
+    if kernels and case.result["times_ms"].get("nsa_fwd_bwd") is not None:
+        case.result["kernels_fwd_bwd_ms"] = kernel_times(nsa_forward_backward)
     return summarize(case.result, shape, seqlen, config)
 
 
@@ -374,6 +410,14 @@ def markdown(meta: dict, results: list[dict]) -> str:
                          + " | ".join(time_cell(r, s) for s in STAGES)
                          + f" | {'n/a' if total is None else fmt_ms(total)} | {time_cell(r, 'nsa_fwd')} |")
 
+    for r in results:
+        kernels = r.get("kernels_fwd_bwd_ms")
+        if kernels:
+            lines += ["", f"Kernels of one NSA fwd+bwd at {Shape(**r['shape']).label()}, T={seqlen_label(r['seqlen'])} "
+                      f"(GPU ms, torch.profiler; total {fmt_ms(sum(kernels.values()))}):", "",
+                      "| kernel | ms |", "|---|---|"]
+            lines += [f"| `{name}` | {fmt_ms(ms)} |" for name, ms in kernels.items()]
+
     failures: dict[tuple[str, str], list[str]] = {}
     for r in results:
         for key, reason in r.get("errors", {}).items():
@@ -452,6 +496,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out", default="bench/results", help="folder for the JSON, markdown and PNG files")
     parser.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
                         help="also time every NSA stage's forward on its own")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also record the GPU time of every kernel of one NSA fwd+bwd (torch.profiler)")
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="wall-clock seconds the run should fit in: fewer timed runs per measurement, and "
                              "cases not started in time are recorded as skipped")
@@ -493,7 +539,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": git_commit(),
             "torch": torch.__version__, "dtype": args.dtype, "config": asdict(config),
             "timing": {"rep_ms": args.rep_ms, "warmup_ms": args.warmup_ms, "max_reps": args.max_reps,
-                       "time_budget_s": args.time_budget_s, "stages": args.stages}}
+                       "time_budget_s": args.time_budget_s, "stages": args.stages,
+                       "kernels": args.kernels}}
     stem = report_stem(args.out, meta)
     cases = [(seqlen, Shape.parse(text)) for seqlen in args.seqlens for text in args.shapes]
     results = []
@@ -504,7 +551,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                shape, seqlen, config)
         else:
             timer.measurements_left = (len(cases) - index) * measurements_per_case(args.stages)
-            result = run_case(shape, seqlen, dtype, config, timer, args.stages)
+            result = run_case(shape, seqlen, dtype, config, timer, args.stages, args.kernels)
         results.append(result)
         torch.cuda.empty_cache()
         meta["wall_s"] = round(time.monotonic() - started, 1)

@@ -22,7 +22,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "cuda/mma.cuh"
@@ -34,6 +38,22 @@
 #endif
 
 namespace sparseattn::cuda::wgmma {
+
+// Host: whether a wgmma kernel runs. SPARSEATTN_ATTENTION_MMA=sync forces the mma.sync kernels of attention and
+// selected attention (the tests use it to cover them on Hopper); otherwise yes when the running device executes
+// the kernel's sm_90a code (not on A100, nor on Hopper from a build without the 90a target, where the kernel
+// body is empty).
+template <class Kernel>
+bool kernel_runs(Kernel kernel) {
+  const char* choice = std::getenv("SPARSEATTN_ATTENTION_MMA");
+  if (choice != nullptr && std::string_view(choice) == "sync") return false;
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attributes.binaryVersion == 90 && attributes.ptxVersion == 90;
+}
 
 // Swizzle atoms are 1024 bytes; tiles start at multiples of this.
 inline constexpr int kTileAlignment = 1024;

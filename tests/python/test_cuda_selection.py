@@ -210,6 +210,9 @@ SELECTED_CASES = [
     (torch.float16, [100, 3, 257], True, 16, 2, 256, 256, 64, 16, False),
     (torch.bfloat16, [500], False, 2, 1, 64, 64, 16, 16, False),   # block 16 (any positive block works)
     (torch.float16, [400], False, 4, 4, 128, 128, 96, 4, True),    # block 96 (not a multiple of 64)
+    # Long runs (many 64-row tiles of one block, runs across CTAs) at G = 16 and 12, batched and packed.
+    (torch.bfloat16, [2500], False, 16, 1, 128, 128, 64, 16, False),
+    (torch.float16, [700, 1, 1900], True, 12, 1, 64, 64, 128, 8, False),
     # Many heads x slots: the KV-block-outer forward's scratch needs several token chunks (about 120 rows each
     # at 2.2 MB per row), sequences straddle chunk boundaries.
     (torch.bfloat16, [300], False, 64, 64, 256, 256, 16, 64, True),
@@ -217,14 +220,18 @@ SELECTED_CASES = [
 ]
 
 # The two CUDA forwards (src/cuda/selection/forward_plan.h): the switch is read on the host by the CUDA entry
-# points, so setting it in this process selects the forward of the calls that follow.
+# points, so setting it in this process selects the forward of the calls that follow. The KV-block-outer one
+# runs on wgmma where it can (sm_90a, Dv <= 128); "kv-sync" forces its mma.sync kernel.
 FORWARD_ENV = "SPARSEATTN_SELECTED_FORWARD"
-FORWARDS = ["query", "kv"]
+MMA_ENV = "SPARSEATTN_ATTENTION_MMA"
+FORWARDS = ["query", "kv", "kv-sync"]
 
 
 @pytest.fixture(params=FORWARDS)
 def forward(request, monkeypatch):
-    monkeypatch.setenv(FORWARD_ENV, request.param)
+    monkeypatch.setenv(FORWARD_ENV, request.param.removesuffix("-sync"))
+    if request.param.endswith("-sync"):
+        monkeypatch.setenv(MMA_ENV, "sync")
     return request.param
 
 

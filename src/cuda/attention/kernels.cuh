@@ -28,6 +28,7 @@
 #include "cuda/attention/policy.cuh"
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/softmax.cuh"
 
 namespace sparseattn::cuda::attention {
 
@@ -194,15 +195,6 @@ __device__ __forceinline__ void zero(float (&acc)[kN][4]) {
   for (int i = 0; i < kN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 // Stores a warp's 16 x kDim fp32 C-fragment rows (times `mul`) to rows row0 + r of head h where r < valid.
 template <int kDim, class T>
 __device__ __forceinline__ void store_rows(const float (&acc)[kDim / 8][4], float mul0, float mul1,
@@ -308,47 +300,6 @@ __device__ __forceinline__ void load_row_stats(float* lse2, float* delta, const 
     const bool ok = t0 + r < seq.T;
     lse2[r] = ok ? *a.lse.at(seq.batch, h, seq.q_begin + t0 + r) * kLog2e : 0.f;
     delta[r] = ok ? *a.delta.at(seq.batch, h, seq.q_begin + t0 + r) : 0.f;
-  }
-}
-
-// One key tile of the online softmax for a warp's 16-row tile: masks the raw scores s to the visible columns
-// [col_lo, col_hi] of each of the thread's two rows, turns them into exp2-probabilities against the updated
-// running max m (log2e-prescaled), and rescales the output accumulator and the running sum l.
-template <int kN, int Dv>
-__device__ __forceinline__ void online_softmax_step(float (&s)[kN / 8][4], float (&acc)[Dv / 8][4], float (&m)[2],
-                                                    float (&l)[2], const int (&col_lo)[2], const int (&col_hi)[2],
-                                                    float scale_log2) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int n = 0; n < kN / 8; ++n) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-      const bool shown = col >= col_lo[i / 2] && col <= col_hi[i / 2];
-      s[n][i] = shown ? s[n][i] * scale_log2 : -INFINITY;
-    }
-  }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float mx = m[half];
-#pragma unroll
-    for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
-    mx = quad_max(mx);
-    const float use = mx == -INFINITY ? 0.f : mx;
-    const float correction = exp2f(m[half] - use);  // 0 when m was -inf
-    m[half] = mx;
-    l[half] *= correction;
-#pragma unroll
-    for (int n = 0; n < Dv / 8; ++n) {
-      acc[n][2 * half] *= correction;
-      acc[n][2 * half + 1] *= correction;
-    }
-#pragma unroll
-    for (int n = 0; n < kN / 8; ++n) {
-      s[n][2 * half] = exp2f(s[n][2 * half] - use);
-      s[n][2 * half + 1] = exp2f(s[n][2 * half + 1] - use);
-      l[half] += s[n][2 * half] + s[n][2 * half + 1];
-    }
   }
 }
 

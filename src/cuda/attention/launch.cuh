@@ -2,9 +2,6 @@
 // mma.sync kernels (kernels.cuh; sm_80 and later) and the wgmma kernels (kernels_wgmma.cuh; sm_90a).
 #pragma once
 
-#include <cstdlib>
-#include <string_view>
-
 #include "cuda/attention/kernels_wgmma.cuh"
 #include "cuda/attention/kernels.cuh"
 
@@ -39,28 +36,13 @@ void prepare(Kernel kernel, std::size_t smem) {
   }
 }
 
-// Whether a wgmma kernel runs: SPARSEATTN_ATTENTION_MMA=sync forces the mma.sync kernels (the tests use it to
-// cover them on Hopper); otherwise yes when the running device executes the kernel's sm_90a code (not on
-// A100, nor on Hopper from a build without the 90a target, where the kernel body is empty).
-template <class Kernel>
-bool wgmma_runs(Kernel kernel) {
-  const char* choice = std::getenv("SPARSEATTN_ATTENTION_MMA");
-  if (choice != nullptr && std::string_view(choice) == "sync") return false;
-  cudaFuncAttributes attributes{};
-  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return attributes.binaryVersion == 90 && attributes.ptxVersion == 90;
-}
-
 // Launches the wgmma forward where it runs; false otherwise.
 template <class T, int Dqk, int Dv, class Mask>
 bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   if constexpr (WgmmaFwdTile<Dqk, Dv>::kSupported) {
     using Tile = WgmmaFwdTile<Dqk, Dv>;
     auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask>;
-    if (!wgmma_runs(kernel)) return false;
+    if (!wgmma::kernel_runs(kernel)) return false;
     prepare(kernel, Tile::kSmemBytes);
     const dim3 grid = query_grid(l, Tile::kM);
     kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
@@ -109,7 +91,7 @@ bool launch_dkv_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, 
   if constexpr (WgmmaDkvTile<Dqk, Dv>::kSupported) {
     using Tile = WgmmaDkvTile<Dqk, Dv>;
     auto kernel = attention_dkv_wgmma_kernel<T, Dqk, Dv, Mask>;
-    if (!wgmma_runs(kernel)) return false;
+    if (!wgmma::kernel_runs(kernel)) return false;
     prepare(kernel, Tile::kSmemBytes);
     const dim3 grid = key_grid(l, Tile::kN, args.head_splits);
     kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);

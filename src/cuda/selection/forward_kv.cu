@@ -40,6 +40,8 @@
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/selection/common.cuh"
+#include "cuda/selection/forward_kv.cuh"
+#include "cuda/selection/forward_kv_wgmma.cuh"
 #include "cuda/selection/forward_plan.h"
 #include "cuda/selection/inverse_index.h"
 #include "cuda/selection/kernels.h"
@@ -55,15 +57,6 @@ constexpr int kTile = kKvTileRows;
 constexpr int kSub = 64;  // keys per online-softmax step
 constexpr int kRowSlots = kKvQBuffers * kKvWarps * kTile;
 constexpr int kMergeWarps = 8;
-
-struct KvConfig {
-  std::int64_t heads_kv, group, num_idx, block, rows, batch, blocks_per_seq;  // rows: T or N; B; batched only
-  std::int64_t row0, entries, per_cta;  // chunk's first token row, its entries, entries per CTA
-  std::uint32_t blocks_bound, sentinel;
-  int key_rows;  // K/V rows in shared memory: round_up16(block)
-  bool packed;
-  float scale_log2;
-};
 
 template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v,
@@ -95,32 +88,15 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
   }
   __syncthreads();
 
-  const std::int64_t entries_per_row = c.heads_kv * c.num_idx, heads_q = c.heads_kv * c.group;
   int cur = 0;
   while (cur < count && keys_s[cur] < c.sentinel) {
     // The run [cur, stop) of one (KV head, block).
     const std::uint32_t key = keys_s[cur];
     int stop = cur + 1;
     while (stop < count && keys_s[stop] == key) ++stop;
-    const std::int64_t h = key / c.blocks_bound, gblock = key % c.blocks_bound;
-    std::int64_t begin = 0, length = c.rows, b = 0, batch = 0;
-    if (c.packed) {
-      // The sequence of the run's first token (every token of the run is in it): last s with cu[s] <= row.
-      const std::int64_t row = c.row0 + vals_s[cur] / entries_per_row;
-      std::int64_t lo = 0, hi = c.batch;
-      while (hi - lo > 1) {
-        const std::int64_t mid = (lo + hi) / 2;
-        if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
-      }
-      begin = cu_seqlens[lo];
-      length = cu_seqlens[lo + 1] - begin;
-      b = gblock - offsets[lo];
-    } else {
-      batch = gblock / c.blocks_per_seq;
-      b = gblock % c.blocks_per_seq;
-    }
-    const std::int64_t first = b * c.block;
-    const int keys_here = static_cast<int>(min(c.block, length - first));
+    const KvRun run = decode_run(key, vals_s[cur], c, cu_seqlens, offsets);
+    const std::int64_t h = run.h, batch = run.batch, begin = run.begin, first = run.first;
+    const int keys_here = run.keys;
     for (int i = threadIdx.x; i < c.key_rows * (DQK / 8); i += kThreads) {
       const int r = i / (DQK / 8), cc = i % (DQK / 8);
       const bool in = r < keys_here;
@@ -141,27 +117,10 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
     auto stage = [&](int tile, int buf) {
       const int base = (buf * kKvWarps + warp) * kTile;
       if (lane < kTile) {
-        const std::int64_t pidx = std::int64_t{tile} * kTile + lane;
-        const T* ptr = nullptr;
-        std::int64_t slot = -1;
-        int t = -1;
-        if (pidx < run_rows) {
-          // 32-bit arithmetic: entries, token rows and run rows stay below 2^31 (checked by the API).
-          const auto p32 = static_cast<std::uint32_t>(pidx), group = static_cast<std::uint32_t>(c.group);
-          const auto e = static_cast<std::uint32_t>(vals_s[cur + p32 / group]);
-          const std::uint32_t row_local = e / static_cast<std::uint32_t>(entries_per_row);
-          const std::uint32_t j = e % static_cast<std::uint32_t>(c.num_idx);
-          const auto row_g = static_cast<std::uint32_t>(c.row0) + row_local;
-          const std::int64_t hq = h * c.group + p32 % group;
-          const auto rows = static_cast<std::uint32_t>(c.rows);
-          const std::int64_t bt = c.packed ? 0 : row_g / rows, row = c.packed ? row_g : row_g % rows;
-          ptr = q.row(bt, row, hq);
-          slot = (std::int64_t{row_local} * heads_q + hq) * c.num_idx + j;
-          t = static_cast<int>(row - begin);
-        }
-        qptr_s[base + lane] = ptr;
-        slot_s[base + lane] = slot;
-        t_s[base + lane] = t;
+        const KvRow<T> r = describe_row(q, std::int64_t{tile} * kTile + lane, run_rows, vals_s + cur, run, c);
+        qptr_s[base + lane] = r.q;
+        slot_s[base + lane] = r.slot;
+        t_s[base + lane] = r.t;
       }
       __syncwarp();
       const QTile qt{q_base + base * QTile::kPitch};
@@ -186,12 +145,12 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
       __syncwarp();
       const int base = (buf * kKvWarps + warp) * kTile;
       const QTile qt{q_base + base * QTile::kPitch};
-      const std::int64_t t_row[2] = {t_s[base + lane / 4], t_s[base + lane / 4 + 8]};
+      const int t_row[2] = {t_s[base + lane / 4], t_s[base + lane / 4 + 8]};
       int t_max = t_s[base + lane % kTile];
 #pragma unroll
       for (int off = 8; off > 0; off /= 2) t_max = max(t_max, __shfl_xor_sync(0xffffffffu, t_max, off));
       // Keys past the tile's last token are invisible to all its rows (every real row sees key 0 of the block).
-      const int keys_vis = static_cast<int>(min(std::int64_t{keys_here}, std::int64_t{t_max} - first + 1));
+      const int keys_vis = visible_keys(keys_here, first, t_max);
 
       float acc[DV / 8][4] = {};
       float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -210,42 +169,10 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
             }
           }
         }
-        float mx[2] = {m[0], m[1]};
+        int col_lo[2] = {0, 0}, col_hi[2];
 #pragma unroll
-        for (int nt = 0; nt < kSub / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int kc = s0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-            const bool visible = kc < keys_here && first + kc <= t_row[e / 2];
-            s[nt][e] = visible ? s[nt][e] * c.scale_log2 : -INFINITY;
-            mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-          }
-        }
-        float alpha[2], m_use[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-          mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-          m_use[i] = mx[i] == -INFINITY ? 0.f : mx[i];
-          alpha[i] = exp2f(m[i] - m_use[i]);
-          m[i] = mx[i];
-          l[i] *= alpha[i];
-        }
-#pragma unroll
-        for (int nt = 0; nt < kSub / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[nt][e] = exp2f(s[nt][e] - m_use[e / 2]);
-            l[e / 2] += s[nt][e];
-          }
-        }
-#pragma unroll
-        for (int nt = 0; nt < DV / 8; ++nt) {
-          acc[nt][0] *= alpha[0];
-          acc[nt][1] *= alpha[0];
-          acc[nt][2] *= alpha[1];
-          acc[nt][3] *= alpha[1];
-        }
+        for (int i = 0; i < 2; ++i) col_hi[i] = visible_keys(keys_here, first, t_row[i]) - 1 - s0;
+        online_softmax_step<kSub, DV>(s, acc, m, l, col_lo, col_hi, c.scale_log2);
 #pragma unroll
         for (int kk = 0; kk < kSub / 16; ++kk) {
           if (s0 + kk * 16 < keys_vis) {
@@ -263,54 +190,10 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
           }
         }
       }
-      // Epilogue: o / l of each row, scaled by the row's largest magnitude into fp16 in this (now free) Q
-      // tile, then written as 16-byte pieces of whole rows.
-      float amax[2] = {0.f, 0.f}, inv[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-      }
-#pragma unroll
-      for (int nt = 0; nt < DV / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[nt][e] *= inv[e / 2];
-          amax[e / 2] = fmaxf(amax[e / 2], fabsf(acc[nt][e]));
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 1));
-        amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 2));
-        const std::int64_t slot = slot_s[base + lane / 4 + 8 * i];
-        if (slot >= 0 && lane % 4 == 0) {
-          lse_part[slot] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
-          scale_part[slot] = amax[i];
-        }
-      }
-      const float rs[2] = {amax[0] > 0.f ? 1.f / amax[0] : 0.f, amax[1] > 0.f ? 1.f / amax[1] : 0.f};
+      // Epilogue, staged in this (now free) Q tile: 16 x DV halves at pitch DQK + 8 (DV <= DQK).
       __syncwarp();  // every lane is done reading the Q tile
-      auto* staged = reinterpret_cast<__half*>(qt.base);  // 16 x DV halves, pitch DQK + 8 (DV <= DQK)
-#pragma unroll
-      for (int nt = 0; nt < DV / 8; ++nt) {
-        const int col = nt * 8 + 2 * (lane % 4);
-        *reinterpret_cast<__half2*>(staged + (lane / 4) * QTile::kPitch + col) =
-            __floats2half2_rn(acc[nt][0] * rs[0], acc[nt][1] * rs[0]);
-        *reinterpret_cast<__half2*>(staged + (lane / 4 + 8) * QTile::kPitch + col) =
-            __floats2half2_rn(acc[nt][2] * rs[1], acc[nt][3] * rs[1]);
-      }
-      __syncwarp();
-      for (int i = lane; i < kTile * (DV / 8); i += 32) {
-        const int r = i / (DV / 8), cc = i % (DV / 8);
-        const std::int64_t slot = slot_s[base + r];
-        if (slot >= 0) {
-          *reinterpret_cast<uint4*>(o_part + slot * DV + cc * 8) =
-              *reinterpret_cast<const uint4*>(staged + r * QTile::kPitch + cc * 8);
-        }
-      }
-      __syncwarp();  // the lanes are done with this buffer before it is staged again
+      store_partials<DV>(acc, m, l, slot_s + base, reinterpret_cast<__half*>(qt.base),
+                         [](int r, int col) { return r * QTile::kPitch + col; }, o_part, scale_part, lse_part);
       buf ^= 1;
     }
     cur = stop;
@@ -489,8 +372,17 @@ void forward_kv_outer(const SelectedAttentionParams& p, const KvForwardPlan& pla
     using T = typename decltype(tag)::type;
     dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+      // The wgmma kernel where it runs (sm_90a; Dv <= 128), else the mma.sync one; both take the same arguments.
       auto kernel = kv_forward_kernel<T, DQK, DV>;
-      const std::size_t smem = kv_forward_smem_bytes(DQK, DV, plan.block);
+      std::size_t smem = kv_forward_smem_bytes(DQK, DV, plan.block);
+      if constexpr (KvWgmmaTile<DQK, DV>::kSupported) {
+        const int keys = plan.block <= 64 ? 64 : 128;
+        auto wgmma_kernel = keys == 64 ? kv_forward_wgmma_kernel<T, DQK, DV, 64> : kv_forward_wgmma_kernel<T, DQK, DV, 128>;
+        if (wgmma::kernel_runs(wgmma_kernel)) {
+          kernel = wgmma_kernel;
+          smem = kv_wgmma_smem_bytes(DQK, DV, keys);
+        }
+      }
       set_smem(kernel, smem);
       for (std::int64_t row0 = 0; row0 < plan.total_rows; row0 += plan.chunk_rows) {
         const std::int64_t rows_here = std::min(plan.chunk_rows, plan.total_rows - row0);
@@ -507,7 +399,7 @@ void forward_kv_outer(const SelectedAttentionParams& p, const KvForwardPlan& pla
         kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
             tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), keys_out, values_out, cu,
             offsets, o_part, scale_part, lse_part, c);
-        check_launch("kv_forward_kernel");
+        check_launch("kv_forward_kernel (KV-block-outer selected attention)");
         const MergeConfig mc{plan.heads_q, plan.group, plan.num_idx, plan.block, s.rows, s.batch, row0, rows_here,
                              s.packed};
         kv_merge_kernel<T, DV><<<static_cast<unsigned>(ceil_div(rows_here * plan.heads_q, kMergeWarps)),

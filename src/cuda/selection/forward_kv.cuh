@@ -1,0 +1,144 @@
+// Pieces shared by the two KV-block-outer forward kernels of selected_attention (mma.sync in forward_kv.cu,
+// wgmma in forward_kv_wgmma.cuh): the kernel configuration, where a run of sorted entries finds its keys,
+// which query row a gathered tile row is, and how a warp writes the compact partials of its 16 rows.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/selection/common.cuh"
+#include "cuda/softmax.cuh"
+
+namespace sparseattn::cuda::selection {
+
+struct KvConfig {
+  std::int64_t heads_kv, group, num_idx, block, rows, batch, blocks_per_seq;  // rows: T or N; B; batched only
+  std::int64_t row0, entries, per_cta;  // chunk's first token row, its entries, entries per CTA
+  std::uint32_t blocks_bound, sentinel;
+  int key_rows;  // K/V rows in shared memory (the mma.sync kernel: round_up16(block))
+  bool packed;
+  float scale_log2;
+};
+
+// The keys of one run of sorted entries (one KV head and selection block): KV head h, batch row, the first
+// row of the sequence, the block's first position in it and how many of its keys exist.
+struct KvRun {
+  std::int64_t h, batch, begin, first;
+  int keys;
+};
+
+// key: the run's sort key; first_value: the entry index of its first entry (every entry of the run is in the
+// same sequence).
+__device__ __forceinline__ KvRun decode_run(std::uint32_t key, std::int32_t first_value, const KvConfig& c,
+                                            const std::int32_t* cu_seqlens, const std::int32_t* offsets) {
+  const std::int64_t h = key / c.blocks_bound, gblock = key % c.blocks_bound;
+  std::int64_t begin = 0, length = c.rows, b = 0, batch = 0;
+  if (c.packed) {
+    // The sequence of the run's first token: last s with cu[s] <= row.
+    const std::int64_t row = c.row0 + first_value / (c.heads_kv * c.num_idx);
+    std::int64_t lo = 0, hi = c.batch;
+    while (hi - lo > 1) {
+      const std::int64_t mid = (lo + hi) / 2;
+      if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
+    }
+    begin = cu_seqlens[lo];
+    length = cu_seqlens[lo + 1] - begin;
+    b = gblock - offsets[lo];
+  } else {
+    batch = gblock / c.blocks_per_seq;
+    b = gblock % c.blocks_per_seq;
+  }
+  const std::int64_t first = b * c.block;
+  return {h, batch, begin, first, static_cast<int>(min(c.block, length - first))};
+}
+
+// Keys [0, n) of a run's block that a row at position t sees: those <= t (0 for padding rows, t = -1).
+__device__ __forceinline__ int visible_keys(int keys, std::int64_t first, int t) {
+  return static_cast<int>(max(std::int64_t{0}, min(std::int64_t{keys}, std::int64_t{t} - first + 1)));
+}
+
+// Gathered row `pidx` of a run of `run_rows` rows ((token, group head) pairs, token-major): its q row, the
+// slot of its partial and its position in the sequence; past the run: null, -1, -1 (a padding row).
+template <class T>
+struct KvRow {
+  const T* q;
+  std::int64_t slot;
+  int t;
+};
+
+template <class T>
+__device__ __forceinline__ KvRow<T> describe_row(const Tokens<const T>& q, std::int64_t pidx, std::int64_t run_rows,
+                                                 const std::int32_t* run_values, const KvRun& run,
+                                                 const KvConfig& c) {
+  if (pidx >= run_rows) return {nullptr, -1, -1};
+  // 32-bit arithmetic: entries, token rows and run rows stay below 2^31 (checked by the API).
+  const auto p32 = static_cast<std::uint32_t>(pidx), group = static_cast<std::uint32_t>(c.group);
+  const auto e = static_cast<std::uint32_t>(run_values[p32 / group]);
+  const std::uint32_t row_local = e / static_cast<std::uint32_t>(c.heads_kv * c.num_idx);
+  const std::uint32_t j = e % static_cast<std::uint32_t>(c.num_idx);
+  const auto row_g = static_cast<std::uint32_t>(c.row0) + row_local;
+  const std::int64_t hq = run.h * c.group + p32 % group;
+  const auto rows = static_cast<std::uint32_t>(c.rows);
+  const std::int64_t bt = c.packed ? 0 : row_g / rows, row = c.packed ? row_g : row_g % rows;
+  return {q.row(bt, row, hq), (std::int64_t{row_local} * c.heads_kv * c.group + hq) * c.num_idx + j,
+          static_cast<int>(row - run.begin)};
+}
+
+// A warp's epilogue for its 16 gathered rows: o = acc / l of each row, stored as fp16 of o / max|o| with that
+// fp32 scale and the fp32 lse (log2) at the row's slot (rows with slot < 0 are padding). The fp16 rows go
+// through the warp's staging area `staged` (16 x DV halves at staged_offset(r, c)) so that global writes are
+// 16-byte pieces of whole rows; the caller makes sure nothing else uses that area meanwhile.
+template <int DV, class StagedOffset>
+__device__ __forceinline__ void store_partials(float (&acc)[DV / 8][4], const float (&m)[2], float (&l)[2],
+                                               const std::int64_t* slots, __half* staged,
+                                               StagedOffset&& staged_offset, __half* o_part, float* scale_part,
+                                               float* lse_part) {
+  const int lane = threadIdx.x % 32;
+  float amax[2] = {0.f, 0.f}, inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] = quad_sum(l[i]);
+    inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+  }
+#pragma unroll
+  for (int nt = 0; nt < DV / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc[nt][e] *= inv[e / 2];
+      amax[e / 2] = fmaxf(amax[e / 2], fabsf(acc[nt][e]));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    amax[i] = quad_max(amax[i]);
+    const std::int64_t slot = slots[lane / 4 + 8 * i];
+    if (slot >= 0 && lane % 4 == 0) {
+      lse_part[slot] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
+      scale_part[slot] = amax[i];
+    }
+  }
+  const float rs[2] = {amax[0] > 0.f ? 1.f / amax[0] : 0.f, amax[1] > 0.f ? 1.f / amax[1] : 0.f};
+#pragma unroll
+  for (int nt = 0; nt < DV / 8; ++nt) {
+    const int col = nt * 8 + 2 * (lane % 4);
+    *reinterpret_cast<__half2*>(staged + staged_offset(lane / 4, col)) =
+        __floats2half2_rn(acc[nt][0] * rs[0], acc[nt][1] * rs[0]);
+    *reinterpret_cast<__half2*>(staged + staged_offset(lane / 4 + 8, col)) =
+        __floats2half2_rn(acc[nt][2] * rs[1], acc[nt][3] * rs[1]);
+  }
+  __syncwarp();
+  for (int i = lane; i < 16 * (DV / 8); i += 32) {
+    const int r = i / (DV / 8), cc = i % (DV / 8);
+    const std::int64_t slot = slots[r];
+    if (slot >= 0) {
+      *reinterpret_cast<uint4*>(o_part + slot * DV + cc * 8) =
+          *reinterpret_cast<const uint4*>(staged + staged_offset(r, cc * 8));
+    }
+  }
+  __syncwarp();  // the lanes are done with the staging area
+}
+
+}  // namespace sparseattn::cuda::selection
