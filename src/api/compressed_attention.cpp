@@ -95,6 +95,7 @@ void check_cuda_compressed(const detail::Check& check, const Params& params, con
   detail::check_cuda_rows(check, params.k_cmp, "k_cmp");
   detail::check_cuda_rows(check, params.v_cmp, "v_cmp");
   detail::check_cuda_rows(check, params.o, "o");
+  detail::check_cuda_length(check, params.q, params.seqs, "q");
 }
 
 }  // namespace

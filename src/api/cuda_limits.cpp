@@ -1,5 +1,7 @@
 #include "api/cuda_limits.h"
 
+#include <algorithm>
+
 namespace sparseattn::detail {
 
 void check_cuda_half(const Check& check, const TensorView& q) {
@@ -22,6 +24,15 @@ void check_cuda_rows(const Check& check, const TensorView& t, const std::string&
   check.require(aligned, ErrorKind::unsupported, arg,
                 "the CUDA kernels need a 16-byte aligned data pointer and strides (except the innermost) that are "
                 "multiples of 8 elements");
+}
+
+void check_cuda_length(const Check& check, const TensorView& t, const Sequences& seqs, const std::string& arg) {
+  const bool packed = t.rank == 3;
+  std::int64_t longest = t.shape[packed ? 0 : 1];
+  if (packed && seqs.max_seqlen > 0) longest = std::min(longest, seqs.max_seqlen);
+  check.require(longest <= kCudaMaxTokens, ErrorKind::unsupported, arg,
+                "has a sequence of up to " + std::to_string(longest) + " tokens; the CUDA attention kernels take at most " +
+                    std::to_string(kCudaMaxTokens) + " (pass max_seqlen for packed batches of shorter sequences)");
 }
 
 }  // namespace sparseattn::detail

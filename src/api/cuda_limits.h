@@ -6,6 +6,7 @@
 #include <string>
 
 #include "api/check.h"
+#include "sparseattn/sequences.h"
 
 namespace sparseattn::detail {
 
@@ -18,5 +19,10 @@ void check_cuda_head_dims(const Check& check, bool supported, std::int64_t dim_q
 // t's rows can be copied in 16-byte pieces (cp.async): 16-byte aligned data and every stride but the
 // innermost a multiple of 8 elements. Absent tensors pass.
 void check_cuda_rows(const Check& check, const TensorView& t, const std::string& arg);
+
+// The longest sequence of t (batched: T; packed: seqs.max_seqlen where given, else N) fits the attention
+// kernels' grids: at most kCudaMaxTokens tokens (65535 tiles of 64 rows in a grid's y dimension).
+inline constexpr std::int64_t kCudaMaxTokens = std::int64_t{65535} * 64;
+void check_cuda_length(const Check& check, const TensorView& t, const Sequences& seqs, const std::string& arg);
 
 }  // namespace sparseattn::detail

@@ -100,6 +100,8 @@ void check_cuda_flash(const detail::Check& check, const Params& params, const Fl
   detail::check_cuda_rows(check, params.k, "k");
   detail::check_cuda_rows(check, params.v, "v");
   detail::check_cuda_rows(check, params.o, "o");
+  detail::check_cuda_length(check, params.q, params.seqs_q, "q");
+  detail::check_cuda_length(check, params.k, params.seqs_k, "k");
 }
 
 }  // namespace

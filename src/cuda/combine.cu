@@ -1,13 +1,12 @@
-// combine: o = sum over present branches of gate * branch output. Memory-bound; one warp per (token, head)
-// row so the gate is read once per row and d_gate is a warp reduction (deterministic, no atomics).
+// combine: o = sum over present branches of gate * branch output. Memory-bound: each (token, head) row is
+// handled by up to 32 lanes of one warp moving 16 bytes at a time where the rows are aligned, so the gate is
+// read once per lane and d_gate is a shuffle reduction over the row's lanes (deterministic, no atomics).
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
 
 namespace sparseattn::cuda {
 
 namespace {
-
-constexpr int kWarpsPerBlock = 8;
 
 template <class T>
 struct Branches {
@@ -38,51 +37,129 @@ Branches<T> branches_of(const std::array<TensorView, kNumBranches>& outputs,
   return branches;
 }
 
-template <class T>
-__global__ void combine_kernel(Branches<T> branches, Tokens<T> o, RowGrid grid) {
-  const std::int64_t row = std::int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
-  if (row >= grid.batch * grid.rows * grid.heads) return;
-  const std::int64_t h = row % grid.heads, t = row / grid.heads % grid.rows, b = row / grid.heads / grid.rows;
-  float gate[kNumBranches];
-  for (int i = 0; i < kNumBranches; ++i) gate[i] = branches.present[i] ? to_float(branches.gates[i].at(b, t, h)) : 0.f;
-  T* out = o.row(b, t, h);
-  for (std::int64_t d = threadIdx.x % 32; d < grid.dim; d += 32) {
-    float sum = 0.f;
-    for (int i = 0; i < kNumBranches; ++i) {
-      if (branches.present[i]) sum += gate[i] * to_float(branches.outputs[i].row(b, t, h)[d]);
-    }
-    out[d] = from_float<T>(sum);
+// Rows are split over L = lanes_per_row(dim, kVec) consecutive lanes (a power of two <= 32, so a row's lanes
+// share a warp), each moving kVec elements at a time: 16 bytes where every row is 16-byte aligned
+// (vector_width), single elements otherwise.
+int lanes_per_row(std::int64_t dim, int vec) {
+  int lanes = 1;
+  while (lanes < 32 && lanes * vec < dim) lanes *= 2;
+  return lanes;
+}
+
+template <class T, int kVec>
+__device__ __forceinline__ void load_vec(float (&out)[kVec], const T* src) {
+  if constexpr (kVec == 1) {
+    out[0] = to_float(*src);
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] = to_float(x[i]);
   }
 }
 
-template <class T>
+template <class T, int kVec>
+__device__ __forceinline__ void store_vec(T* dst, const float (&in)[kVec]) {
+  if constexpr (kVec == 1) {
+    *dst = from_float<T>(in[0]);
+  } else {
+    uint4 raw;
+    T* x = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) x[i] = from_float<T>(in[i]);
+    *reinterpret_cast<uint4*>(dst) = raw;
+  }
+}
+
+// The (batch, token, head) of this thread's row and its lane among the row's `lanes`; false past the end.
+struct RowOf {
+  std::int64_t b, t, h;
+  int lane;
+};
+
+__device__ __forceinline__ bool row_of(const RowGrid& grid, int lanes, RowOf& r) {
+  const std::int64_t thread = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const std::int64_t row = thread / lanes;
+  if (row >= grid.batch * grid.rows * grid.heads) return false;
+  r = {row / grid.heads / grid.rows, row / grid.heads % grid.rows, row % grid.heads, static_cast<int>(thread % lanes)};
+  return true;
+}
+
+template <class T, int kVec>
+__global__ void combine_kernel(Branches<T> branches, Tokens<T> o, RowGrid grid, int lanes) {
+  RowOf r;
+  if (!row_of(grid, lanes, r)) return;
+  float gate[kNumBranches];
+  for (int i = 0; i < kNumBranches; ++i) {
+    gate[i] = branches.present[i] ? to_float(branches.gates[i].at(r.b, r.t, r.h)) : 0.f;
+  }
+  T* out = o.row(r.b, r.t, r.h);
+  for (std::int64_t d = std::int64_t{r.lane} * kVec; d < grid.dim; d += std::int64_t{lanes} * kVec) {
+    float sum[kVec] = {};
+    for (int i = 0; i < kNumBranches; ++i) {
+      if (!branches.present[i]) continue;
+      float x[kVec];
+      load_vec<T, kVec>(x, branches.outputs[i].row(r.b, r.t, r.h) + d);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sum[e] += gate[i] * x[e];
+    }
+    store_vec<T, kVec>(out + d, sum);
+  }
+}
+
+// Every row's lanes stay active to the end: d_gate is a shuffle reduction over them.
+template <class T, int kVec>
 __global__ void combine_backward_kernel(Branches<T> branches, Tokens<T> d_o, Tokens<T> d_outputs_0,
                                         Tokens<T> d_outputs_1, Tokens<T> d_outputs_2, PerHead<T> d_gate_0,
-                                        PerHead<T> d_gate_1, PerHead<T> d_gate_2, RowGrid grid) {
-  const std::int64_t row = std::int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
-  if (row >= grid.batch * grid.rows * grid.heads) return;
-  const std::int64_t h = row % grid.heads, t = row / grid.heads % grid.rows, b = row / grid.heads / grid.rows;
+                                        PerHead<T> d_gate_1, PerHead<T> d_gate_2, RowGrid grid, int lanes) {
+  RowOf r;
+  const bool active = row_of(grid, lanes, r);
+  if (__all_sync(0xffffffffu, !active)) return;
   const Tokens<T> d_outputs[kNumBranches] = {d_outputs_0, d_outputs_1, d_outputs_2};
   const PerHead<T> d_gates[kNumBranches] = {d_gate_0, d_gate_1, d_gate_2};
-  const T* grad = d_o.row(b, t, h);
   for (int i = 0; i < kNumBranches; ++i) {
     if (!branches.present[i]) continue;
-    const float gate = to_float(branches.gates[i].at(b, t, h));
-    const T* out = branches.outputs[i].row(b, t, h);
-    T* d_out = d_outputs[i].row(b, t, h);
     float partial = 0.f;
-    for (std::int64_t d = threadIdx.x % 32; d < grid.dim; d += 32) {
-      const float g = to_float(grad[d]);
-      d_out[d] = from_float<T>(gate * g);
-      partial += g * to_float(out[d]);
+    if (active) {
+      const float gate = to_float(branches.gates[i].at(r.b, r.t, r.h));
+      const T* grad = d_o.row(r.b, r.t, r.h);
+      const T* out = branches.outputs[i].row(r.b, r.t, r.h);
+      T* d_out = d_outputs[i].row(r.b, r.t, r.h);
+      for (std::int64_t d = std::int64_t{r.lane} * kVec; d < grid.dim; d += std::int64_t{lanes} * kVec) {
+        float g[kVec], x[kVec], scaled[kVec];
+        load_vec<T, kVec>(g, grad + d);
+        load_vec<T, kVec>(x, out + d);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          scaled[e] = gate * g[e];
+          partial += g[e] * x[e];
+        }
+        if (d_out != nullptr) store_vec<T, kVec>(d_out + d, scaled);
+      }
     }
-    for (int offset = 16; offset > 0; offset /= 2) partial += __shfl_xor_sync(0xffffffffu, partial, offset);
-    if (d_gates[i].data != nullptr && threadIdx.x % 32 == 0) d_gates[i].at(b, t, h) = from_float<T>(partial);
+    for (int offset = lanes / 2; offset > 0; offset /= 2) partial += __shfl_xor_sync(0xffffffffu, partial, offset);
+    if (active && d_gates[i].data != nullptr && r.lane == 0) d_gates[i].at(r.b, r.t, r.h) = from_float<T>(partial);
   }
 }
 
-unsigned blocks_for(const RowGrid& grid) {
-  return static_cast<unsigned>(ceil_div(grid.batch * grid.rows * grid.heads, kWarpsPerBlock));
+// 16 / sizeof(T) when every row of these token tensors starts 16-byte aligned and dim is a multiple of it; else 1.
+template <class T, class... Views>
+int vector_width(std::int64_t dim, const Views&... views) {
+  constexpr int kWide = 16 / sizeof(T);
+  bool aligned = dim % kWide == 0;
+  auto check = [&](const TensorView& view) {
+    if (!view.present()) return;
+    aligned = aligned && reinterpret_cast<std::uintptr_t>(view.data) % 16 == 0;
+    for (int d = 0; d + 1 < view.rank; ++d) aligned = aligned && view.stride[d] % kWide == 0;
+  };
+  (check(views), ...);
+  return aligned ? kWide : 1;
+}
+
+constexpr int kThreadsPerBlock = 256;
+
+unsigned blocks_for(const RowGrid& grid, int lanes) {
+  return static_cast<unsigned>(ceil_div(grid.batch * grid.rows * grid.heads * lanes, kThreadsPerBlock));
 }
 
 }  // namespace
@@ -90,11 +167,21 @@ unsigned blocks_for(const RowGrid& grid) {
 void combine(const CombineParams& params) {
   const DeviceGuard device(params.o.device_index);
   const RowGrid grid = row_grid(params.o);
-  if (blocks_for(grid) == 0) return;
+  if (grid.batch * grid.rows * grid.heads == 0) return;
   dispatch_float(params.o.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    combine_kernel<T><<<blocks_for(grid), kWarpsPerBlock * 32, 0, static_cast<cudaStream_t>(params.stream)>>>(
-        branches_of<T>(params.outputs, params.gates), tokens_of<T>(params.o), grid);
+    const auto& outs = params.outputs;
+    const auto stream = static_cast<cudaStream_t>(params.stream);
+    auto launch = [&](auto kernel, int vec) {
+      const int lanes = lanes_per_row(grid.dim, vec);
+      kernel<<<blocks_for(grid, lanes), kThreadsPerBlock, 0, stream>>>(branches_of<T>(outs, params.gates),
+                                                                       tokens_of<T>(params.o), grid, lanes);
+    };
+    if (vector_width<T>(grid.dim, params.o, outs[0], outs[1], outs[2]) > 1) {
+      launch(combine_kernel<T, 16 / sizeof(T)>, 16 / sizeof(T));
+    } else {
+      launch(combine_kernel<T, 1>, 1);
+    }
     check_launch("combine_kernel");
   });
 }
@@ -102,7 +189,7 @@ void combine(const CombineParams& params) {
 void combine_backward(const CombineBackwardParams& params) {
   const DeviceGuard device(params.d_o.device_index);
   const RowGrid grid = row_grid(params.d_o);
-  if (blocks_for(grid) == 0) return;
+  if (grid.batch * grid.rows * grid.heads == 0) return;
   dispatch_float(params.d_o.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     Tokens<T> d_outputs[kNumBranches]{};
@@ -111,10 +198,20 @@ void combine_backward(const CombineBackwardParams& params) {
       if (params.d_outputs[i].present()) d_outputs[i] = tokens_of<T>(params.d_outputs[i]);
       if (params.d_gates[i].present()) d_gates[i] = per_head_of<T>(params.d_gates[i]);
     }
-    combine_backward_kernel<T><<<blocks_for(grid), kWarpsPerBlock * 32, 0,
-                                 static_cast<cudaStream_t>(params.stream)>>>(
-        branches_of<T>(params.outputs, params.gates), tokens_of<T>(params.d_o), d_outputs[0], d_outputs[1],
-        d_outputs[2], d_gates[0], d_gates[1], d_gates[2], grid);
+    const auto& outs = params.outputs;
+    const auto& d_outs = params.d_outputs;
+    const auto stream = static_cast<cudaStream_t>(params.stream);
+    auto launch = [&](auto kernel, int vec) {
+      const int lanes = lanes_per_row(grid.dim, vec);
+      kernel<<<blocks_for(grid, lanes), kThreadsPerBlock, 0, stream>>>(
+          branches_of<T>(outs, params.gates), tokens_of<T>(params.d_o), d_outputs[0], d_outputs[1], d_outputs[2],
+          d_gates[0], d_gates[1], d_gates[2], grid, lanes);
+    };
+    if (vector_width<T>(grid.dim, params.d_o, outs[0], outs[1], outs[2], d_outs[0], d_outs[1], d_outs[2]) > 1) {
+      launch(combine_backward_kernel<T, 16 / sizeof(T)>, 16 / sizeof(T));
+    } else {
+      launch(combine_backward_kernel<T, 1>, 1);
+    }
     check_launch("combine_backward_kernel");
   });
 }

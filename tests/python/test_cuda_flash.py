@@ -118,3 +118,12 @@ def test_unsupported_on_cuda():
     mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda")
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="mask"):
         sparseattn.flash_attention(q, q, q, mask=mask)
+
+
+def test_too_long_sequence_is_a_clear_error():
+    """The grids tile a sequence in at most 65535 tiles of 64 rows: longer ones are refused before any launch."""
+    limit = 65535 * 64
+    x = torch.zeros(limit + 1, 1, 64, dtype=torch.bfloat16, device="cuda")
+    cu = torch.tensor([0, limit + 1], dtype=torch.int32, device="cuda")
+    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="tokens"):
+        sparseattn.flash_attention(x, x, x, causal=True, window=(63, 0), cu_seqlens_q=cu, cu_seqlens_k=cu)

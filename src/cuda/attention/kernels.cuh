@@ -268,18 +268,23 @@ __device__ __forceinline__ void advance_pipeline(bool has_next, LoadNext&& load_
   }
 }
 
-// What a dK/dV CTA covers: keys [j0, j0 + keys) of KV head hk (grid x: key blocks of kN; y: KV head x head
-// split; z: sequence) and, for its share of the group's query heads, the query tiles of kM rows that can see
+// Grid order (launch.cuh): heads in x, tiles in y, sequences in z. CTAs start in x-fastest order, so all heads
+// of one tile start together, and the tiles go heaviest first under causal masks (query tiles from the last,
+// key tiles from the first): the last wave holds the lightest CTAs instead of a few long ones.
+__device__ __forceinline__ i64 query_tile() { return i64{gridDim.y} - 1 - blockIdx.y; }
+
+// What a dK/dV CTA covers: keys [j0, j0 + keys) of KV head hk (grid x: KV head x head split; y: key blocks of
+// kN; z: sequence) and, for its share of the group's query heads, the query tiles of kM rows that can see
 // them; its steps run over (query head, query tile) pairs.
 struct DkvWork {
   i64 j0, keys, hk, split, first_head, tile_begin, tiles, steps;
 
   template <class T, class Mask, class Seq>
   __device__ __forceinline__ DkvWork(const AttnArgs<T>& a, const Mask& mask, const Seq& seq, int kN, int kM) {
-    j0 = i64{blockIdx.x} * kN;
+    j0 = i64{blockIdx.y} * kN;
     keys = seq.S - j0 < kN ? seq.S - j0 : kN;
-    hk = blockIdx.y / a.head_splits;
-    split = blockIdx.y % a.head_splits;
+    hk = blockIdx.x / a.head_splits;
+    split = blockIdx.x % a.head_splits;
     const i64 g_begin = split * a.group / a.head_splits;
     const i64 g_count = (split + 1) * a.group / a.head_splits - g_begin;
     first_head = hk * a.group + g_begin;
@@ -349,9 +354,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   T* sV = sK + 2 * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
-  const i64 t0 = i64{blockIdx.x} * kM;
+  const i64 t0 = query_tile() * kM;
   if (t0 >= seq.T) return;
-  const i64 h = blockIdx.y, hk = h / a.group;
+  const i64 h = blockIdx.x, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
   const int warp = threadIdx.x / 32;
   const int warp_row0 = warp * kMT * 16;  // this warp's rows: [warp_row0, warp_row0 + 16 * kMT)
@@ -446,9 +451,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   T* sV = sK + 2 * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
-  const i64 t0 = i64{blockIdx.x} * kM;
+  const i64 t0 = query_tile() * kM;
   if (t0 >= seq.T) return;
-  const i64 h = blockIdx.y, hk = h / a.group;
+  const i64 h = blockIdx.x, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row0 = warp * kMT * 16;
@@ -638,7 +643,7 @@ template <class T, int kDim>
 __global__ void __launch_bounds__(kThreads) attention_dkv_reduce_kernel(Tokens<T> out, Partials part, SeqTable seqs,
                                                                        int splits, int rows_per_cta) {
   const auto seq = seqs[blockIdx.z];
-  const i64 j0 = i64{blockIdx.x} * rows_per_cta, hk = blockIdx.y;
+  const i64 j0 = i64{blockIdx.y} * rows_per_cta, hk = blockIdx.x;
   const i64 rows = seq.S - j0 < rows_per_cta ? seq.S - j0 : rows_per_cta;
   for (i64 i = threadIdx.x; i < rows * (kDim / 4); i += kThreads) {
     const i64 r = seq.k_begin + j0 + i / (kDim / 4), d = (i % (kDim / 4)) * 4;

@@ -64,9 +64,9 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   T* sV = sK + 2 * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
-  const i64 t0 = i64{blockIdx.x} * kM;
+  const i64 t0 = query_tile() * kM;
   if (t0 >= seq.T) return;
-  const i64 h = blockIdx.y, hk = h / a.group;
+  const i64 h = blockIdx.x, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
   const int warp = threadIdx.x / 32;
   const int warpgroup_row0 = (warp / 4) * 64, warp_row0 = warp * 16;

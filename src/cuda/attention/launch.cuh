@@ -17,15 +17,15 @@ struct Launch {
   cudaStream_t stream;
 };
 
-// Query-tile grids: (query tiles, query heads, sequences).
+// Query-tile grids: (query heads, query tiles, sequences); key-block grids: (KV heads x head splits, key blocks,
+// sequences). kernels.cuh's query_tile() and DkvWork read them in heaviest-first order.
 inline dim3 query_grid(const Launch& l, int rows_per_cta) {
-  return dim3(static_cast<unsigned>(ceil_div(l.max_q, rows_per_cta)), static_cast<unsigned>(l.q_heads),
+  return dim3(static_cast<unsigned>(l.q_heads), static_cast<unsigned>(ceil_div(l.max_q, rows_per_cta)),
               static_cast<unsigned>(l.batch));
 }
 
-// Key-block grids: (key blocks, KV heads x head splits, sequences).
 inline dim3 key_grid(const Launch& l, int keys_per_cta, int head_splits) {
-  return dim3(static_cast<unsigned>(ceil_div(l.max_k, keys_per_cta)), static_cast<unsigned>(l.kv_heads * head_splits),
+  return dim3(static_cast<unsigned>(l.kv_heads * head_splits), static_cast<unsigned>(ceil_div(l.max_k, keys_per_cta)),
               static_cast<unsigned>(l.batch));
 }
 
