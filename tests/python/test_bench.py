@@ -129,3 +129,22 @@ def test_reports_from_json(tmp_path):
     assert (stem.parent / (stem.name + ".md")).read_text() == bench.markdown(META, RESULTS)
     assert json.loads((stem.parent / (stem.name + ".json")).read_text())["results"] == RESULTS
     assert (stem.parent / (stem.name + ".png")).exists() == has_matplotlib
+
+
+def test_kernel_names_are_shortened():
+    assert bench.kernel_name(
+        "void sparseattn::cuda::attention::attention_dkv_wgmma_kernel<__nv_bfloat16, 128, 128, "
+        "sparseattn::cuda::attention::CompressedMask>(sparseattn::cuda::attention::AttnArgs<__nv_bfloat16>, "
+        "sparseattn::cuda::attention::CompressedMask::Config)") == \
+        "attention_dkv_wgmma_kernel<__nv_bfloat16, 128, 128, CompressedMask>"
+    assert bench.kernel_name("(anonymous namespace)::selected_dkv_kernel<__half, 64, 64, 1>(Tokens<__half const>, "
+                             "(anonymous namespace)::DkvConfig)") == "selected_dkv_kernel<__half, 64, 64, 1>"
+    assert bench.kernel_name("(anonymous namespace)::make_keys_kernel") == "make_keys_kernel"
+
+
+def test_markdown_lists_the_kernel_breakdown():
+    result = dict(RESULTS[0], kernels_fwd_bwd_ms={"attention_dkv_wgmma_kernel<__nv_bfloat16>": 50.6, "combine": 1.5})
+    text = bench.markdown(META, [result])
+    assert "Kernels of one NSA fwd+bwd at 64/4, 128/128, T=8K (GPU ms, torch.profiler; total 52.10)" in text
+    assert "| `attention_dkv_wgmma_kernel<__nv_bfloat16>` | 50.60 |" in text
+    assert "--kernels" in bench.__doc__ and bench.parse_args(["--kernels"]).kernels

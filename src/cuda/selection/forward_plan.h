@@ -8,7 +8,8 @@
 //    re-reads all K/V rows of its n selected blocks;
 //  - KV-block-outer (the FSA design): the (token, slot) pairs are sorted by (KV head, selected block); a CTA
 //    loads one block's K and V once and packs the query rows (token x group head) of many tokens into full
-//    16-row tiles, writing a partial (o, lse) per (token, query head, slot) that a merge kernel combines.
+//    tiles (16 rows per warp on mma.sync, 64 per warpgroup on wgmma), writing a partial (o, lse) per (token,
+//    query head, slot) that a merge kernel combines.
 #pragma once
 
 #include <algorithm>
@@ -56,11 +57,12 @@ inline bool kv_forward_supported(std::int64_t dim_qk, std::int64_t dim_v, std::i
 
 // ------------------------------------------------------------------------------------------- the heuristic
 
-// Measured on H100 (bf16, Dqk = Dv = 128, n = 16, block 64, one sequence, NSA-like indices: block 0, the two
-// local blocks and 13 random earlier ones; see docs/architecture.md), KV-block-outer vs query-outer time:
-// T = 16K and 64K with Hkv = 4 and 8: G = 1 7.4-9.1x faster, G = 2 5.0-5.5x, G = 4 2.8-3.2x, G = 8 1.5-1.6x,
-// G = 10 1.19-1.33x, G = 12 1.02-1.13x, G = 16 0.79-0.88x (slower: the query-outer tiles are full and it
-// needs no sort, no partials and no merge, whose traffic grows with G). T = 4K: G = 1 4.3x, G = 8 1.5x,
+// Measured on H100 (bf16, Dqk = Dv = 128, n = 16, block 64, one sequence, Hkv = 4, indices from select_blocks;
+// scripts/measure_selected_forward.py), query-outer time / KV-block-outer time (wgmma kernel), T = 16K and 64K:
+// G = 1 9.8-10.2x, G = 2 5.9-6.4x, G = 4 3.5x, G = 8 1.8-1.9x, G = 12 1.24-1.31x, G = 16 0.97-1.00x, G = 32
+// 1.01-1.02x (the query-outer tiles are full from G = 16 on, and the partials' traffic of the KV-block-outer
+// forward grows with G). Its mma.sync kernel is 7-10% slower than the wgmma one, so the same bound holds on
+// sm_80 and with SPARSEATTN_ATTENTION_MMA=sync. T = 4K (earlier measurement, mma.sync): G = 1 4.3x, G = 8 1.5x,
 // G = 12 1.08x. So the KV-block-outer forward runs up to G = 12 (G = 11 interpolated).
 inline constexpr std::int64_t kKvMaxGroup = 12;
 // Below this many token rows the sort and merge launches cost as much as the padding saves (T = 512:
