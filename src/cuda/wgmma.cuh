@@ -73,17 +73,28 @@ __device__ __forceinline__ std::uint64_t descriptor(const void* smem, std::uint3
          (std::uint64_t{1} << 62);  // 128-byte swizzle, base offset 0 (atoms 1024-byte aligned)
 }
 
+// Byte offset, inside an R-row tile of 16-bit elements, where the operand starting at (row0, col0) begins.
+template <int kRows>
+__host__ __device__ constexpr std::uint32_t operand_offset(int row0, int col0) {
+  return 2 * ((col0 >> 6) * kRows * 64 + row0 * 64 + (col0 & 63));
+}
+
 // Operand at rows [row0, ...) and K columns [col0, col0 + 16) of an R-row tile (row0 % 8 == 0, col0 % 16 == 0).
 template <int kRows, class T>
 __device__ __forceinline__ std::uint64_t k_major_descriptor(const T* tile, int row0, int col0) {
-  return descriptor(tile + (col0 >> 6) * kRows * 64 + row0 * 64 + (col0 & 63), 16, 1024);
+  return descriptor(reinterpret_cast<const char*>(tile) + operand_offset<kRows>(row0, col0), 16, 1024);
 }
 
 // Operand at K rows [row0, row0 + 16) and N columns [col0, ...) of an R-row tile (col0 % 64 == 0).
 template <int kRows, class T>
 __device__ __forceinline__ std::uint64_t mn_major_descriptor(const T* tile, int row0, int col0) {
-  return descriptor(tile + (col0 >> 6) * kRows * 64 + row0 * 64, kRows * 128, 1024);
+  return descriptor(reinterpret_cast<const char*>(tile) + operand_offset<kRows>(row0, col0), kRows * 128, 1024);
 }
+
+// A descriptor moved `bytes` (a multiple of 16) further into shared memory: the start address is its low field
+// (address / 16, 14 bits) and shared addresses stay below 2^18, so the sum never carries out of it. With the
+// offsets known at compile time, a k-loop of MMAs costs one integer add per operand instead of a descriptor.
+__device__ __forceinline__ std::uint64_t advance(std::uint64_t desc, std::uint32_t bytes) { return desc + (bytes >> 4); }
 
 // Before the first wgmma that reads registers (accumulators, A fragments) written by ordinary code.
 __device__ __forceinline__ void fence() {

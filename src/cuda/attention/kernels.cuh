@@ -293,19 +293,34 @@ struct DkvWork {
     tiles = q_end > q_begin ? (q_end - 1) / kM + 1 - tile_begin : 0;
     steps = tiles * g_count;
   }
-  __device__ __forceinline__ i64 head(i64 step) const { return first_head + step / tiles; }
-  __device__ __forceinline__ i64 tile(i64 step) const { return tile_begin + step % tiles; }
+  // 32-bit arithmetic: steps (query tiles x heads of one sequence) stay far below 2^32.
+  __device__ __forceinline__ i64 head(i64 step) const {
+    return first_head + static_cast<std::uint32_t>(step) / static_cast<std::uint32_t>(tiles);
+  }
+  __device__ __forceinline__ i64 tile(i64 step) const {
+    return tile_begin + static_cast<std::uint32_t>(step) % static_cast<std::uint32_t>(tiles);
+  }
 };
 
-// The lse (times log2 e) and delta of query rows [t0, t0 + kM) of head h into shared rows (0 past the end).
+// Starts copying the lse and delta of query rows [t0, t0 + kM) of head h into shared rows (cp.async, 0 past
+// the end): part of the step's load group, so no thread waits on a global load outside the pipeline.
 template <int kM, int kThreadCount, class T, class Seq>
-__device__ __forceinline__ void load_row_stats(float* lse2, float* delta, const AttnArgs<T>& a, const Seq& seq,
-                                               i64 t0, i64 h) {
+__device__ __forceinline__ void load_row_stats(float* lse, float* delta, const AttnArgs<T>& a, const Seq& seq, i64 t0,
+                                               i64 h) {
   for (int r = threadIdx.x; r < kM; r += kThreadCount) {
     const bool ok = t0 + r < seq.T;
-    lse2[r] = ok ? *a.lse.at(seq.batch, h, seq.q_begin + t0 + r) * kLog2e : 0.f;
-    delta[r] = ok ? *a.delta.at(seq.batch, h, seq.q_begin + t0 + r) : 0.f;
+    const i64 row = seq.q_begin + (ok ? t0 + r : 0);
+    cp_async_4(lse + r, a.lse.at(seq.batch, h, row), ok ? 4 : 0);
+    cp_async_4(delta + r, a.delta.at(seq.batch, h, row), ok ? 4 : 0);
   }
+}
+
+// The queries [first, end) that see key j under a monotone mask (empty for keys past the sequence): a dK/dV
+// thread's key rows are fixed, so its per-element mask test is two comparisons.
+template <class Mask>
+__device__ __forceinline__ void visible_queries(const Mask& m, i64 j, i64& first, i64& end) {
+  first = j < m.S ? m.first_query(j) : 0;
+  end = j < m.S ? min(m.end_query(j), m.T) : 0;
 }
 
 // The forward's epilogue for a warp's 16 rows starting at query row0: O = acc / l and lse = (m + log2 l) ln 2
@@ -570,6 +585,10 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   if (w.keys <= 0) return;
   const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  i64 q_first[2], q_end[2];  // queries that see this thread's two key rows
+  for (int half = 0; half < 2; ++half) {
+    visible_queries(mask, j0 + warp * 16 + lane / 4 + half * 8, q_first[half], q_end[half]);
+  }
 
   float dk[kDoDK ? Dqk / 8 : 1][4];
   float dv[kDoDV ? Dv / 8 : 1][4];
@@ -594,7 +613,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
       __syncthreads();
       const T* q_tile = sQ + buf * Tile::kQ;
       const T* do_tile = sDO + buf * Tile::kDO;
-      const float* lse2 = sLse + buf * kM;
+      const float* lse = sLse + buf * kM;
       const float* delta = sDelta + buf * kM;
       const i64 t0 = w.tile(step) * kM;
 
@@ -608,12 +627,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-          float p = exp2f(s[n][i] * a.scale_log2 - lse2[col]);
-          if (!full) {
-            const i64 j = j0 + warp * 16 + lane / 4 + (i / 2) * 8;
-            if (!visible(mask, t0 + col, j)) p = 0.f;
-          }
-          s[n][i] = p;
+          const float p = exp2f(s[n][i] * a.scale_log2 - lse[col] * kLog2e);
+          s[n][i] = full || (t0 + col >= q_first[i / 2] && t0 + col < q_end[i / 2]) ? p : 0.f;
         }
       }
       if constexpr (kDoDV) gemm_rs_kn<T, Dv, kM, ld_of<Dv>()>(dv, s, do_tile);

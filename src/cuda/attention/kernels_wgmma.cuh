@@ -39,16 +39,29 @@ struct WgmmaFwdTile {
 
 // Copies rows [row0, row0 + valid) of head h into a kRows x kDim swizzled tile (wgmma.cuh), zero-filling the
 // rest. Eight consecutive threads move the 8 chunks of 16 bytes of one 128-byte row piece: one coalesced
-// global read, and a conflict-free shared-memory write.
+// global read, and a conflict-free shared-memory write. Where the threads cover whole rows a multiple of 8
+// apart (64 and 128 columns), a thread keeps one chunk column, so its swizzle is the same in every row it
+// copies: one address computation, then additions; otherwise (192 columns) each chunk is placed on its own.
 template <int kRows, int kDim, int kThreadCount, class T>
 __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<T>& g, i64 b, i64 row0, i64 valid, i64 h) {
   static_assert(kDim % 64 == 0, "swizzled tiles: whole 128-byte panels");
-  constexpr int kChunks = kDim / 8;
-  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreadCount) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool ok = r < valid;
-    const T* src = ok ? g.row(b, row0 + r, h) + c * 8 : g.data;
-    cp_async_16(smem + wgmma::swizzled_offset<kRows>(r, c * 8), src, ok ? 16 : 0);
+  constexpr int kChunks = kDim / 8, kRowStep = kThreadCount / kChunks;
+  if constexpr (kThreadCount % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0) {
+    const int c = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
+    const T* src = g.row(b, row0 + r0, h) + c * 8;
+    T* dst = smem + wgmma::swizzled_offset<kRows>(r0, c * 8);
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const bool ok = r0 + i * kRowStep < valid;
+      cp_async_16(dst + i * kRowStep * 64, ok ? src + i * kRowStep * g.row_stride : g.data, ok ? 16 : 0);
+    }
+  } else {
+    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreadCount) {
+      const int r = i / kChunks, c = i % kChunks;
+      const bool ok = r < valid;
+      cp_async_16(smem + wgmma::swizzled_offset<kRows>(r, c * 8), ok ? g.row(b, row0 + r, h) + c * 8 : g.data,
+                  ok ? 16 : 0);
+    }
   }
 }
 
@@ -86,6 +99,11 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     load_swizzled_tile<kN, Dv, kThreadCount>(sV + buf * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
   };
 
+  // Descriptors of this warpgroup's Q rows and of buffer 0's K and V; the k-loops add compile-time offsets.
+  const std::uint64_t q_desc = wgmma::k_major_descriptor<kM>(sQ, warpgroup_row0, 0);
+  const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kN>(sK, 0, 0);
+  const std::uint64_t v_desc0 = wgmma::mn_major_descriptor<kN>(sV, 0, 0);
+
   if (tile_end > tile_begin) {
     load_swizzled_tile<kM, Dqk, kThreadCount>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
     load_kv(tile_begin, 0);
@@ -95,16 +113,16 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       advance_pipeline(it + 1 < tile_end, [&] { load_kv(it + 1, buf ^ 1); });
       wgmma::fence_shared_for_async();
       __syncthreads();
-      const T* k_tile = sK + buf * Tile::kK;
-      const T* v_tile = sV + buf * Tile::kV;
       const i64 j0 = it * kN;
 
       float s[kN / 8][4];
+      const std::uint64_t k_desc = wgmma::advance(k_desc0, buf * Tile::kK * 2);
+      const std::uint64_t v_desc = wgmma::advance(v_desc0, buf * Tile::kV * 2);
       wgmma::fence();
 #pragma unroll
       for (int k0 = 0; k0 < Dqk; k0 += 16) {
-        wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::k_major_descriptor<kM>(sQ, warpgroup_row0, k0),
-                                wgmma::k_major_descriptor<kN>(k_tile, 0, k0), k0 > 0);
+        wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)),
+                                wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)), k0 > 0);
       }
       wgmma::commit();
       wgmma::wait<0>();
@@ -117,7 +135,8 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) {
-        wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(acc), p[kk], wgmma::mn_major_descriptor<kN>(v_tile, 16 * kk, 0), 1);
+        wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(acc), p[kk],
+                                wgmma::advance(v_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
       }
       wgmma::commit();
       wgmma::wait<0>();
@@ -166,6 +185,18 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warpgroup_row0 = (warp / 4) * 64;
+  i64 q_first[2], q_end[2];  // queries that see this thread's two key rows
+  for (int half = 0; half < 2; ++half) {
+    visible_queries(mask, j0 + warp * 16 + lane / 4 + half * 8, q_first[half], q_end[half]);
+  }
+  // Descriptors of this warpgroup's K and V rows and of buffer 0's Q and dO; the loops add compile-time offsets.
+  const std::uint64_t k_desc = wgmma::k_major_descriptor<kN>(sK, warpgroup_row0, 0);
+  const std::uint64_t v_desc = wgmma::k_major_descriptor<kN>(sV, warpgroup_row0, 0);
+  // Q and dO are read K-major by S^T = K Q^T and dP^T = V dO^T, MN-major by dK += dS^T Q and dV += P^T dO.
+  const std::uint64_t q_desc0 = wgmma::k_major_descriptor<kM>(sQ, 0, 0);
+  const std::uint64_t do_desc0 = wgmma::k_major_descriptor<kM>(sDO, 0, 0);
+  const std::uint64_t q_mn_desc0 = wgmma::mn_major_descriptor<kM>(sQ, 0, 0);
+  const std::uint64_t do_mn_desc0 = wgmma::mn_major_descriptor<kM>(sDO, 0, 0);
 
   float dk[Dqk / 8][4], dv[Dv / 8][4];
   zero(dk);
@@ -189,38 +220,48 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       advance_pipeline(step + 1 < w.steps, [&] { load_step(step + 1, buf ^ 1); });
       wgmma::fence_shared_for_async();
       __syncthreads();
-      const T* q_tile = sQ + buf * Tile::kQ;
-      const T* do_tile = sDO + buf * Tile::kDO;
-      const float* lse2 = sLse + buf * kM;
+      const float* lse = sLse + buf * kM;
       const float* delta = sDelta + buf * kM;
       const i64 t0 = w.tile(step) * kM;
+      const std::uint64_t q_desc = wgmma::advance(q_desc0, buf * Tile::kQ * 2);
+      const std::uint64_t do_desc = wgmma::advance(do_desc0, buf * Tile::kDO * 2);
+      const std::uint64_t q_mn_desc = wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2);
+      const std::uint64_t do_mn_desc = wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2);
 
       // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
       float s[kM / 8][4], dp[kM / 8][4];
       wgmma::fence();
 #pragma unroll
       for (int k0 = 0; k0 < Dqk; k0 += 16) {
-        wgmma::mma_ss<T, kM, 0>(wgmma::flat<kM>(s), wgmma::k_major_descriptor<kN>(sK, warpgroup_row0, k0),
-                                wgmma::k_major_descriptor<kM>(q_tile, 0, k0), k0 > 0);
+        wgmma::mma_ss<T, kM, 0>(wgmma::flat<kM>(s), wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)),
+                                wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)), k0 > 0);
       }
 #pragma unroll
       for (int k0 = 0; k0 < Dv; k0 += 16) {
-        wgmma::mma_ss<T, kM, 0>(wgmma::flat<kM>(dp), wgmma::k_major_descriptor<kN>(sV, warpgroup_row0, k0),
-                                wgmma::k_major_descriptor<kM>(do_tile, 0, k0), k0 > 0);
+        wgmma::mma_ss<T, kM, 0>(wgmma::flat<kM>(dp), wgmma::advance(v_desc, wgmma::operand_offset<kN>(0, k0)),
+                                wgmma::advance(do_desc, wgmma::operand_offset<kM>(0, k0)), k0 > 0);
       }
       wgmma::commit();
+      // The row statistics of this thread's query columns 8n + 2(lane % 4) + {0, 1}, while the MMAs run.
+      float2 lse2[kM / 8], dlt[kM / 8];
+#pragma unroll
+      for (int n = 0; n < kM / 8; ++n) {
+        const float2 x = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
+        lse2[n] = make_float2(x.x * kLog2e, x.y * kLog2e);
+        dlt[n] = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
+      }
+      const bool full = tile_full(mask, t0, kM, j0, kN);
       wgmma::wait<0>();
 
-      const bool full = tile_full(mask, t0, kM, j0, kN);
 #pragma unroll
       for (int n = 0; n < kM / 8; ++n) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-          float p = exp2f(s[n][i] * a.scale_log2 - lse2[col]);
-          if (!full && !visible(mask, t0 + col, j0 + warp * 16 + lane / 4 + (i / 2) * 8)) p = 0.f;
+          float p = exp2f(s[n][i] * a.scale_log2 - (i % 2 ? lse2[n].y : lse2[n].x));
+          if (!full && (t0 + col < q_first[i / 2] || t0 + col >= q_end[i / 2])) p = 0.f;
           s[n][i] = p;
-          dp[n][i] = p * (dp[n][i] - delta[col]);  // dS^T (without the scale)
+          dp[n][i] = p * (dp[n][i] - (i % 2 ? dlt[n].y : dlt[n].x));  // dS^T (without the scale)
         }
       }
       std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
@@ -229,12 +270,13 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < kM / 16; ++kk) {
-        wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(dv), p_a[kk], wgmma::mn_major_descriptor<kM>(do_tile, 16 * kk, 0), 1);
+        wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(dv), p_a[kk],
+                                wgmma::advance(do_mn_desc, wgmma::operand_offset<kM>(16 * kk, 0)), 1);
       }
 #pragma unroll
       for (int kk = 0; kk < kM / 16; ++kk) {
-        wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(dk), ds_a[kk], wgmma::mn_major_descriptor<kM>(q_tile, 16 * kk, 0),
-                                 1);
+        wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(dk), ds_a[kk],
+                                 wgmma::advance(q_mn_desc, wgmma::operand_offset<kM>(16 * kk, 0)), 1);
       }
       wgmma::commit();
       wgmma::wait<0>();

@@ -2,7 +2,7 @@
 // answers, per query t, the visible key interval [lo(t), hi(t)] (both nondecreasing in t; hi < lo means
 // none), and per key range the queries that may see it. From these the kernels derive which tiles are
 // skipped (no visible element: no loads, no math), full (every element visible: no per-element mask) or
-// masked (per-element test `visible`).
+// masked (per-row bounds: lo/hi of a query row, first_query/end_query of a key row).
 #pragma once
 
 #include <cstdint>
@@ -69,11 +69,6 @@ struct CompressedMask {
   __device__ __forceinline__ i64 first_query(i64 j) const { return j * c.stride + c.block - 1; }
   __device__ __forceinline__ i64 end_query(i64) const { return T; }
 };
-
-template <class Mask>
-__device__ __forceinline__ bool visible(const Mask& m, i64 t, i64 j) {
-  return t < m.T && j < m.S && j >= m.lo(t) && j <= m.hi(t);
-}
 
 // Every element of queries [t0, t0 + rows) x keys [j0, j0 + cols) visible (lo, hi monotone).
 template <class Mask>

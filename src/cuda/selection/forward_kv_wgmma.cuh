@@ -69,6 +69,10 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
   }
   __syncthreads();
 
+  // Descriptors of Q buffer 0, K and V; the loops add offsets (compile-time ones in the k-loops).
+  const std::uint64_t q_desc0 = wgmma::k_major_descriptor<kRows>(sQ, 0, 0);
+  const std::uint64_t k_desc = wgmma::k_major_descriptor<KEYS>(sK, 0, 0);
+  const std::uint64_t v_desc = wgmma::mn_major_descriptor<KEYS>(sV, 0, 0);
   int cur = 0;
   while (cur < count && keys_s[cur] < c.sentinel) {
     const std::uint32_t key = keys_s[cur];
@@ -126,6 +130,7 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
       wgmma::fence_shared_for_async();
       __syncthreads();
       const T* q_tile = sQ + buf * kQ;
+      const std::uint64_t q_desc = wgmma::advance(q_desc0, buf * kQ * 2);
       const int* t_tile = t_s + buf * kRows;
       const int t_row[2] = {t_tile[warp * 16 + lane / 4], t_tile[warp * 16 + lane / 4 + 8]};
       // Keys past the tile's last token are invisible to all its rows (every real row sees key 0 of the block).
@@ -143,8 +148,8 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
         wgmma::fence();
 #pragma unroll
         for (int k0 = 0; k0 < DQK; k0 += 16) {
-          wgmma::mma_ss<T, kSub, 0>(wgmma::flat<kSub>(s), wgmma::k_major_descriptor<kRows>(q_tile, 0, k0),
-                                    wgmma::k_major_descriptor<KEYS>(sK, s0, k0), k0 > 0);
+          wgmma::mma_ss<T, kSub, 0>(wgmma::flat<kSub>(s), wgmma::advance(q_desc, wgmma::operand_offset<kRows>(0, k0)),
+                                    wgmma::advance(k_desc, wgmma::operand_offset<KEYS>(s0, k0)), k0 > 0);
         }
         wgmma::commit();
         wgmma::wait<0>();
@@ -157,8 +162,8 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
         wgmma::fence();
 #pragma unroll
         for (int kk = 0; kk < kSub / 16; ++kk) {
-          wgmma::mma_rs<T, DV, 1>(wgmma::flat<DV>(acc), p[kk], wgmma::mn_major_descriptor<KEYS>(sV, s0 + 16 * kk, 0),
-                                  1);
+          wgmma::mma_rs<T, DV, 1>(wgmma::flat<DV>(acc), p[kk],
+                                  wgmma::advance(v_desc, wgmma::operand_offset<KEYS>(s0 + 16 * kk, 0)), 1);
         }
         wgmma::commit();
         wgmma::wait<0>();
