@@ -1,7 +1,10 @@
-// The attention kernels on Hopper (sm_90a): the forward and dK/dV mainloops of kernels.cuh with their
+// The attention kernels on Hopper (sm_90a): the forward, dQ and dK/dV mainloops of kernels.cuh with their
 // products on warpgroup MMAs (wgmma.cuh). On H100 the mma.sync loops are bound by shared-memory bandwidth
-// (ldmatrix feeding the tensor cores); wgmma reads its shared-memory operands directly. The dQ kernel stays
-// on mma.sync.
+// (ldmatrix feeding the tensor cores); wgmma reads its shared-memory operands directly. Without warp
+// specialisation these loops are bound by instruction issue (Nsight Compute: about 0.3 instructions per cycle
+// and scheduler, the tensor pipe mostly idle), so the per-step instruction count is kept small: descriptors
+// are built once and advanced by compile-time offsets, each thread computes one global address per tile load,
+// and masks are per-row bounds computed once (no divisions per element).
 //
 // Forward: a CTA of two warpgroups owns kM = 128 queries of one query head (64 rows per warpgroup, 16 per warp, the
 // accumulator layout of wgmma.cuh). Q stays in shared memory; K/V tiles of kN = 128 keys are double-buffered
@@ -10,6 +13,10 @@
 // prescaled scores, per-row visible-column bounds), then O += P V with P as the register A operand and V as
 // an MN-major B operand. Registers: O 64 + S 64 + P 32 fp32/b32 per thread at Dv = 128 (one CTA of 256
 // threads per SM).
+//
+// dQ: tiled like the forward (two warpgroups, 64 queries each, Q and dO resident), over key tiles of kN = 64:
+// S = Q K^T and dP = dO V^T from shared memory, P and dS = P (dP - delta) in registers, dQ += dS K with dS as the
+// register A operand and K as an MN-major operand. Registers: dQ 64 + S 32 + dP 32 + dS 16 at 128/128.
 //
 // dK/dV: a CTA of two warpgroups owns kN = 128 keys of one KV head (64 per warpgroup) and loops over query
 // tiles of kM = 64 rows of its share of the group's heads (head splits as the mma.sync kernel), double-
@@ -284,6 +291,128 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     }
   }
   store_dkv_rows<true, true>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
+#endif
+}
+
+// -------------------------------------------------------------------------------------------------- dQ
+
+template <int Dqk, int Dv>
+struct WgmmaDqTile {
+  // dQ accumulates with wgmma N = Dqk (64 or 128 here); dO V^T reads Dv in whole 64-column panels.
+  static constexpr bool kSupported = (Dqk == 64 || Dqk == 128) && (Dv == 64 || Dv == 128);
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kM = 64 * kWarpgroups;  // queries per CTA
+  static constexpr int kN = 64;                // keys per step
+  static constexpr int kQ = kM * Dqk, kDO = kM * Dv, kK = kN * Dqk, kV = kN * Dv;  // elements
+  // Q, dO, 2 x K, 2 x V (2-byte elements), plus room to align the start to a swizzle atom.
+  static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + 2 * kK + 2 * kV) + wgmma::kTileAlignment;
+};
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
+    attention_dq_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
+#if SPARSEATTN_WGMMA_ENABLED
+  using Tile = WgmmaDqTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kThreadCount = Tile::kThreads;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
+  T* sDO = sQ + Tile::kQ;
+  T* sK = sDO + Tile::kDO;
+  T* sV = sK + 2 * Tile::kK;
+
+  const auto seq = a.seqs[blockIdx.z];
+  const i64 t0 = query_tile() * kM;
+  if (t0 >= seq.T) return;
+  const i64 h = blockIdx.x, hk = h / a.group;
+  const Mask mask{mc, seq.T, seq.S};
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warpgroup_row0 = (warp / 4) * 64, warp_row0 = warp * 16;
+  const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
+  const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
+  const i64 tile_begin = k_lo / kN;
+  const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
+
+  // Descriptors of this warpgroup's Q and dO rows and of buffer 0's K (read K-major by S = Q K^T, MN-major by
+  // dQ += dS K) and V; the loops add compile-time offsets.
+  const std::uint64_t q_desc = wgmma::k_major_descriptor<kM>(sQ, warpgroup_row0, 0);
+  const std::uint64_t do_desc = wgmma::k_major_descriptor<kM>(sDO, warpgroup_row0, 0);
+  const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kN>(sK, 0, 0);
+  const std::uint64_t k_mn_desc0 = wgmma::mn_major_descriptor<kN>(sK, 0, 0);
+  const std::uint64_t v_desc0 = wgmma::k_major_descriptor<kN>(sV, 0, 0);
+
+  float acc[Dqk / 8][4];
+  zero(acc);
+  auto load_kv = [&](i64 tile, int buf) {
+    const i64 j0 = tile * kN;
+    load_swizzled_tile<kN, Dqk, kThreadCount>(sK + buf * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+    load_swizzled_tile<kN, Dv, kThreadCount>(sV + buf * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+  };
+
+  if (tile_end > tile_begin) {
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const i64 t = t0 + warp_row0 + lane / 4 + half * 8;
+      lse2[half] = t < seq.T ? *a.lse.at(seq.batch, h, seq.q_begin + t) * kLog2e : 0.f;
+      delta[half] = t < seq.T ? *a.delta.at(seq.batch, h, seq.q_begin + t) : 0.f;
+    }
+    load_swizzled_tile<kM, Dqk, kThreadCount>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
+    load_swizzled_tile<kM, Dv, kThreadCount>(sDO, a.d_o, seq.batch, seq.q_begin + t0, rows, h);
+    load_kv(tile_begin, 0);
+    cp_async_commit();
+    for (i64 it = tile_begin; it < tile_end; ++it) {
+      const int buf = (it - tile_begin) & 1;
+      advance_pipeline(it + 1 < tile_end, [&] { load_kv(it + 1, buf ^ 1); });
+      wgmma::fence_shared_for_async();
+      __syncthreads();
+      const i64 j0 = it * kN;
+      const std::uint64_t k_desc = wgmma::advance(k_desc0, buf * Tile::kK * 2);
+      const std::uint64_t k_mn_desc = wgmma::advance(k_mn_desc0, buf * Tile::kK * 2);
+      const std::uint64_t v_desc = wgmma::advance(v_desc0, buf * Tile::kV * 2);
+
+      // S = Q K^T and dP = dO V^T for this warpgroup's 64 queries.
+      float s[kN / 8][4], dp[kN / 8][4];
+      wgmma::fence();
+#pragma unroll
+      for (int k0 = 0; k0 < Dqk; k0 += 16) {
+        wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)),
+                                wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)), k0 > 0);
+      }
+#pragma unroll
+      for (int k0 = 0; k0 < Dv; k0 += 16) {
+        wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(dp), wgmma::advance(do_desc, wgmma::operand_offset<kM>(0, k0)),
+                                wgmma::advance(v_desc, wgmma::operand_offset<kN>(0, k0)), k0 > 0);
+      }
+      wgmma::commit();
+      int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+      if (!tile_full(mask, t0, kM, j0, kN)) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+      wgmma::wait<0>();
+
+#pragma unroll
+      for (int n = 0; n < kN / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+          const bool shown = col >= col_lo[i / 2] && col <= col_hi[i / 2];
+          const float p = shown ? exp2f(s[n][i] * a.scale_log2 - lse2[i / 2]) : 0.f;
+          s[n][i] = p * (dp[n][i] - delta[i / 2]);  // dS (without the scale)
+        }
+      }
+      std::uint32_t ds[kN / 16][4];
+      wgmma::to_a_fragments<T, kN>(s, ds);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(acc), ds[kk],
+                                 wgmma::advance(k_mn_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      __syncthreads();
+    }
+  }
+  store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0), h);
 #endif
 }
 

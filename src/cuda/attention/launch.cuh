@@ -52,6 +52,21 @@ bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& 
   return false;
 }
 
+// Launches the wgmma dQ kernel where it runs; false otherwise.
+template <class T, int Dqk, int Dv, class Mask>
+bool launch_dq_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  if constexpr (WgmmaDqTile<Dqk, Dv>::kSupported) {
+    using Tile = WgmmaDqTile<Dqk, Dv>;
+    auto kernel = attention_dq_wgmma_kernel<T, Dqk, Dv, Mask>;
+    if (!wgmma::kernel_runs(kernel)) return false;
+    prepare(kernel, Tile::kSmemBytes);
+    kernel<<<query_grid(l, Tile::kM), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dq_wgmma_kernel");
+    return true;
+  }
+  return false;
+}
+
 template <class T, int Dqk, int Dv, class Mask>
 void run_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   using Tile = FwdTile<Dqk, Dv>;
@@ -111,7 +126,7 @@ void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, cons
         args, l.batch_rows, l.rows_q, l.q_heads);
     check_launch("attention_delta_kernel");
   }
-  if (l.max_q > 0) {
+  if (l.max_q > 0 && !launch_dq_wgmma<T, Dqk, Dv, Mask>(args, mc, l)) {
     using Tile = DqTile<Dqk, Dv>;
     auto kernel = attention_dq_kernel<T, Dqk, Dv, Mask>;
     prepare(kernel, Tile::kSmemBytes);
