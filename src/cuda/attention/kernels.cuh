@@ -302,6 +302,13 @@ struct DkvWork {
   }
 };
 
+// The lse (times log2 e) and delta of query row t of head h (0 past the sequence), for a dQ thread's rows.
+template <class T, class Seq>
+__device__ __forceinline__ void row_stats(const AttnArgs<T>& a, const Seq& seq, i64 h, i64 t, float& lse2, float& delta) {
+  lse2 = t < seq.T ? *a.lse.at(seq.batch, h, seq.q_begin + t) * kLog2e : 0.f;
+  delta = t < seq.T ? *a.delta.at(seq.batch, h, seq.q_begin + t) : 0.f;
+}
+
 // Starts copying the lse and delta of query rows [t0, t0 + kM) of head h into shared rows (cp.async, 0 past
 // the end): part of the step's load group, so no thread waits on a global load outside the pipeline.
 template <int kM, int kThreadCount, class T, class Seq>
@@ -363,7 +370,7 @@ template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T> a, typename Mask::Config mc) {
   using Tile = FwdTile<Dqk, Dv>;
   constexpr int kM = Tile::kM, kN = Tile::kN, kMT = Tile::kMT;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernels of this unit declare it
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + Tile::kQ;
   T* sV = sK + 2 * Tile::kK;
@@ -459,7 +466,7 @@ template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, typename Mask::Config mc) {
   using Tile = DqTile<Dqk, Dv>;
   constexpr int kM = Tile::kM, kN = Tile::kN, kMT = Tile::kMT;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernels of this unit declare it
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sDO = sQ + Tile::kQ;
   T* sK = sDO + Tile::kDO;
@@ -486,9 +493,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const i64 t = t0 + warp_row0 + 16 * mt + lane / 4 + half * 8;
-        lse2[mt][half] = t < seq.T ? *a.lse.at(seq.batch, h, seq.q_begin + t) * kLog2e : 0.f;
-        delta[mt][half] = t < seq.T ? *a.delta.at(seq.batch, h, seq.q_begin + t) : 0.f;
+        row_stats(a, seq, h, t0 + warp_row0 + 16 * mt + lane / 4 + half * 8, lse2[mt][half], delta[mt][half]);
       }
     }
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
@@ -571,7 +576,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   using Tile = DkvTile<Dqk, Dv>;
   constexpr int kM = Tile::kM, kN = Tile::kN;
   constexpr bool kDoDV = kPass != 2, kDoDK = kPass != 1;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernels of this unit declare it
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + Tile::kK;
   T* sQ = sV + Tile::kV;

@@ -72,6 +72,26 @@ __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<T>& g, 
   }
 }
 
+// The two score products of a backward step, committed as one MMA group: s = A_s B_s^T over Dqk columns and
+// dp = A_p B_p^T over Dv (every operand K-major, its descriptor at column 0; A tiles of kRowsA rows, B tiles of
+// kRowsB rows; N = kN). dQ: A = Q, dO and B = K, V; dK/dV: A = K, V and B = Q, dO (the transposed products).
+template <class T, int kN, int Dqk, int Dv, int kRowsA, int kRowsB>
+__device__ __forceinline__ void issue_scores(float (&s)[kN / 8][4], float (&dp)[kN / 8][4], std::uint64_t a_s,
+                                             std::uint64_t b_s, std::uint64_t a_p, std::uint64_t b_p) {
+  wgmma::fence();
+#pragma unroll
+  for (int k0 = 0; k0 < Dqk; k0 += 16) {
+    wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(a_s, wgmma::operand_offset<kRowsA>(0, k0)),
+                            wgmma::advance(b_s, wgmma::operand_offset<kRowsB>(0, k0)), k0 > 0);
+  }
+#pragma unroll
+  for (int k0 = 0; k0 < Dv; k0 += 16) {
+    wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(dp), wgmma::advance(a_p, wgmma::operand_offset<kRowsA>(0, k0)),
+                            wgmma::advance(b_p, wgmma::operand_offset<kRowsB>(0, k0)), k0 > 0);
+  }
+  wgmma::commit();
+}
+
 template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     attention_forward_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
@@ -237,18 +257,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
 
       // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
       float s[kM / 8][4], dp[kM / 8][4];
-      wgmma::fence();
-#pragma unroll
-      for (int k0 = 0; k0 < Dqk; k0 += 16) {
-        wgmma::mma_ss<T, kM, 0>(wgmma::flat<kM>(s), wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)),
-                                wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)), k0 > 0);
-      }
-#pragma unroll
-      for (int k0 = 0; k0 < Dv; k0 += 16) {
-        wgmma::mma_ss<T, kM, 0>(wgmma::flat<kM>(dp), wgmma::advance(v_desc, wgmma::operand_offset<kN>(0, k0)),
-                                wgmma::advance(do_desc, wgmma::operand_offset<kM>(0, k0)), k0 > 0);
-      }
-      wgmma::commit();
+      issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_desc, q_desc, v_desc, do_desc);
       // The row statistics of this thread's query columns 8n + 2(lane % 4) + {0, 1}, while the MMAs run.
       float2 lse2[kM / 8], dlt[kM / 8];
 #pragma unroll
@@ -353,9 +362,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     float lse2[2], delta[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const i64 t = t0 + warp_row0 + lane / 4 + half * 8;
-      lse2[half] = t < seq.T ? *a.lse.at(seq.batch, h, seq.q_begin + t) * kLog2e : 0.f;
-      delta[half] = t < seq.T ? *a.delta.at(seq.batch, h, seq.q_begin + t) : 0.f;
+      row_stats(a, seq, h, t0 + warp_row0 + lane / 4 + half * 8, lse2[half], delta[half]);
     }
     load_swizzled_tile<kM, Dqk, kThreadCount>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
     load_swizzled_tile<kM, Dv, kThreadCount>(sDO, a.d_o, seq.batch, seq.q_begin + t0, rows, h);
@@ -373,18 +380,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
 
       // S = Q K^T and dP = dO V^T for this warpgroup's 64 queries.
       float s[kN / 8][4], dp[kN / 8][4];
-      wgmma::fence();
-#pragma unroll
-      for (int k0 = 0; k0 < Dqk; k0 += 16) {
-        wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)),
-                                wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)), k0 > 0);
-      }
-#pragma unroll
-      for (int k0 = 0; k0 < Dv; k0 += 16) {
-        wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(dp), wgmma::advance(do_desc, wgmma::operand_offset<kM>(0, k0)),
-                                wgmma::advance(v_desc, wgmma::operand_offset<kN>(0, k0)), k0 > 0);
-      }
-      wgmma::commit();
+      issue_scores<T, kN, Dqk, Dv, kM, kN>(s, dp, q_desc, k_desc, do_desc, v_desc);
       int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
       if (!tile_full(mask, t0, kM, j0, kN)) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
       wgmma::wait<0>();

@@ -33,12 +33,8 @@ __device__ __forceinline__ BlockOf block_of(std::uint64_t key, std::uint32_t blo
   const std::int64_t h = static_cast<std::int64_t>(key / blocks_bound);
   const std::int64_t gblock = static_cast<std::int64_t>(key % blocks_bound);
   if (!packed) return {h, gblock / blocks_per_seq, gblock % blocks_per_seq};
-  std::int64_t lo = 0, hi = batch;  // last s with offsets[s] <= gblock (offsets[0] = 0)
-  while (hi - lo > 1) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (offsets[mid] <= gblock) lo = mid; else hi = mid;
-  }
-  return {h, lo, gblock - offsets[lo]};
+  const std::int64_t seq = last_at_most(offsets, batch, gblock);  // offsets[0] = 0
+  return {h, seq, gblock - offsets[seq]};
 }
 
 struct ChunkTask {

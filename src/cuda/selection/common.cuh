@@ -25,6 +25,17 @@ struct SeqTable {
   }
 };
 
+// The last s in [0, count) with bounds[s] <= x, for ascending bounds with bounds[0] <= x: the sequence of packed
+// row x when bounds is cu_seqlens, of global block x when bounds are the per-sequence block offsets.
+__device__ __forceinline__ std::int64_t last_at_most(const std::int32_t* bounds, std::int64_t count, std::int64_t x) {
+  std::int64_t lo = 0, hi = count;
+  while (hi - lo > 1) {
+    const std::int64_t mid = (lo + hi) / 2;
+    if (bounds[mid] <= x) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
 // Host-side shape facts of a token tensor [B, T, H, D] / packed [N, H, D].
 struct HostShape {
   bool packed;

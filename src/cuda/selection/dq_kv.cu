@@ -23,6 +23,7 @@
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/selection/inverse_index.h"
+#include "cuda/selection/kv_runs.cuh"
 #include "cuda/selection/launch.cuh"
 #include "cuda/selection/tile.cuh"
 
@@ -36,14 +37,6 @@ constexpr int kSub = 64;
 constexpr int kRowSlots = kDqKvBuffers * kDqKvWarps * kTile;
 constexpr int kMergeWarps = 8;
 
-struct DqKvConfig {
-  std::int64_t heads_kv, group, num_idx, block, rows, batch, blocks_per_seq;
-  std::int64_t row0, entries, per_cta;
-  std::uint32_t blocks_bound, sentinel;
-  int key_rows;
-  bool packed;
-  float scale_log2;
-};
 
 template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v,
@@ -51,7 +44,7 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
                                                          const float* delta, const std::uint32_t* keys,
                                                          const std::int32_t* values, const std::int32_t* cu_seqlens,
                                                          const std::int32_t* offsets, __half* dq_part,
-                                                         float* scale_part, DqKvConfig c) {
+                                                         float* scale_part, KvConfig c) {
   using QTile = SmemTile<T, kTile, DQK>;
   using OTile = SmemTile<T, kTile, DV>;
   using KTile = SmemTile<T, kDqKvMaxBlock, DQK>;
@@ -71,38 +64,17 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
   const VTile vs{ks.base + c.key_rows * KTile::kPitch};
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t e0 = std::int64_t{blockIdx.x} * c.per_cta;
-  const int count = static_cast<int>(min(c.per_cta, c.entries - e0));
-  for (int i = threadIdx.x; i < count; i += kThreads) {
-    keys_s[i] = keys[e0 + i];
-    vals_s[i] = values[e0 + i];
-  }
-  __syncthreads();
+  const int count = load_cta_entries<kThreads>(keys, values, c, keys_s, vals_s);
 
-  const std::int64_t entries_per_row = c.heads_kv * c.num_idx, heads_q = c.heads_kv * c.group;
+  const std::int64_t heads_q = c.heads_kv * c.group;
   int cur = 0;
   while (cur < count && keys_s[cur] < c.sentinel) {
     const std::uint32_t key = keys_s[cur];
     int stop = cur + 1;
     while (stop < count && keys_s[stop] == key) ++stop;
-    const std::int64_t h = key / c.blocks_bound, gblock = key % c.blocks_bound;
-    std::int64_t begin = 0, length = c.rows, b = 0, batch = 0;
-    if (c.packed) {
-      const std::int64_t row = c.row0 + vals_s[cur] / entries_per_row;
-      std::int64_t lo = 0, hi = c.batch;
-      while (hi - lo > 1) {
-        const std::int64_t mid = (lo + hi) / 2;
-        if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
-      }
-      begin = cu_seqlens[lo];
-      length = cu_seqlens[lo + 1] - begin;
-      b = gblock - offsets[lo];
-    } else {
-      batch = gblock / c.blocks_per_seq;
-      b = gblock % c.blocks_per_seq;
-    }
-    const std::int64_t first = b * c.block;
-    const int keys_here = static_cast<int>(min(c.block, length - first));
+    const KvRun run = decode_run(key, vals_s[cur], c, cu_seqlens, offsets);
+    const std::int64_t h = run.h, batch = run.batch, begin = run.begin, first = run.first;
+    const int keys_here = run.keys;
     for (int i = threadIdx.x; i < c.key_rows * (DQK / 8); i += kThreads) {
       const int r = i / (DQK / 8), cc = i % (DQK / 8);
       const bool in = r < keys_here;
@@ -122,28 +94,17 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
     auto stage = [&](int tile, int buf) {
       const int base = (buf * kDqKvWarps + warp) * kTile;
       if (lane < kTile) {
-        const std::int64_t pidx = std::int64_t{tile} * kTile + lane;
-        const T* qp = nullptr;
-        const T* op = nullptr;
-        std::int64_t slot = -1;
-        int t = -1;
+        const KvRow<T> r = describe_row(q, std::int64_t{tile} * kTile + lane, run_rows, vals_s + cur, run, c);
+        const T* qp = r.q;
+        const T* op = qp != nullptr ? d_o.row(r.batch, r.row, r.hq) : nullptr;
+        const std::int64_t slot = r.slot;
+        const int t = r.t;
         float lv = INFINITY, dl = 0.f;
-        if (pidx < run_rows) {
-          const auto p32 = static_cast<std::uint32_t>(pidx), group = static_cast<std::uint32_t>(c.group);
-          const auto e = static_cast<std::uint32_t>(vals_s[cur + p32 / group]);
-          const std::uint32_t row_local = e / static_cast<std::uint32_t>(entries_per_row);
-          const std::uint32_t j = e % static_cast<std::uint32_t>(c.num_idx);
-          const auto row_g = static_cast<std::uint32_t>(c.row0) + row_local;
-          const std::int64_t hq = h * c.group + p32 % group;
-          const auto rows = static_cast<std::uint32_t>(c.rows);
-          const std::int64_t bt = c.packed ? 0 : row_g / rows, row = c.packed ? row_g : row_g % rows;
-          qp = q.row(bt, row, hq);
-          op = d_o.row(bt, row, hq);
-          slot = (std::int64_t{row_local} * heads_q + hq) * c.num_idx + j;
-          t = static_cast<int>(row - begin);
-          const float x = lse.at(bt, row, hq);
+        if (qp != nullptr) {
+          const float x = lse.at(r.batch, r.row, r.hq);
           if (x != -INFINITY) lv = x * kLog2e;
-          dl = delta[std::int64_t{row_g} * heads_q + hq];
+          // delta is [rows of the batch][Hq]: batched rows count from batch 0.
+          dl = delta[(r.batch * c.rows + r.row) * heads_q + r.hq];
         }
         qptr_s[base + lane] = qp;
         optr_s[base + lane] = op;
@@ -310,12 +271,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) dq_kv_merge_kernel(const __h
   std::int64_t batch = 0, row = row_g, t = 0;
   if (c.packed) {
     if (c.batch <= 0 || row < cu_seqlens[0] || row >= cu_seqlens[c.batch]) return;
-    std::int64_t lo = 0, hi = c.batch;
-    while (hi - lo > 1) {
-      const std::int64_t mid = (lo + hi) / 2;
-      if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
-    }
-    t = row - cu_seqlens[lo];
+    t = row - cu_seqlens[last_at_most(cu_seqlens, c.batch, row)];
   } else {
     batch = row_g / c.rows;
     row = t = row_g % c.rows;
@@ -370,7 +326,7 @@ void dq_kv_outer(const SelectedAttentionBackwardParams& p, const DqKvArgs& a) {
         radix_sort_pairs(a.temp, a.temp_bytes, a.keys_in, a.keys_out, a.values_in, a.values_out, entries, a.end_bit,
                          stream);
         if (entries > 0) {
-          const DqKvConfig c{a.heads_kv, a.group, a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, row0,
+          const KvConfig c{a.heads_kv, a.group, a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, row0,
                              entries, per_cta, a.blocks_bound, a.sentinel,
                              static_cast<int>((std::min<std::int64_t>(a.block, kDqKvMaxBlock) + 15) / 16 * 16),
                              a.packed, a.scale_log2};

@@ -40,7 +40,7 @@
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/selection/common.cuh"
-#include "cuda/selection/forward_kv.cuh"
+#include "cuda/selection/kv_runs.cuh"
 #include "cuda/selection/forward_kv_wgmma.cuh"
 #include "cuda/selection/forward_plan.h"
 #include "cuda/selection/inverse_index.h"
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
   using VTile = SmemTile<T, kKvMaxBlock, DV>;
   static_assert(DV <= DQK, "the epilogue stages a 16 x Dv fp16 tile in a Q tile");
   // Carved as kv_forward_smem_bytes counts it.
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernels of this unit declare it
   auto* keys_s = reinterpret_cast<std::uint32_t*>(smem_raw);
   auto* vals_s = reinterpret_cast<std::int32_t*>(keys_s + kKvCtaRows);
   auto* qptr_s = reinterpret_cast<const T**>(vals_s + kKvCtaRows);  // [buffer][warp][row]: q row or null
@@ -80,13 +80,7 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
   const VTile vs{ks.base + c.key_rows * KTile::kPitch};
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t e0 = std::int64_t{blockIdx.x} * c.per_cta;
-  const int count = static_cast<int>(min(c.per_cta, c.entries - e0));
-  for (int i = threadIdx.x; i < count; i += kThreads) {
-    keys_s[i] = keys[e0 + i];
-    vals_s[i] = values[e0 + i];
-  }
-  __syncthreads();
+  const int count = load_cta_entries<kThreads>(keys, values, c, keys_s, vals_s);
 
   int cur = 0;
   while (cur < count && keys_s[cur] < c.sentinel) {
@@ -237,12 +231,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) kv_merge_kernel(const __half
   std::int64_t batch = 0, row = row_g, t = 0;
   if (c.packed) {
     if (c.batch <= 0 || row < cu_seqlens[0] || row >= cu_seqlens[c.batch]) return;  // outside every sequence
-    std::int64_t lo = 0, hi = c.batch;  // last s with cu[s] <= row
-    while (hi - lo > 1) {
-      const std::int64_t mid = (lo + hi) / 2;
-      if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
-    }
-    t = row - cu_seqlens[lo];
+    t = row - cu_seqlens[last_at_most(cu_seqlens, c.batch, row)];
   } else {
     batch = row_g / c.rows;
     row = t = row_g % c.rows;

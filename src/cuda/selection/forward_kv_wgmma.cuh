@@ -14,7 +14,7 @@
 #pragma once
 
 #include "cuda/mma.cuh"
-#include "cuda/selection/forward_kv.cuh"
+#include "cuda/selection/kv_runs.cuh"
 #include "cuda/selection/forward_plan.h"
 #include "cuda/wgmma.cuh"
 
@@ -61,13 +61,7 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
   auto* t_s = reinterpret_cast<std::int32_t*>(slot_s + 2 * kRows);     // position in the sequence, -1: padding
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t e0 = std::int64_t{blockIdx.x} * c.per_cta;
-  const int count = static_cast<int>(min(c.per_cta, c.entries - e0));
-  for (int i = threadIdx.x; i < count; i += kThreads) {
-    keys_s[i] = keys[e0 + i];
-    vals_s[i] = values[e0 + i];
-  }
-  __syncthreads();
+  const int count = load_cta_entries<kThreads>(keys, values, c, keys_s, vals_s);
 
   // Descriptors of Q buffer 0, K and V; the loops add offsets (compile-time ones in the k-loops).
   const std::uint64_t q_desc0 = wgmma::k_major_descriptor<kRows>(sQ, 0, 0);

@@ -46,12 +46,7 @@ __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqle
     if (c.batch <= 0 || row < cu_seqlens[0] || row >= cu_seqlens[c.batch]) {
       valid = false;
     } else {
-      std::int64_t lo = 0, hi = c.batch;  // last s with cu[s] <= row
-      while (hi - lo > 1) {
-        const std::int64_t mid = (lo + hi) / 2;
-        if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
-      }
-      seq = lo;
+      seq = last_at_most(cu_seqlens, c.batch, row);
       t = row - cu_seqlens[seq];
       block_base = offsets[seq];
     }

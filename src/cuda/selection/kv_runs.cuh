@@ -1,6 +1,7 @@
-// Pieces shared by the two KV-block-outer forward kernels of selected_attention (mma.sync in forward_kv.cu,
-// wgmma in forward_kv_wgmma.cuh): the kernel configuration, where a run of sorted entries finds its keys,
-// which query row a gathered tile row is, and how a warp writes the compact partials of its 16 rows.
+// Pieces shared by the KV-block-outer kernels of selected_attention that walk runs of entries sorted by (KV head,
+// block) (the forwards of forward_kv.cu and forward_kv_wgmma.cuh, the dQ of dq_kv.cu): the kernel configuration,
+// a CTA's slice of the sorted entries, where a run finds its keys, which query row a gathered tile row is, and
+// how a warp writes the compact partials of its 16 rows.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -23,6 +24,21 @@ struct KvConfig {
   float scale_log2;
 };
 
+// Copies this CTA's slice of the sorted entries (c.per_cta of them, fewer in the last CTA) into shared memory;
+// returns its length. Ends with a barrier.
+template <int kThreads>
+__device__ __forceinline__ int load_cta_entries(const std::uint32_t* keys, const std::int32_t* values,
+                                                const KvConfig& c, std::uint32_t* keys_s, std::int32_t* vals_s) {
+  const std::int64_t e0 = std::int64_t{blockIdx.x} * c.per_cta;
+  const int count = static_cast<int>(min(c.per_cta, c.entries - e0));
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    keys_s[i] = keys[e0 + i];
+    vals_s[i] = values[e0 + i];
+  }
+  __syncthreads();
+  return count;
+}
+
 // The keys of one run of sorted entries (one KV head and selection block): KV head h, batch row, the first
 // row of the sequence, the block's first position in it and how many of its keys exist.
 struct KvRun {
@@ -37,16 +53,11 @@ __device__ __forceinline__ KvRun decode_run(std::uint32_t key, std::int32_t firs
   const std::int64_t h = key / c.blocks_bound, gblock = key % c.blocks_bound;
   std::int64_t begin = 0, length = c.rows, b = 0, batch = 0;
   if (c.packed) {
-    // The sequence of the run's first token: last s with cu[s] <= row.
-    const std::int64_t row = c.row0 + first_value / (c.heads_kv * c.num_idx);
-    std::int64_t lo = 0, hi = c.batch;
-    while (hi - lo > 1) {
-      const std::int64_t mid = (lo + hi) / 2;
-      if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
-    }
-    begin = cu_seqlens[lo];
-    length = cu_seqlens[lo + 1] - begin;
-    b = gblock - offsets[lo];
+    // The sequence of the run's first token.
+    const std::int64_t seq = last_at_most(cu_seqlens, c.batch, c.row0 + first_value / (c.heads_kv * c.num_idx));
+    begin = cu_seqlens[seq];
+    length = cu_seqlens[seq + 1] - begin;
+    b = gblock - offsets[seq];
   } else {
     batch = gblock / c.blocks_per_seq;
     b = gblock % c.blocks_per_seq;
@@ -61,19 +72,21 @@ __device__ __forceinline__ int visible_keys(int keys, std::int64_t first, int t)
 }
 
 // Gathered row `pidx` of a run of `run_rows` rows ((token, group head) pairs, token-major): its q row, the
-// slot of its partial and its position in the sequence; past the run: null, -1, -1 (a padding row).
+// slot of its partial, its position in the sequence, and its (batch, token row, query head) coordinates; past
+// the run: null, -1, -1 (a padding row).
 template <class T>
 struct KvRow {
   const T* q;
   std::int64_t slot;
   int t;
+  std::int64_t batch, row, hq;
 };
 
 template <class T>
 __device__ __forceinline__ KvRow<T> describe_row(const Tokens<const T>& q, std::int64_t pidx, std::int64_t run_rows,
                                                  const std::int32_t* run_values, const KvRun& run,
                                                  const KvConfig& c) {
-  if (pidx >= run_rows) return {nullptr, -1, -1};
+  if (pidx >= run_rows) return {nullptr, -1, -1, 0, 0, 0};
   // 32-bit arithmetic: entries, token rows and run rows stay below 2^31 (checked by the API).
   const auto p32 = static_cast<std::uint32_t>(pidx), group = static_cast<std::uint32_t>(c.group);
   const auto e = static_cast<std::uint32_t>(run_values[p32 / group]);
@@ -84,7 +97,7 @@ __device__ __forceinline__ KvRow<T> describe_row(const Tokens<const T>& q, std::
   const auto rows = static_cast<std::uint32_t>(c.rows);
   const std::int64_t bt = c.packed ? 0 : row_g / rows, row = c.packed ? row_g : row_g % rows;
   return {q.row(bt, row, hq), (std::int64_t{row_local} * c.heads_kv * c.group + hq) * c.num_idx + j,
-          static_cast<int>(row - run.begin)};
+          static_cast<int>(row - run.begin), bt, row, hq};
 }
 
 // A warp's epilogue for its 16 gathered rows: o = acc / l of each row, stored as fp16 of o / max|o| with that
