@@ -567,7 +567,7 @@ struct DkvTile {
   static constexpr int kM = Dqk == 64 ? 64 : 32;
   static constexpr bool kSplit = Dqk + Dv >= 320;
   static constexpr int kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>(), kQ = kM * ld_of<Dqk>(), kDO = kM * ld_of<Dv>();
-  // K, V, 2 x Q, 2 x dO (2-byte elements), then 2 x (lse2, delta) rows of kM floats.
+  // K, V, 2 x Q, 2 x dO (2-byte elements), then 2 x (lse, delta) rows of kM floats.
   static constexpr std::size_t kSmemBytes = 2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 2 * kM * sizeof(float);
 };
 

@@ -185,7 +185,7 @@ struct WgmmaDkvTile {
   static constexpr int kN = 64 * kWarpgroups;  // keys per CTA
   static constexpr int kM = 64;                // queries per step
   static constexpr int kK = kN * Dqk, kV = kN * Dv, kQ = kM * Dqk, kDO = kM * Dv;  // elements
-  // K, V, 2 x Q, 2 x dO (2-byte elements; every tile a multiple of 1024 bytes), 2 x (lse2, delta) rows of kM
+  // K, V, 2 x Q, 2 x dO (2-byte elements; every tile a multiple of 1024 bytes), 2 x (lse, delta) rows of kM
   // floats, plus room to align the start to a swizzle atom.
   static constexpr std::size_t kSmemBytes =
       2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 2 * kM * sizeof(float) + wgmma::kTileAlignment;
