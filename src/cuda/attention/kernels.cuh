@@ -273,6 +273,26 @@ __device__ __forceinline__ void advance_pipeline(bool has_next, LoadNext&& load_
 // key tiles from the first): the last wave holds the lightest CTAs instead of a few long ones.
 __device__ __forceinline__ i64 query_tile() { return i64{gridDim.y} - 1 - blockIdx.y; }
 
+// What a query-tiled CTA (forward, dQ) covers: queries [t0, t0 + rows) of query head h (grid x: query head; y:
+// query tiles of kM, heaviest first; z: sequence) against the key tiles [tile_begin, tile_end) of kN keys that
+// hold visible keys of KV head hk. rows <= 0: the tile lies past the sequence.
+struct QueryWork {
+  i64 t0, h, hk, rows, tile_begin, tile_end;
+
+  template <class T, class Mask, class Seq>
+  __device__ __forceinline__ QueryWork(const AttnArgs<T>& a, const Mask& mask, const Seq& seq, int kM, int kN) {
+    t0 = query_tile() * kM;
+    h = blockIdx.x;
+    hk = h / a.group;
+    rows = seq.T - t0 < kM ? seq.T - t0 : kM;
+    tile_begin = tile_end = 0;
+    if (rows <= 0) return;
+    const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
+    tile_begin = k_lo / kN;
+    tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
+  }
+};
+
 // What a dK/dV CTA covers: keys [j0, j0 + keys) of KV head hk (grid x: KV head x head split; y: key blocks of
 // kN; z: sequence) and, for its share of the group's query heads, the query tiles of kM rows that can see
 // them; its steps run over (query head, query tile) pairs.
@@ -376,17 +396,12 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   T* sV = sK + 2 * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
-  const i64 t0 = query_tile() * kM;
-  if (t0 >= seq.T) return;
-  const i64 h = blockIdx.x, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
+  const QueryWork w(a, mask, seq, kM, kN);
+  if (w.rows <= 0) return;
+  const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
   const int warp = threadIdx.x / 32;
   const int warp_row0 = warp * kMT * 16;  // this warp's rows: [warp_row0, warp_row0 + 16 * kMT)
-  const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
-
-  const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
-  const i64 tile_begin = k_lo / kN;
-  const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
 
   float acc[kMT][Dv / 8][4];
   float m[kMT][2], l[kMT][2];
@@ -473,16 +488,12 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   T* sV = sK + 2 * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
-  const i64 t0 = query_tile() * kM;
-  if (t0 >= seq.T) return;
-  const i64 h = blockIdx.x, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
+  const QueryWork w(a, mask, seq, kM, kN);
+  if (w.rows <= 0) return;
+  const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row0 = warp * kMT * 16;
-  const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
-  const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
-  const i64 tile_begin = k_lo / kN;
-  const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
 
   float acc[kMT][Dqk / 8][4];
 #pragma unroll

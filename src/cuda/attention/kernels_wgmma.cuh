@@ -104,17 +104,12 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   T* sV = sK + 2 * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
-  const i64 t0 = query_tile() * kM;
-  if (t0 >= seq.T) return;
-  const i64 h = blockIdx.x, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
+  const QueryWork w(a, mask, seq, kM, kN);
+  if (w.rows <= 0) return;
+  const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
   const int warp = threadIdx.x / 32;
   const int warpgroup_row0 = (warp / 4) * 64, warp_row0 = warp * 16;
-  const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
-
-  const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
-  const i64 tile_begin = k_lo / kN;
-  const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
 
   float acc[Dv / 8][4];
   zero(acc);
@@ -331,16 +326,12 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
   T* sV = sK + 2 * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
-  const i64 t0 = query_tile() * kM;
-  if (t0 >= seq.T) return;
-  const i64 h = blockIdx.x, hk = h / a.group;
   const Mask mask{mc, seq.T, seq.S};
+  const QueryWork w(a, mask, seq, kM, kN);
+  if (w.rows <= 0) return;
+  const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warpgroup_row0 = (warp / 4) * 64, warp_row0 = warp * 16;
-  const i64 rows = seq.T - t0 < kM ? seq.T - t0 : kM;
-  const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
-  const i64 tile_begin = k_lo / kN;
-  const i64 tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
 
   // Descriptors of this warpgroup's Q and dO rows and of buffer 0's K (read K-major by S = Q K^T, MN-major by
   // dQ += dS K) and V; the loops add compile-time offsets.

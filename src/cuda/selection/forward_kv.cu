@@ -86,8 +86,7 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
   while (cur < count && keys_s[cur] < c.sentinel) {
     // The run [cur, stop) of one (KV head, block).
     const std::uint32_t key = keys_s[cur];
-    int stop = cur + 1;
-    while (stop < count && keys_s[stop] == key) ++stop;
+    const int stop = run_end(keys_s, cur, count);
     const KvRun run = decode_run(key, vals_s[cur], c, cu_seqlens, offsets);
     const std::int64_t h = run.h, batch = run.batch, begin = run.begin, first = run.first;
     const int keys_here = run.keys;

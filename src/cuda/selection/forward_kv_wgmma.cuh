@@ -70,8 +70,7 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
   int cur = 0;
   while (cur < count && keys_s[cur] < c.sentinel) {
     const std::uint32_t key = keys_s[cur];
-    int stop = cur + 1;
-    while (stop < count && keys_s[stop] == key) ++stop;
+    const int stop = run_end(keys_s, cur, count);
     const KvRun run = decode_run(key, vals_s[cur], c, cu_seqlens, offsets);
     const std::int64_t run_rows = std::int64_t{stop - cur} * c.group;
     const int tiles = static_cast<int>((run_rows + kRows - 1) / kRows);

@@ -39,6 +39,13 @@ __device__ __forceinline__ int load_cta_entries(const std::uint32_t* keys, const
   return count;
 }
 
+// One past the last entry of the run that starts at entry cur (a run: the adjacent entries of one sort key).
+__device__ __forceinline__ int run_end(const std::uint32_t* keys_s, int cur, int count) {
+  int stop = cur + 1;
+  while (stop < count && keys_s[stop] == keys_s[cur]) ++stop;
+  return stop;
+}
+
 // The keys of one run of sorted entries (one KV head and selection block): KV head h, batch row, the first
 // row of the sequence, the block's first position in it and how many of its keys exist.
 struct KvRun {
