@@ -94,8 +94,9 @@ struct DqSmem {
   static constexpr std::size_t kBytes = kElements * sizeof(T) + 2 * kRows * sizeof(float);
 };
 
+// CTAs per SM that shared memory allows on H100 up to 192/128 (56 KB); registers are capped to match.
 template <class T, int DQK, int DV>
-__global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q, Tokens<const T> k,
+__global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq_kernel(Tokens<const T> q, Tokens<const T> k,
                                                                Tokens<const T> v, IndexView indices,
                                                                LseView<const float> lse, Tokens<const T> d_o,
                                                                const float* delta, Tokens<T> dq, SeqTable seqs,
@@ -141,6 +142,8 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
   float acc[kOutCols / 8][4] = {};
   const int r_lo = lane / 4, r_hi = lane / 4 + 8;
   const std::int32_t* idx = indices.row(seq.batch, row, h);
+  const T* const k_head = k.row(seq.batch, seq.begin, h);  // the sequence's token 0 of KV head h
+  const T* const v_head = v.row(seq.batch, seq.begin, h);
   for (std::int64_t j = 0; j < c.num_idx; ++j) {
     const std::int64_t b = idx[j];
     if (b < 0) break;
@@ -150,11 +153,9 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
     for (std::int64_t s0 = first; s0 < end; s0 += kKeys) {
       __syncthreads();
       selection::load_rows<T, kKeys, DQK, kThreads>(
-          ks, [&](int r) { return s0 + r < end ? k.row(seq.batch, seq.begin + s0 + r, h) : nullptr; },
-          k.row(seq.batch, seq.begin + first, h));
+          ks, [&](int r) { return s0 + r < end ? k_head + (s0 + r) * k.row_stride : nullptr; }, k_head);
       selection::load_rows<T, kKeys, DV, kThreads>(
-          vs, [&](int r) { return s0 + r < end ? v.row(seq.batch, seq.begin + s0 + r, h) : nullptr; },
-          v.row(seq.batch, seq.begin + first, h));
+          vs, [&](int r) { return s0 + r < end ? v_head + (s0 + r) * v.row_stride : nullptr; }, v_head);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -294,13 +295,18 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
   const int k_lo = warp * 16 + lane / 4, k_hi = k_lo + 8;  // key rows of this thread in the tile
   const T* q_fallback = q.row(seq.batch, seq.begin, 0);
   const T* do_fallback = d_o.row(seq.batch, seq.begin, 0);
+  const std::uint32_t group32 = static_cast<std::uint32_t>(c.group);
+  // Query head h * G of the sequence's token 0; head h * G + g is g head strides further.
+  const auto x_head = [&](const Tokens<const T>& x) { return x.row(seq.batch, seq.begin, h * c.group); };
   for (std::int64_t p0 = 0; p0 < pairs; p0 += kGather) {
     __syncthreads();  // the previous chunk is done with qs, dos, *_s
+    // Pair p0 + r is (token list_begin + (p0 + r) / G, head (p0 + r) % G): 32-bit division (pairs < 2^31).
     auto q_row = [&](int r, const Tokens<const T>& x) -> const T* {
       const std::int64_t pidx = p0 + r;
       if (pidx >= pairs) return nullptr;
-      const std::int64_t pos = tokens[list_begin + pidx / c.group];
-      return x.row(seq.batch, seq.begin + pos, h * c.group + pidx % c.group);
+      const std::uint32_t token = static_cast<std::uint32_t>(pidx) / group32;
+      const std::int64_t pos = tokens[list_begin + token];
+      return x_head(x) + pos * x.row_stride + (static_cast<std::uint32_t>(pidx) - token * group32) * x.head_stride;
     };
     selection::load_rows<T, kGather, DQK, kThreads>(qs, [&](int r) { return q_row(r, q); }, q_fallback);
     selection::load_rows<T, kGather, DV, kThreads>(dos, [&](int r) { return q_row(r, d_o); }, do_fallback);
@@ -311,8 +317,9 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
       float lv = INFINITY, dl = 0.f;
       int pos = -1;
       if (pidx < pairs) {
-        pos = tokens[list_begin + pidx / c.group];
-        const std::int64_t hq = h * c.group + pidx % c.group;
+        const std::uint32_t token = static_cast<std::uint32_t>(pidx) / group32;
+        pos = tokens[list_begin + token];
+        const std::int64_t hq = h * c.group + (static_cast<std::uint32_t>(pidx) - token * group32);
         const float x = lse.at(seq.batch, seq.begin + pos, hq);
         if (x != -INFINITY) lv = x * kLog2e;
         dl = delta[(seq.batch * c.rows + seq.begin + pos) * heads_q + hq];

@@ -42,8 +42,10 @@ struct FwdSmem {
   static constexpr std::size_t kBytes = kElements * sizeof(T) + 2 * kWarps * kRows * sizeof(float);
 };
 
+// CTAs per SM that shared memory allows on H100 (42 KB each at D = 128, 52 KB at 192/128); registers are
+// capped to match.
 template <class T, int DQK, int DV>
-__global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const T> q, Tokens<const T> k,
+__global__ void __launch_bounds__(kThreads, DQK <= 128 ? 5 : DQK + DV <= 320 ? 4 : 2) selected_forward_kernel(Tokens<const T> q, Tokens<const T> k,
                                                                     Tokens<const T> v, IndexView indices,
                                                                     Tokens<T> o, LseView<float> lse, SeqTable seqs,
                                                                     FwdConfig c) {
@@ -74,6 +76,8 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int r_lo = lane / 4, r_hi = lane / 4 + 8;
   const std::int32_t* idx = indices.row(seq.batch, row, h);
+  const T* const k_head = k.row(seq.batch, seq.begin, h);  // the sequence's token 0 of KV head h
+  const T* const v_head = v.row(seq.batch, seq.begin, h);
   for (std::int64_t j = 0; j < c.num_idx; ++j) {
     const std::int64_t b = idx[j];
     if (b < 0) break;
@@ -82,13 +86,11 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
     const std::int64_t end = min(first + c.block, t + 1);
     for (std::int64_t s0 = first; s0 < end; s0 += kKeys) {
       __syncthreads();  // the previous tile is done with ks, vs, ps, red_*
-      const T* k_fallback = k.row(seq.batch, seq.begin + first, h);
       load_rows<T, kKeys, DQK, kThreads>(
-          ks, [&](int r) { return s0 + r < end ? k.row(seq.batch, seq.begin + s0 + r, h) : nullptr; }, k_fallback);
+          ks, [&](int r) { return s0 + r < end ? k_head + (s0 + r) * k.row_stride : nullptr; }, k_head);
       cp_async_commit();
-      const T* v_fallback = v.row(seq.batch, seq.begin + first, h);
       load_rows<T, kKeys, DV, kThreads>(
-          vs, [&](int r) { return s0 + r < end ? v.row(seq.batch, seq.begin + s0 + r, h) : nullptr; }, v_fallback);
+          vs, [&](int r) { return s0 + r < end ? v_head + (s0 + r) * v.row_stride : nullptr; }, v_head);
       cp_async_commit();
       cp_async_wait<1>();  // q and k have landed
       __syncthreads();

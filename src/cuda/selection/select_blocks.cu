@@ -1,17 +1,21 @@
 // select_blocks on tensor cores: for each (token t, KV head h) the group-summed compressed-attention
 // probabilities, pooled to selection blocks, and top-n with forced blocks (semantics.md sections 3-4).
 //
-// A persistent grid of CTAs (8 warps) walks over tiles of (kRows / G consecutive tokens, KV head h); the
-// tile's query rows are (token, group head) pairs, kRows = 128 MMA rows, so any group size 1..128 fills
-// them without padding to 16 per token. Per column tile of kCols compressed blocks: S = Q K_cmp^T on
-// mma.sync (fp32 accumulate), P = exp2(S * scale * log2e - lse * log2e) with the visibility rule
-// (j*stride + block - 1 <= t), summed over the group heads in shared memory, then pooled into the
-// selection blocks whose compressed blocks the column tile holds (tiles overlap by the border blocks,
-// cmp_block/stride - 1 columns, so every pooled score comes from one tile: fixed summation order, no
-// atomics, deterministic). Pooled scores go to the CTA's slot of the workspace ([tokens][blocks] fp32:
-// O(T) per CTA, a fixed number of CTAs), then each warp picks the top-n of one token's row: forced blocks
-// first, then argmax rounds (ties to the lower index, as the reference's stable sort). Chosen blocks are
-// marked -inf in the slot (real scores are >= 0 or NaN) and collected in ascending order.
+// A persistent grid of CTAs (8 warps) walks over tiles of (consecutive tokens, KV head h). The tile's 128
+// MMA rows are (token, group head) pairs; each token owns Gp rows, Gp = G rounded up to a power of two
+// (empty rows give zero probability), so that a token's rows sit in one warp (Gp <= 16: 16 / Gp tokens per
+// warp, row i holds token i % (16 / Gp) and head i / (16 / Gp)) or in whole warps (Gp > 16). Per column
+// tile of kCols compressed blocks: S = Q K_cmp^T on mma.sync (fp32 accumulate), P = exp2(S * scale * log2e -
+// lse * log2e) with the visibility rule (j*stride + block - 1 <= t), summed over the group heads in
+// registers (the two rows a thread holds, then a reduce-scatter butterfly over the lanes of the same token:
+// each step halves the columns a lane keeps), and pooled into the selection blocks whose compressed blocks
+// the column tile holds (tiles overlap by the border blocks, cmp_block/stride - 1 columns, so every pooled
+// score comes from one tile: fixed summation order, no atomics, deterministic). Only the K tile pipeline
+// (and, for Gp > 16, the sum across a token's warps) synchronises the CTA. Pooled scores go to the CTA's
+// slot of the workspace ([tokens][blocks] fp32: O(T) per CTA, a fixed number of CTAs), then each warp picks
+// the top-n of one token's row: forced blocks first, then argmax rounds (ties to the lower index, as the
+// reference's stable sort). Chosen blocks are marked -inf in the slot (real scores are >= 0 or NaN) and
+// collected in ascending order.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -36,7 +40,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;          // MMA rows per tile: (token, group head) pairs
 static_assert(kRows == kSelectMaxGroup, "a tile holds at least one token of the largest group");
 constexpr int kCols = kSelectColumns;       // compressed blocks per column tile
-constexpr int kProbPitch = kCols + 8;       // fp32 pitch: 64-bit stores of a half warp hit distinct banks
+constexpr int kSumPitch = kCols + 8;        // fp32 pitch of the group sums: 64-bit stores hit distinct banks
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr std::size_t kWorkspaceCap = std::size_t{256} << 20;  // pooled-score slots of all CTAs
 
@@ -45,19 +49,24 @@ struct Layout {
   static constexpr int kStages = D <= 192 ? 2 : 1;  // 256: one K buffer keeps the CTA within sm_80's 163 KB
   static constexpr std::size_t kQ = std::size_t{2} * kRows * (D + 8);
   static constexpr std::size_t kK = std::size_t{2} * kCols * (D + 8);
-  static constexpr std::size_t kProbs = sizeof(float) * kRows * kProbPitch;
-  static constexpr std::size_t kBytes = kQ + kStages * kK + kProbs + (sizeof(float) + sizeof(int)) * kRows;
+  // Group sums: one row per token (Gp <= 16) or per warp (Gp > 16), 128 rows at most (Gp = 1).
+  static constexpr std::size_t kSums = sizeof(float) * kRows * kSumPitch;
+  static constexpr std::size_t kBytes = kQ + kStages * kK + kSums + sizeof(float) * kCols;
 };
 
 // Positions within a sequence (and block numbers) fit int32 (cu_seqlens is int32); the per-element and
 // pooling arithmetic uses int32 without divisions, which matters at small groups (128 tokens per tile).
 struct Config {
   i64 heads_kv, group, tokens_per_tile;
+  int rows_per_token;   // Gp: the group rounded up to a power of two
+  int tokens_per_warp;  // max(1, 16 / Gp)
+  int warps_per_token;  // max(1, Gp / 16)
   i64 cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local;
   int cols_per_block;   // sel_block / cmp_stride
   int border;           // cmp_block / cmp_stride - 1: compressed blocks reaching into the previous selection block
-  float inv_stride;     // 1 / cmp_stride
-  i64 blocks_per_tile;  // selection blocks pooled per column tile
+  int stencil;          // cols_per_block + border: compressed blocks overlapping one selection block
+  int blocks_per_tile;  // selection blocks pooled per column tile
+  float inv_blocks_per_tile;
   i64 slot_blocks;      // row length of a slot: selection blocks of the longest sequence
   i64 position_tiles;   // token tiles of the longest sequence
   i64 batch;
@@ -70,12 +79,12 @@ __device__ __forceinline__ int first_cmp_block(const Config& c, int b) {
   return b == 0 ? 0 : b * c.cols_per_block - c.border;
 }
 
+// Compressed blocks [j0, j0 + kCols) of the sequence's KV head (k_head: its block 0), zero past cmp_count.
 template <class T, int D>
-__device__ __forceinline__ void load_k_tile(const SmemTile<T, kCols, D>& tile, const Tokens<const T>& k_cmp, i64 batch,
-                                            i64 cmp_begin, i64 j0, i64 cmp_count, i64 h) {
+__device__ __forceinline__ void load_k_tile(const SmemTile<T, kCols, D>& tile, const T* k_head, i64 row_stride,
+                                            int j0, int cmp_count) {
   selection::load_rows<T, kCols, D, kThreads>(
-      tile, [&](int r) -> const T* { return j0 + r < cmp_count ? k_cmp.row(batch, cmp_begin + j0 + r, h) : nullptr; },
-      k_cmp.data);
+      tile, [&](int r) -> const T* { return j0 + r < cmp_count ? k_head + (j0 + r) * row_stride : nullptr; }, k_head);
   cp_async_commit();
 }
 
@@ -83,43 +92,47 @@ __device__ __forceinline__ void load_k_tile(const SmemTile<T, kCols, D>& tile, c
 // a slot.
 __device__ __forceinline__ float rank_value(float v) { return v != v ? -3.0e38f : v; }
 
-// The larger of (v, i) and the lanes' (ties to the lower index), across the warp.
+// Order-preserving map of floats to unsigned integers (-inf lowest, then the negative NaN stand-in, then >= 0).
+__device__ __forceinline__ unsigned order_key(float v) {
+  const unsigned bits = __float_as_uint(v);
+  return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+}
+__device__ __forceinline__ float from_order_key(unsigned key) {
+  return __uint_as_float((key & 0x80000000u) != 0 ? key & 0x7fffffffu : ~key);
+}
+
+// The larger of (v, i) and the lanes' (ties to the lower index), across the warp: two warp reductions.
 __device__ __forceinline__ void warp_argmax(float& v, int& i) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi < i)) {
-      v = ov;
-      i = oi;
-    }
-  }
+  const unsigned key = order_key(v);
+  const unsigned best = __reduce_max_sync(0xffffffffu, key);
+  i = static_cast<int>(__reduce_min_sync(0xffffffffu, key == best ? static_cast<unsigned>(i) : 0xffffffffu));
+  v = from_order_key(best);
 }
 
 // Top-n of one token's pooled row (`row`, `candidates` blocks) by one warp; writes `out[0..n)`. Lane l keeps
 // the best of blocks l, l + 32, ...; a round takes the warp's best, marks it, and only its lane's subset is
 // scanned again (by the whole warp), so a round costs a few loads rather than a scan of the row.
-__device__ void choose_blocks(float* row, i64 candidates, const Config& c, std::int32_t* out) {
+__device__ void choose_blocks(float* row, int candidates, const Config& c, std::int32_t* out) {
   constexpr int kNone = 0x7fffffff;
   const int lane = threadIdx.x % 32;
-  const i64 init = min(c.num_init, candidates);
-  const i64 local_lo = max(init, candidates - c.num_local);
-  const i64 forced = init + (candidates - local_lo);
-  for (i64 b = lane; b < candidates; b += 32) {
+  const int init = static_cast<int>(min(c.num_init, i64{candidates}));
+  const int local_lo = max(init, candidates - static_cast<int>(min(c.num_local, i64{candidates})));
+  const int forced = init + (candidates - local_lo);
+  for (int b = lane; b < candidates; b += 32) {
     if (b < init || b >= local_lo) row[b] = -INFINITY;
   }
   __syncwarp();
   float mine = -INFINITY;
   int mine_i = kNone;
-  for (i64 b = lane; b < candidates; b += 32) {
+  for (int b = lane; b < candidates; b += 32) {
     const float v = row[b];
     if (v != -INFINITY && rank_value(v) > mine) {
       mine = rank_value(v);
-      mine_i = static_cast<int>(b);
+      mine_i = b;
     }
   }
-  const i64 count = min(c.num_selected, candidates);
-  for (i64 round = forced; round < count; ++round) {
+  const int count = static_cast<int>(min(c.num_selected, i64{candidates}));
+  for (int round = forced; round < count; ++round) {
     float best = mine;
     int best_i = mine_i;
     warp_argmax(best, best_i);
@@ -129,11 +142,11 @@ __device__ void choose_blocks(float* row, i64 candidates, const Config& c, std::
     __syncwarp();
     float next = -INFINITY;
     int next_i = kNone;
-    for (i64 b = owner + 32 * i64{lane}; b < candidates; b += 32 * 32) {
+    for (int b = owner + 32 * lane; b < candidates; b += 32 * 32) {
       const float v = row[b];
       if (v != -INFINITY && rank_value(v) > next) {
         next = rank_value(v);
-        next_i = static_cast<int>(b);
+        next_i = b;
       }
     }
     warp_argmax(next, next_i);
@@ -143,19 +156,74 @@ __device__ void choose_blocks(float* row, i64 candidates, const Config& c, std::
     }
   }
   // Collect the marked blocks in ascending order, then pad with -1.
-  i64 written = 0;
-  for (i64 base = 0; base < candidates && written < count; base += 32) {
-    const i64 b = base + lane;
+  int written = 0;
+  for (int base = 0; base < candidates && written < count; base += 32) {
+    const int b = base + lane;
     const bool marked = b < candidates && row[b] == -INFINITY;
     const unsigned ballot = __ballot_sync(0xffffffffu, marked);
-    const i64 slot = written + __popc(ballot & ((1u << lane) - 1u));
-    if (marked && slot < c.num_selected) out[slot] = static_cast<std::int32_t>(b);
+    const int slot = written + __popc(ballot & ((1u << lane) - 1u));
+    if (marked && slot < c.num_selected) out[slot] = b;
     written += __popc(ballot);
   }
   for (i64 i = written + lane; i < c.num_selected; i += 32) out[i] = -1;
 }
 
-// Two CTAs per SM fit in shared memory up to D = 128 (107 KB each at 128); registers are capped to match.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Sums the probabilities p (the warp's 16 x kCols accumulator tile) over the rows of each token and stores
+// them to `sums`, one row of kSumPitch floats per token of the warp (Gp <= 16: 16 / Gp tokens; Gp >= 16: the
+// warp's share of its token). A thread's two rows (lane / 4 and lane / 4 + 8) belong to one token from Gp = 2
+// on; from Gp = 4 on, lanes whose lane / 4 differ in the bits 16 / Gp .. 4 do too. Each butterfly step
+// exchanges half of the n-tiles a lane keeps with its partner (xor 16, 8, 4): after s steps a lane keeps
+// 8 >> s n-tiles, starting at n-tile `first`.
+template <int kRowsPerToken>
+__device__ __forceinline__ void store_group_sums(const float (&p)[kCols / 8][4], float* sums) {
+  constexpr int kTiles = kCols / 8;
+  const int lane = threadIdx.x % 32, quad = lane % 4, g = lane / 4;
+  if constexpr (kRowsPerToken == 1) {  // row i is token i of the warp
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n) {
+      *reinterpret_cast<float2*>(sums + g * kSumPitch + n * 8 + 2 * quad) = make_float2(p[n][0], p[n][1]);
+      *reinterpret_cast<float2*>(sums + (g + 8) * kSumPitch + n * 8 + 2 * quad) = make_float2(p[n][2], p[n][3]);
+    }
+  } else {
+    constexpr int kSteps = kRowsPerToken >= 16 ? 3 : kRowsPerToken == 8 ? 2 : kRowsPerToken == 4 ? 1 : 0;
+    constexpr int kTokens = kRowsPerToken >= 16 ? 1 : 16 / kRowsPerToken;
+    float v[kTiles][2];
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n) {
+      v[n][0] = p[n][0] + p[n][2];
+      v[n][1] = p[n][1] + p[n][3];
+    }
+    int first = 0;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      const int half = (kTiles / 2) >> step, mask = 16 >> step;
+      const bool upper = (lane & mask) != 0;  // keeps the upper half of its n-tiles
+#pragma unroll
+      for (int n = 0; n < half; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float send = upper ? v[n][e] : v[n + half][e];
+          const float keep = upper ? v[n + half][e] : v[n][e];
+          v[n][e] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+        }
+      }
+      if (upper) first += half;
+    }
+    float* row = sums + (g % kTokens) * kSumPitch;
+#pragma unroll
+    for (int n = 0; n < (kTiles >> kSteps); ++n) {
+      *reinterpret_cast<float2*>(row + (first + n) * 8 + 2 * quad) = make_float2(v[n][0], v[n][1]);
+    }
+  }
+}
+
+// Two CTAs per SM fit in shared memory up to D = 128 (105 KB each at 128); registers are capped to match.
 template <class T, int D>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     select_blocks_kernel(Tokens<const T> q, Tokens<const T> k_cmp, LseView<const float> lse, Tokens<std::int32_t> out,
@@ -164,13 +232,33 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   extern __shared__ __align__(16) unsigned char smem[];
   const SmemTile<T, kRows, D> q_tile{reinterpret_cast<T*>(smem)};
   T* const k_base = reinterpret_cast<T*>(smem + L::kQ);
-  float* const probs = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK);  // [kRows][kProbPitch]
-  float* const row_lse = probs + kRows * kProbPitch;                                 // lse * log2e per row
-  int* const row_visible_end = reinterpret_cast<int*>(row_lse + kRows);  // compressed blocks a row's token sees
+  float* const sums = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK);  // [kRows][kSumPitch]
+  float* const stencil = sums + kRows * kSumPitch;  // pooling weight of the s-th compressed block of a block
   float* const slot = slots + static_cast<i64>(blockIdx.x) * c.tokens_per_tile * c.slot_blocks;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  constexpr int kStageFloats = static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps);
+  float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
+  // Weight of compressed block j = b * cols_per_block - border + s in selection block b: its overlap / stride.
+  for (int s = tid; s < c.stencil; s += kThreads) {
+    const int start = (s - c.border) * static_cast<int>(c.cmp_stride);
+    const int overlap = min(start + static_cast<int>(c.cmp_block), static_cast<int>(c.sel_block)) - max(start, 0);
+    stencil[s] = static_cast<float>(overlap) / static_cast<float>(c.cmp_stride);
+  }
   const i64 G = c.group, M = c.tokens_per_tile;
+  const int tpw = c.tokens_per_warp, wpt = c.warps_per_token;
+  // The tile token and group head of this thread's rows (lane / 4 and lane / 4 + 8 of the warp's 16).
+  int row_token[2], row_head[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = lane / 4 + 8 * half;
+    row_token[half] = (warp / wpt) * tpw + i % tpw;
+    row_head[half] = (warp % wpt) * 16 + i / tpw;
+  }
+  // Pooling: Gp <= 16, each warp pools its own tokens; Gp > 16, the CTA pools all tokens after a barrier.
+  const int pool_first = wpt == 1 ? warp * tpw : 0, pool_tokens = wpt == 1 ? tpw : static_cast<int>(M);
+  const int pool_thread = wpt == 1 ? lane : tid, pool_threads = wpt == 1 ? 32 : kThreads;
+
   const i64 tiles = c.position_tiles * c.batch * c.heads_kv;
   // Longest tokens first (position tiles descending), so the round-robin ends with the cheap tiles.
   for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -179,47 +267,49 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const auto seq = seqs[sq];
     const i64 t0 = position_tile * M;
     if (t0 >= seq.length) continue;
-    const i64 tokens = min(M, seq.length - t0);
+    const int tokens = static_cast<int>(min(M, seq.length - t0));
     const i64 cmp_begin = cu_seqlens_cmp != nullptr ? cu_seqlens_cmp[sq] : 0;
-    const i64 cmp_count = seq.length >= c.cmp_block ? (seq.length - c.cmp_block) / c.cmp_stride + 1 : 0;
+    const int cmp_count =
+        seq.length >= c.cmp_block ? static_cast<int>((seq.length - c.cmp_block) / c.cmp_stride + 1) : 0;
+    const T* const k_head = k_cmp.row(seq.batch, cmp_begin, h);
 
     __syncthreads();  // the previous tile is done with shared memory
     selection::load_rows<T, kRows, D, kThreads>(
         q_tile,
         [&](int r) -> const T* {
-          const i64 m = r / G;
-          return m < tokens ? q.row(seq.batch, seq.begin + t0 + m, h * G + r % G) : nullptr;
+          const int w = r / 16, i = r % 16;
+          const int m = (w / wpt) * tpw + i % tpw, head = (w % wpt) * 16 + i / tpw;
+          return m < tokens && head < G ? q.row(seq.batch, seq.begin + t0 + m, h * G + head) : nullptr;
         },
         q.data);
-    for (int r = tid; r < kRows; r += kThreads) {
-      const i64 m = r / G, t = t0 + m;
-      row_lse[r] = m < tokens ? lse.at(seq.batch, seq.begin + t, h * G + r % G) * kLog2e : -INFINITY;
-      const bool sees = m < tokens && t >= c.cmp_block - 1;  // compressed block j is visible iff j*d + l - 1 <= t
-      row_visible_end[r] = sees ? static_cast<int>(min((t - c.cmp_block + 1) / c.cmp_stride + 1, cmp_count)) : 0;
+    // Per row: lse * log2e and the compressed blocks its token sees (0 for empty rows).
+    float row_lse[2];
+    int visible_end[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = row_token[half];
+      const bool used = m < tokens && row_head[half] < G;
+      const i64 t = t0 + m;
+      row_lse[half] = used ? lse.at(seq.batch, seq.begin + t, h * G + row_head[half]) * kLog2e : -INFINITY;
+      const bool sees = used && row_lse[half] != -INFINITY && t >= c.cmp_block - 1;  // j visible iff j*d + l - 1 <= t
+      visible_end[half] = sees ? static_cast<int>(min((t - c.cmp_block + 1) / c.cmp_stride + 1, i64{cmp_count})) : 0;
     }
+    const int warp_visible_end = __reduce_max_sync(0xffffffffu, max(visible_end[0], visible_end[1]));
     const i64 col_tiles = ceil_div((t0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
     const auto k_stage = [&](i64 k) {
       return SmemTile<T, kCols, D>{k_base + (k % L::kStages) * SmemTile<T, kCols, D>::kElements};
     };
-    load_k_tile<T, D>(k_stage(0), k_cmp, seq.batch, cmp_begin, first_cmp_block(c, 0), cmp_count, h);
+    const auto first_col = [&](i64 k) { return first_cmp_block(c, static_cast<int>(k * c.blocks_per_tile)); };
+    load_k_tile<T, D>(k_stage(0), k_head, k_cmp.row_stride, 0, cmp_count);
 
-    // This warp's rows hold tokens (the first row's is the earliest), or none past the tile's last token.
-    const int rows_used = static_cast<int>(tokens * G);
-    const bool warp_has_rows = 16 * warp < rows_used;
-    const int warp_last_row = min(16 * warp + 15, rows_used - 1);
     for (i64 k = 0; k < col_tiles; ++k) {
-      if (L::kStages == 2 && k + 1 < col_tiles) {
-        load_k_tile<T, D>(k_stage(k + 1), k_cmp, seq.batch, cmp_begin,
-                          first_cmp_block(c, static_cast<int>((k + 1) * c.blocks_per_tile)), cmp_count, h);
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-      __syncthreads();
-      const int j0 = first_cmp_block(c, static_cast<int>(k * c.blocks_per_tile));
+      cp_async_wait<0>();
+      __syncthreads();  // K stage k has landed for all; every warp is done with the other stage and the sums
+      if (L::kStages == 2 && k + 1 < col_tiles) load_k_tile<T, D>(k_stage(k + 1), k_head, k_cmp.row_stride,
+                                                                  first_col(k + 1), cmp_count);
+      const int j0 = first_col(k);
       float acc[kCols / 8][4] = {};
-      const bool any_visible = warp_has_rows && row_visible_end[warp_last_row] > j0;
-      if (any_visible) {
+      if (j0 < warp_visible_end) {
         const SmemTile<T, kCols, D> k_tile = k_stage(k);
 #pragma unroll
         for (int k0 = 0; k0 < D; k0 += 16) {
@@ -233,56 +323,67 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           }
         }
       }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 16 * warp + lane / 4 + 8 * half;
-        const float l2 = row_lse[r];
-        const int visible_end = l2 != -INFINITY ? row_visible_end[r] : 0;  // -inf: the row saw no block
-#pragma unroll
-        for (int n = 0; n < kCols / 8; ++n) {
-          const int col = n * 8 + 2 * (lane % 4);
-          float2 p;
-          p.x = any_visible && j0 + col < visible_end ? exp2f(fmaf(acc[n][2 * half], c.scale_log2, -l2)) : 0.f;
-          p.y = any_visible && j0 + col + 1 < visible_end ? exp2f(fmaf(acc[n][2 * half + 1], c.scale_log2, -l2)) : 0.f;
-          *reinterpret_cast<float2*>(probs + r * kProbPitch + col) = p;
-        }
-      }
-      __syncthreads();  // probs written; every warp is done with this K stage
       if (L::kStages == 1 && k + 1 < col_tiles) {
-        load_k_tile<T, D>(k_stage(k + 1), k_cmp, seq.batch, cmp_begin,
-                          first_cmp_block(c, static_cast<int>((k + 1) * c.blocks_per_tile)), cmp_count, h);
+        __syncthreads();  // every warp is done with the single K stage
+        load_k_tile<T, D>(k_stage(k + 1), k_head, k_cmp.row_stride, first_col(k + 1), cmp_count);
       }
-      if (G > 1) {  // sum over the group heads into the token's first row
-        for (i64 i = tid; i < tokens * kCols; i += kThreads) {
-          const i64 m = i / kCols, col = i % kCols;
-          float* column = probs + m * G * kProbPitch + col;
-          float sum = 0.f;
-          for (i64 g = 0; g < G; ++g) sum += column[g * kProbPitch];
-          column[0] = sum;
+#pragma unroll
+      for (int n = 0; n < kCols / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n * 8 + 2 * (lane % 4) + e % 2;
+          acc[n][e] = col < visible_end[e / 2] - j0 ? fast_exp2(fmaf(acc[n][e], c.scale_log2, -row_lse[e / 2])) : 0.f;
         }
+      }
+      float* const warp_sums = sums + warp * tpw * kSumPitch;
+      switch (c.rows_per_token) {
+        case 1: store_group_sums<1>(acc, warp_sums); break;
+        case 2: store_group_sums<2>(acc, warp_sums); break;
+        case 4: store_group_sums<4>(acc, warp_sums); break;
+        case 8: store_group_sums<8>(acc, warp_sums); break;
+        default: store_group_sums<16>(acc, warp_sums); break;
+      }
+      if (wpt == 1) {
+        __syncwarp();
+      } else {
         __syncthreads();
       }
-      // Pool: selection block b gets sum_j overlap(j, b) / stride * P[j] over its compressed blocks.
-      const int nb = static_cast<int>(c.blocks_per_tile), b0 = static_cast<int>(k * c.blocks_per_tile);
-      const int block = static_cast<int>(c.sel_block), cmp_block = static_cast<int>(c.cmp_block);
-      const int stride = static_cast<int>(c.cmp_stride), first_token = static_cast<int>(t0);
-      for (int i = tid; i < rows_used / G * nb; i += kThreads) {
-        const int m = i / nb, b = b0 + (i - m * nb);
-        if (b * block > first_token + m) continue;  // not a candidate of this token
-        const float* p = probs + m * G * kProbPitch;
-        const int first = b * block, end = first + block;
+      // Pool: selection block b gets sum_s stencil[s] * P[b * cols_per_block - border + s] (blocks j >= 0).
+      const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), block = static_cast<int>(c.sel_block);
+      for (int i = pool_thread; i < pool_tokens * nb; i += pool_threads) {
+        const int mm = __float2int_rz((static_cast<float>(i) + 0.5f) * c.inv_blocks_per_tile);
+        const int m = pool_first + mm, b = b0 + (i - mm * nb);
+        if (m >= tokens || static_cast<i64>(b) * block > t0 + m) continue;  // not a candidate of this token
+        const int j_first = b * c.cols_per_block - c.border;
+        const float* x = sums + m * wpt * kSumPitch + (j_first - j0);  // x[s]: compressed block j_first + s
         float score = 0.f;
-        for (int j = first_cmp_block(c, b); j < (b + 1) * c.cols_per_block; ++j) {
-          const int overlap = min(j * stride + cmp_block, end) - max(j * stride, first);
-          score = fmaf(static_cast<float>(overlap) * c.inv_stride, p[j - j0], score);
+        if (wpt == 1) {
+          for (int s = max(0, -j_first); s < c.stencil; ++s) score = fmaf(stencil[s], x[s], score);
+        } else {
+          for (int s = max(0, -j_first); s < c.stencil; ++s) {
+            float sum = x[s];
+            for (int w = 1; w < wpt; ++w) sum += x[w * kSumPitch + s];
+            score = fmaf(stencil[s], sum, score);
+          }
         }
         slot[m * c.slot_blocks + b] = score;
       }
+      if (wpt == 1) __syncwarp();  // the warp's sums are read before the next tile overwrites them
     }
-    __syncthreads();  // pooled rows complete
-    for (i64 m = warp; m < tokens; m += kWarps) {
+    __syncthreads();  // pooled rows complete; Q, K and the sums are free
+    for (int m = warp; m < tokens; m += kWarps) {
       const i64 t = t0 + m;
-      choose_blocks(slot + m * c.slot_blocks, t / c.sel_block + 1, c, out.row(seq.batch, seq.begin + t, h));
+      const int candidates = static_cast<int>(t / c.sel_block + 1);
+      float* row = slot + m * c.slot_blocks;
+      // The top-n rounds rescan the row: from this warp's share of shared memory where it fits (L2 latency
+      // per round otherwise, which dominates small groups' time).
+      if (candidates <= kStageFloats) {
+        for (int b = lane; b < candidates; b += 32) stage[b] = row[b];
+        __syncwarp();
+        row = stage;
+      }
+      choose_blocks(row, candidates, c, out.row(seq.batch, seq.begin + t, h));
+      __syncwarp();  // the stage is read before the warp's next token overwrites it
     }
   }
 }
@@ -319,17 +420,22 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
   Config& c = plan.config;
   c.heads_kv = heads_kv;
   c.group = heads_q / heads_kv;
-  c.tokens_per_tile = kRows / c.group;
+  c.rows_per_token = 1;
+  while (c.rows_per_token < c.group) c.rows_per_token *= 2;
+  c.tokens_per_warp = std::max(1, 16 / c.rows_per_token);
+  c.warps_per_token = std::max(1, c.rows_per_token / 16);
+  c.tokens_per_tile = kRows / c.rows_per_token;
   c.cmp_block = p.cmp_block;
   c.cmp_stride = p.cmp_stride;
   c.sel_block = p.sel_block;
   c.num_selected = p.num_selected;
   c.num_init = p.num_init;
   c.num_local = p.num_local;
-  c.cols_per_block = p.sel_block / p.cmp_stride;
-  c.border = p.cmp_block / p.cmp_stride - 1;
-  c.inv_stride = 1.f / static_cast<float>(p.cmp_stride);
+  c.cols_per_block = static_cast<int>(p.sel_block / p.cmp_stride);
+  c.border = static_cast<int>(p.cmp_block / p.cmp_stride - 1);
+  c.stencil = c.cols_per_block + c.border;
   c.blocks_per_tile = (kCols - c.border) / c.cols_per_block;
+  c.inv_blocks_per_tile = 1.f / static_cast<float>(c.blocks_per_tile);
   c.slot_blocks = ceil_div(s.max_len, p.sel_block);
   c.position_tiles = ceil_div(s.max_len, c.tokens_per_tile);
   c.batch = s.batch;
