@@ -152,10 +152,11 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
     const std::int64_t end = min(first + c.block, t + 1);
     for (std::int64_t s0 = first; s0 < end; s0 += kKeys) {
       __syncthreads();
-      selection::load_rows<T, kKeys, DQK, kThreads>(
-          ks, [&](int r) { return s0 + r < end ? k_head + (s0 + r) * k.row_stride : nullptr; }, k_head);
-      selection::load_rows<T, kKeys, DV, kThreads>(
-          vs, [&](int r) { return s0 + r < end ? v_head + (s0 + r) * v.row_stride : nullptr; }, v_head);
+      const int valid = static_cast<int>(end - s0);
+      selection::load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + s0 * k.row_stride, k.row_stride, valid,
+                                                            k_head);
+      selection::load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + s0 * v.row_stride, v.row_stride, valid,
+                                                           v_head);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();

@@ -86,11 +86,10 @@ __global__ void __launch_bounds__(kThreads, DQK <= 128 ? 5 : DQK + DV <= 320 ? 4
     const std::int64_t end = min(first + c.block, t + 1);
     for (std::int64_t s0 = first; s0 < end; s0 += kKeys) {
       __syncthreads();  // the previous tile is done with ks, vs, ps, red_*
-      load_rows<T, kKeys, DQK, kThreads>(
-          ks, [&](int r) { return s0 + r < end ? k_head + (s0 + r) * k.row_stride : nullptr; }, k_head);
+      const int valid = static_cast<int>(end - s0);
+      load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + s0 * k.row_stride, k.row_stride, valid, k_head);
       cp_async_commit();
-      load_rows<T, kKeys, DV, kThreads>(
-          vs, [&](int r) { return s0 + r < end ? v_head + (s0 + r) * v.row_stride : nullptr; }, v_head);
+      load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + s0 * v.row_stride, v.row_stride, valid, v_head);
       cp_async_commit();
       cp_async_wait<1>();  // q and k have landed
       __syncthreads();

@@ -83,8 +83,8 @@ __device__ __forceinline__ int first_cmp_block(const Config& c, int b) {
 template <class T, int D>
 __device__ __forceinline__ void load_k_tile(const SmemTile<T, kCols, D>& tile, const T* k_head, i64 row_stride,
                                             int j0, int cmp_count) {
-  selection::load_rows<T, kCols, D, kThreads>(
-      tile, [&](int r) -> const T* { return j0 + r < cmp_count ? k_head + (j0 + r) * row_stride : nullptr; }, k_head);
+  selection::load_strided_rows<T, kCols, D, kThreads>(tile, k_head + j0 * row_stride, row_stride, cmp_count - j0,
+                                                      k_head);
   cp_async_commit();
 }
 

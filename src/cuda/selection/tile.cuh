@@ -36,6 +36,34 @@ __device__ __forceinline__ void load_rows(const SmemTile<T, R, D>& tile, RowPoin
   }
 }
 
+// Copies rows [0, R) of a source whose row r is src + r * row_stride, zero-filling rows >= valid (fallback:
+// any readable address, for the zero-filled pieces). Each thread walks its rows by one pointer increment per
+// pass, the cheapest form for the per-tile K/V loads (load_rows computes a row pointer per piece); used where
+// a pass covers whole rows (Threads a multiple of D / 8), load_rows otherwise.
+template <class T, int R, int D, int Threads>
+__device__ __forceinline__ void load_strided_rows(const SmemTile<T, R, D>& tile, const T* src, std::int64_t row_stride,
+                                                  int valid, const T* fallback) {
+  constexpr int kChunks = D / 8;
+  if constexpr (Threads % kChunks != 0) {
+    load_rows<T, R, D, Threads>(
+        tile, [&](int r) -> const T* { return r < valid ? src + r * row_stride : nullptr; }, fallback);
+  } else {
+    constexpr int kRowsPerPass = Threads / kChunks, kPasses = (R + kRowsPerPass - 1) / kRowsPerPass;
+    const int r0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+    const T* from = src + r0 * row_stride + c * 8;
+    const std::int64_t pass_stride = kRowsPerPass * row_stride;
+    T* to = tile.at(r0, c * 8);
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int r = r0 + pass * kRowsPerPass;
+      if (R % kRowsPerPass != 0 && r >= R) break;
+      const bool ok = r < valid;
+      cp_async_16(to + pass * kRowsPerPass * SmemTile<T, R, D>::kPitch, ok ? from : fallback, ok ? 16 : 0);
+      from += pass_stride;
+    }
+  }
+}
+
 // A (16 x 16, row-major) fragment of rows [r0, r0+16) and columns [c0, c0+16) of a tile.
 template <class T, int R, int D>
 __device__ __forceinline__ void load_a(std::uint32_t (&a)[4], const SmemTile<T, R, D>& tile, int r0, int c0) {
