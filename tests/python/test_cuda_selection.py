@@ -113,6 +113,9 @@ SELECT_CASES = [
     (torch.float16, [47, 1, 0, 200, 129], True, 32, 1, 64, 128, 8),
     (torch.bfloat16, [2100], False, 64, 4, 128, 64, 16),  # the benchmark's group of 16
     (torch.bfloat16, [4097], False, 32, 1, 64, 64, 16),  # 4 tokens per tile: each CTA walks many tiles
+    (torch.float16, [777], False, 24, 2, 64, 64, 16),  # G = 12: 16 rows per token, 4 of them empty
+    (torch.bfloat16, [300], False, 128, 1, 64, 64, 16),  # G = 128: one token spans all 8 warps
+    (torch.bfloat16, [2, 90, 1, 257], True, 40, 5, 128, 64, 16),  # G = 8 packed, 2 tokens per warp
 ]
 
 
