@@ -247,14 +247,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   }
   const i64 G = c.group, M = c.tokens_per_tile;
   const int tpw = c.tokens_per_warp, wpt = c.warps_per_token;
-  // The tile token and group head of this thread's rows (lane / 4 and lane / 4 + 8 of the warp's 16).
-  int row_token[2], row_head[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int i = lane / 4 + 8 * half;
-    row_token[half] = (warp / wpt) * tpw + i % tpw;
-    row_head[half] = (warp % wpt) * 16 + i / tpw;
-  }
+  // The tile token and group head of tile row 16 * w + i (see the header: Gp rows per token).
+  const auto token_of = [&](int w, int i) { return (w / wpt) * tpw + i % tpw; };
+  const auto head_of = [&](int w, int i) { return (w % wpt) * 16 + i / tpw; };
+  // This thread's rows: lane / 4 and lane / 4 + 8 of the warp's 16.
+  const int row_token[2] = {token_of(warp, lane / 4), token_of(warp, lane / 4 + 8)};
+  const int row_head[2] = {head_of(warp, lane / 4), head_of(warp, lane / 4 + 8)};
   // Pooling: Gp <= 16, each warp pools its own tokens; Gp > 16, the CTA pools all tokens after a barrier.
   const int pool_first = wpt == 1 ? warp * tpw : 0, pool_tokens = wpt == 1 ? tpw : static_cast<int>(M);
   const int pool_thread = wpt == 1 ? lane : tid, pool_threads = wpt == 1 ? 32 : kThreads;
@@ -277,8 +275,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     selection::load_rows<T, kRows, D, kThreads>(
         q_tile,
         [&](int r) -> const T* {
-          const int w = r / 16, i = r % 16;
-          const int m = (w / wpt) * tpw + i % tpw, head = (w % wpt) * 16 + i / tpw;
+          const int m = token_of(r / 16, r % 16), head = head_of(r / 16, r % 16);
           return m < tokens && head < G ? q.row(seq.batch, seq.begin + t0 + m, h * G + head) : nullptr;
         },
         q.data);
@@ -357,12 +354,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         const int j_first = b * c.cols_per_block - c.border;
         const float* x = sums + m * wpt * kSumPitch + (j_first - j0);  // x[s]: compressed block j_first + s
         float score = 0.f;
-        if (wpt == 1) {
+        if (wpt == 1) {  // its own loop: one item per (token, block) makes this the hot path at small groups
           for (int s = max(0, -j_first); s < c.stencil; ++s) score = fmaf(stencil[s], x[s], score);
         } else {
           for (int s = max(0, -j_first); s < c.stencil; ++s) {
             float sum = x[s];
-            for (int w = 1; w < wpt; ++w) sum += x[w * kSumPitch + s];
+            for (int w = 1; w < wpt; ++w) sum += x[w * kSumPitch + s];  // the token's other warps
             score = fmaf(stencil[s], sum, score);
           }
         }
