@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 namespace sparseattn::cuda {
 
@@ -16,31 +17,43 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// 2^x on the MUFU unit alone (ex2.approx.ftz: relative error below 2^-22, results below 2^-126 flushed to
+// zero, 2^-inf = 0). exp2f adds a range check and two multiplies per call to keep denormal results, which
+// cost as much as the rest of the softmax in the attention loops and do not matter for probabilities.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // One key tile of the online softmax for a warp's 16-row tile: masks the raw scores s to the visible columns
-// [col_lo, col_hi] of each of the thread's two rows, turns them into exp2-probabilities against the updated
-// running max m (log2e-prescaled), and rescales the output accumulator and the running sum l.
-template <int kN, int Dv>
+// [col_lo, col_hi] of each of the thread's two rows (kMasked; a tile whose every element is visible skips it),
+// turns them into exp2-probabilities against the updated running max m (log2e-prescaled: scale_log2 > 0, so
+// the max of the raw scores times scale_log2 is the max of the scaled ones, and each probability takes one
+// FFMA and one MUFU), and rescales the output accumulator and the running sum l.
+template <int kN, int Dv, bool kMasked>
 __device__ __forceinline__ void online_softmax_step(float (&s)[kN / 8][4], float (&acc)[Dv / 8][4], float (&m)[2],
                                                     float (&l)[2], const int (&col_lo)[2], const int (&col_hi)[2],
                                                     float scale_log2) {
   const int lane = threadIdx.x % 32;
+  if constexpr (kMasked) {
 #pragma unroll
-  for (int n = 0; n < kN / 8; ++n) {
+    for (int n = 0; n < kN / 8; ++n) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-      const bool shown = col >= col_lo[i / 2] && col <= col_hi[i / 2];
-      s[n][i] = shown ? s[n][i] * scale_log2 : -INFINITY;
+      for (int i = 0; i < 4; ++i) {
+        const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+        if (col < col_lo[i / 2] || col > col_hi[i / 2]) s[n][i] = -INFINITY;
+      }
     }
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float mx = m[half];
+    float raw_max = -INFINITY;
 #pragma unroll
-    for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
-    mx = quad_max(mx);
+    for (int n = 0; n < kN / 8; ++n) raw_max = fmaxf(raw_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+    const float mx = fmaxf(m[half], quad_max(raw_max) * scale_log2);
     const float use = mx == -INFINITY ? 0.f : mx;
-    const float correction = exp2f(m[half] - use);  // 0 when m was -inf
+    const float correction = fast_exp2(m[half] - use);  // 0 when m was -inf
     m[half] = mx;
     l[half] *= correction;
 #pragma unroll
@@ -50,10 +63,21 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[kN / 8][4], float
     }
 #pragma unroll
     for (int n = 0; n < kN / 8; ++n) {
-      s[n][2 * half] = exp2f(s[n][2 * half] - use);
-      s[n][2 * half + 1] = exp2f(s[n][2 * half + 1] - use);
+      s[n][2 * half] = fast_exp2(fmaf(s[n][2 * half], scale_log2, -use));
+      s[n][2 * half + 1] = fast_exp2(fmaf(s[n][2 * half + 1], scale_log2, -use));
       l[half] += s[n][2 * half] + s[n][2 * half + 1];
     }
+  }
+}
+
+// Runs body(std::true_type{}) when masked, body(std::false_type{}) otherwise: the per-element masks of a key
+// tile compile away where the whole tile is visible.
+template <class Body>
+__device__ __forceinline__ void with_mask(bool masked, Body&& body) {
+  if (masked) {
+    body(std::true_type{});
+  } else {
+    body(std::false_type{});
   }
 }
 

@@ -434,9 +434,14 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
       const bool full = tile_full(mask, t0, kM, j0, kN);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-        if (!full) visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
-        online_softmax_step<kN, Dv>(s[mt], acc[mt], m[mt], l[mt], col_lo, col_hi, a.scale_log2);
+        with_mask(!full, [&](auto masked) {
+          int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+          if constexpr (decltype(masked)::value) {
+            visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
+          }
+          online_softmax_step<kN, Dv, decltype(masked)::value>(s[mt], acc[mt], m[mt], l[mt], col_lo, col_hi,
+                                                               a.scale_log2);
+        });
       }
       gemm_rs_kn<T, Dv, kN, ld_of<Dv>(), kMT>(acc, s, v_tile);
       __syncthreads();
@@ -539,8 +544,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-            const bool shown = col >= col_lo[i / 2] && col <= col_hi[i / 2];
-            const float p = shown ? exp2f(s[mt][n][i] * a.scale_log2 - lse2[mt][i / 2]) : 0.f;
+            const bool shown = full || (col >= col_lo[i / 2] && col <= col_hi[i / 2]);
+            const float p = shown ? fast_exp2(fmaf(s[mt][n][i], a.scale_log2, -lse2[mt][i / 2])) : 0.f;
             s[mt][n][i] = p * (dp[mt][n][i] - delta[mt][i / 2]);  // dS (without the scale)
           }
         }
@@ -643,7 +648,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-          const float p = exp2f(s[n][i] * a.scale_log2 - lse[col] * kLog2e);
+          const float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -lse[col] * kLog2e));
           s[n][i] = full || (t0 + col >= q_first[i / 2] && t0 + col < q_end[i / 2]) ? p : 0.f;
         }
       }

@@ -48,19 +48,28 @@ struct WgmmaFwdTile {
 // rest. Eight consecutive threads move the 8 chunks of 16 bytes of one 128-byte row piece: one coalesced
 // global read, and a conflict-free shared-memory write. Where the threads cover whole rows a multiple of 8
 // apart (64 and 128 columns), a thread keeps one chunk column, so its swizzle is the same in every row it
-// copies: one address computation, then additions; otherwise (192 columns) each chunk is placed on its own.
+// copies: one address computation, then one pointer increment per pass, and no predicates when the tile is
+// whole (the common case; these loads are issued by the threads that run the softmax, so their instructions
+// count); otherwise (192 columns) each chunk is placed on its own.
 template <int kRows, int kDim, int kThreadCount, class T>
 __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<T>& g, i64 b, i64 row0, i64 valid, i64 h) {
   static_assert(kDim % 64 == 0, "swizzled tiles: whole 128-byte panels");
   constexpr int kChunks = kDim / 8, kRowStep = kThreadCount / kChunks;
   if constexpr (kThreadCount % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0) {
     const int c = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
-    const T* src = g.row(b, row0 + r0, h) + c * 8;
+    const int rows = valid < kRows ? static_cast<int>(valid) : kRows;
+    const T* src = g.row(b, row0, h) + r0 * g.row_stride + c * 8;
+    const i64 pass_stride = kRowStep * g.row_stride;
     T* dst = smem + wgmma::swizzled_offset<kRows>(r0, c * 8);
+    if (rows == kRows) {
 #pragma unroll
-    for (int i = 0; i < kRows / kRowStep; ++i) {
-      const bool ok = r0 + i * kRowStep < valid;
-      cp_async_16(dst + i * kRowStep * 64, ok ? src + i * kRowStep * g.row_stride : g.data, ok ? 16 : 0);
+      for (int i = 0; i < kRows / kRowStep; ++i, src += pass_stride) cp_async_16(dst + i * kRowStep * 64, src, 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRows / kRowStep; ++i, src += pass_stride) {
+        const bool ok = r0 + i * kRowStep < rows;
+        cp_async_16(dst + i * kRowStep * 64, ok ? src : g.data, ok ? 16 : 0);
+      }
     }
   } else {
     for (int i = threadIdx.x; i < kRows * kChunks; i += kThreadCount) {
@@ -149,9 +158,11 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       wgmma::commit();
       wgmma::wait<0>();
 
-      int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-      if (!tile_full(mask, t0, kM, j0, kN)) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
-      online_softmax_step<kN, Dv>(s, acc, m, l, col_lo, col_hi, a.scale_log2);
+      with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
+        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+        if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+        online_softmax_step<kN, Dv, decltype(masked)::value>(s, acc, m, l, col_lo, col_hi, a.scale_log2);
+      });
       std::uint32_t p[kN / 16][4];
       wgmma::to_a_fragments<T, kN>(s, p);
       wgmma::fence();
@@ -264,17 +275,21 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       const bool full = tile_full(mask, t0, kM, j0, kN);
       wgmma::wait<0>();
 
+      with_mask(!full, [&](auto masked) {
 #pragma unroll
-      for (int n = 0; n < kM / 8; ++n) {
+        for (int n = 0; n < kM / 8; ++n) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-          float p = exp2f(s[n][i] * a.scale_log2 - (i % 2 ? lse2[n].y : lse2[n].x));
-          if (!full && (t0 + col < q_first[i / 2] || t0 + col >= q_end[i / 2])) p = 0.f;
-          s[n][i] = p;
-          dp[n][i] = p * (dp[n][i] - (i % 2 ? dlt[n].y : dlt[n].x));  // dS^T (without the scale)
+          for (int i = 0; i < 4; ++i) {
+            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -(i % 2 ? lse2[n].y : lse2[n].x)));
+            if constexpr (decltype(masked)::value) {
+              if (t0 + col < q_first[i / 2] || t0 + col >= q_end[i / 2]) p = 0.f;
+            }
+            s[n][i] = p;
+            dp[n][i] = p * (dp[n][i] - (i % 2 ? dlt[n].y : dlt[n].x));  // dS^T (without the scale)
+          }
         }
-      }
+      });
       std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
       wgmma::to_a_fragments<T, kM>(s, p_a);
       wgmma::to_a_fragments<T, kM>(dp, ds_a);
@@ -372,20 +387,25 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
       // S = Q K^T and dP = dO V^T for this warpgroup's 64 queries.
       float s[kN / 8][4], dp[kN / 8][4];
       issue_scores<T, kN, Dqk, Dv, kM, kN>(s, dp, q_desc, k_desc, do_desc, v_desc);
+      const bool full = tile_full(mask, t0, kM, j0, kN);
       int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-      if (!tile_full(mask, t0, kM, j0, kN)) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+      if (!full) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
       wgmma::wait<0>();
 
+      with_mask(!full, [&](auto masked) {
 #pragma unroll
-      for (int n = 0; n < kN / 8; ++n) {
+        for (int n = 0; n < kN / 8; ++n) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-          const bool shown = col >= col_lo[i / 2] && col <= col_hi[i / 2];
-          const float p = shown ? exp2f(s[n][i] * a.scale_log2 - lse2[i / 2]) : 0.f;
-          s[n][i] = p * (dp[n][i] - delta[i / 2]);  // dS (without the scale)
+          for (int i = 0; i < 4; ++i) {
+            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -lse2[i / 2]));
+            if constexpr (decltype(masked)::value) {
+              if (col < col_lo[i / 2] || col > col_hi[i / 2]) p = 0.f;
+            }
+            s[n][i] = p * (dp[n][i] - delta[i / 2]);  // dS (without the scale)
+          }
         }
-      }
+      });
       std::uint32_t ds[kN / 16][4];
       wgmma::to_a_fragments<T, kN>(s, ds);
       wgmma::fence();

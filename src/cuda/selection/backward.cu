@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = warp * 16 + nt * 8 + 2 * (lane % 4) + (e & 1);
-          const float p = s0 + col < end ? exp2f(s[nt][e] * c.scale_log2 - lse_r[e / 2]) : 0.f;
+          const float p = s0 + col < end ? fast_exp2(fmaf(s[nt][e], c.scale_log2, -lse_r[e / 2])) : 0.f;
           ds[e] = p * (dp[nt][e] - delta_r[e / 2]);
         }
         const int col = warp * 16 + nt * 8 + 2 * (lane % 4);
@@ -364,7 +364,8 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
         const int col = nt * 8 + 2 * (lane % 4) + (e & 1);
         const std::int64_t s = first + (e < 2 ? k_lo : k_hi);
         const int pos = pos_s[col];
-        const float p = (s < end && pos >= 0 && s <= pos) ? exp2f(st[nt][e] * c.scale_log2 - lse_s[col]) : 0.f;
+        const bool visible = s < end && pos >= 0 && s <= pos;
+        const float p = visible ? fast_exp2(fmaf(st[nt][e], c.scale_log2, -lse_s[col])) : 0.f;
         st[nt][e] = p;
         dpt[nt][e] = p * (dpt[nt][e] - delta_s[col]);
       }

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/softmax.cuh"
 #include "sparseattn/sequences.h"
 #include "sparseattn/tensor.h"
 

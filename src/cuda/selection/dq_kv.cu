@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
           for (int e = 0; e < 4; ++e) {
             const int kc = s0 + nt * 8 + 2 * (lane % 4) + (e & 1);
             const bool visible = kc < keys_here && first + kc <= t_row[e / 2];
-            const float p = visible ? exp2f(s[nt][e] * c.scale_log2 - lse_r[e / 2]) : 0.f;
+            const float p = visible ? fast_exp2(fmaf(s[nt][e], c.scale_log2, -lse_r[e / 2])) : 0.f;
             s[nt][e] = p * (dp[nt][e] - delta_r[e / 2]);
           }
         }

@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
         int col_lo[2] = {0, 0}, col_hi[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) col_hi[i] = visible_keys(keys_here, first, t_row[i]) - 1 - s0;
-        online_softmax_step<kSub, DV>(s, acc, m, l, col_lo, col_hi, c.scale_log2);
+        online_softmax_step<kSub, DV, true>(s, acc, m, l, col_lo, col_hi, c.scale_log2);
 #pragma unroll
         for (int kk = 0; kk < kSub / 16; ++kk) {
           if (s0 + kk * 16 < keys_vis) {
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) kv_merge_kernel(const __half
 #pragma unroll
       for (int x = 0; x < kVec / 2; ++x) raw[u][x] = 0u;
       if (j < end && std::int64_t{idx[j]} * c.block <= t) {
-        const float w = exp2f(lse_part[base + j] - mx);
+        const float w = fast_exp2(lse_part[base + j] - mx);
         sum += w;
         ws[u] = w * scale_part[base + j];
         load_halves<kVec>(raw[u], o_part + (base + j) * DV + lane * kVec);

@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
         int col_lo[2] = {0, 0}, col_hi[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) col_hi[i] = visible_keys(run.keys, run.first, t_row[i]) - 1 - s0;
-        online_softmax_step<kSub, DV>(s, acc, m, l, col_lo, col_hi, c.scale_log2);
+        online_softmax_step<kSub, DV, true>(s, acc, m, l, col_lo, col_hi, c.scale_log2);
         std::uint32_t p[kSub / 16][4];
         wgmma::to_a_fragments<T, kSub>(s, p);
         wgmma::fence();

@@ -130,14 +130,14 @@ __global__ void __launch_bounds__(kThreads, DQK <= 128 ? 5 : DQK + DV <= 320 ? 4
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_max[w * kRows + r]);
         m_use[i] = mx == -INFINITY ? 0.f : mx;
-        alpha[i] = exp2f(m[i] - m_use[i]);
+        alpha[i] = fast_exp2(m[i] - m_use[i]);
         m[i] = mx;
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[nt][e] = exp2f(s[nt][e] - m_use[e / 2]);
+          s[nt][e] = fast_exp2(s[nt][e] - m_use[e / 2]);
           part[e / 2] += s[nt][e];
         }
         const int col = warp * 16 + nt * 8 + 2 * (lane % 4);

@@ -168,12 +168,6 @@ __device__ void choose_blocks(float* row, int candidates, const Config& c, std::
   for (i64 i = written + lane; i < c.num_selected; i += 32) out[i] = -1;
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Sums the probabilities p (the warp's 16 x kCols accumulator tile) over the rows of each token and stores
 // them to `sums`, one row of kSumPitch floats per token of the warp (Gp <= 16: 16 / Gp tokens; Gp >= 16: the
 // warp's share of its token). A thread's two rows (lane / 4 and lane / 4 + 8) belong to one token from Gp = 2
