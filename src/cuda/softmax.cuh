@@ -26,15 +26,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// One key tile of the online softmax for a warp's 16-row tile: masks the raw scores s to the visible columns
-// [col_lo, col_hi] of each of the thread's two rows (kMasked; a tile whose every element is visible skips it),
-// turns them into exp2-probabilities against the updated running max m (log2e-prescaled: scale_log2 > 0, so
-// the max of the raw scores times scale_log2 is the max of the scaled ones, and each probability takes one
-// FFMA and one MUFU), and rescales the output accumulator and the running sum l.
-template <int kN, int Dv, bool kMasked>
-__device__ __forceinline__ void online_softmax_step(float (&s)[kN / 8][4], float (&acc)[Dv / 8][4], float (&m)[2],
-                                                    float (&l)[2], const int (&col_lo)[2], const int (&col_hi)[2],
-                                                    float scale_log2) {
+// One key tile of the online softmax for a warp's 16-row tile, without the output: masks the raw scores s to
+// the visible columns [col_lo, col_hi] of each of the thread's two rows (kMasked; a tile whose every element is
+// visible skips it), turns them into exp2-probabilities against the updated running max m (log2e-prescaled:
+// scale_log2 > 0, so the max of the raw scores times scale_log2 is the max of the scaled ones, and each
+// probability takes one FFMA and one MUFU), rescales the running sum l and returns in `correction` the factor
+// by which the output accumulator's rows must be rescaled (rescale_rows; separate so that a kernel can do it
+// after the previous tile's P V product, in flight meanwhile, has landed).
+template <int kN, bool kMasked>
+__device__ __forceinline__ void softmax_probabilities(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
+                                                      const int (&col_lo)[2], const int (&col_hi)[2],
+                                                      float scale_log2, float (&correction)[2]) {
   const int lane = threadIdx.x % 32;
   if constexpr (kMasked) {
 #pragma unroll
@@ -53,21 +55,38 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[kN / 8][4], float
     for (int n = 0; n < kN / 8; ++n) raw_max = fmaxf(raw_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
     const float mx = fmaxf(m[half], quad_max(raw_max) * scale_log2);
     const float use = mx == -INFINITY ? 0.f : mx;
-    const float correction = fast_exp2(m[half] - use);  // 0 when m was -inf
+    correction[half] = fast_exp2(m[half] - use);  // 0 when m was -inf
     m[half] = mx;
-    l[half] *= correction;
-#pragma unroll
-    for (int n = 0; n < Dv / 8; ++n) {
-      acc[n][2 * half] *= correction;
-      acc[n][2 * half + 1] *= correction;
-    }
+    float sum = l[half] * correction[half];
 #pragma unroll
     for (int n = 0; n < kN / 8; ++n) {
       s[n][2 * half] = fast_exp2(fmaf(s[n][2 * half], scale_log2, -use));
       s[n][2 * half + 1] = fast_exp2(fmaf(s[n][2 * half + 1], scale_log2, -use));
-      l[half] += s[n][2 * half] + s[n][2 * half + 1];
+      sum += s[n][2 * half] + s[n][2 * half + 1];
     }
+    l[half] = sum;
   }
+}
+
+template <int Dv>
+__device__ __forceinline__ void rescale_rows(float (&acc)[Dv / 8][4], const float (&correction)[2]) {
+#pragma unroll
+  for (int n = 0; n < Dv / 8; ++n) {
+    acc[n][0] *= correction[0];
+    acc[n][1] *= correction[0];
+    acc[n][2] *= correction[1];
+    acc[n][3] *= correction[1];
+  }
+}
+
+// The whole online softmax step: softmax_probabilities, then rescale_rows of the output accumulator.
+template <int kN, int Dv, bool kMasked>
+__device__ __forceinline__ void online_softmax_step(float (&s)[kN / 8][4], float (&acc)[Dv / 8][4], float (&m)[2],
+                                                    float (&l)[2], const int (&col_lo)[2], const int (&col_hi)[2],
+                                                    float scale_log2) {
+  float correction[2];
+  softmax_probabilities<kN, kMasked>(s, m, l, col_lo, col_hi, scale_log2, correction);
+  rescale_rows<Dv>(acc, correction);
 }
 
 // Runs body(std::true_type{}) when masked, body(std::false_type{}) otherwise: the per-element masks of a key

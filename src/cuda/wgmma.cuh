@@ -113,6 +113,21 @@ __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
+// Registers of an MMA that may still be in flight (accumulators, A fragments): after wait(), keeps the compiler
+// from moving ordinary reads or writes of them above the wait (the asm of the MMA shows them as written at issue).
+template <int N>
+__device__ __forceinline__ void fence_operand(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operand(std::uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+  }
+}
 // Shared memory written by the generic proxy (stores, cp.async) and read next by wgmma: in each writing
 // thread, after its writes landed and before the barrier.
 __device__ __forceinline__ void fence_shared_for_async() {

@@ -124,9 +124,12 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   zero(acc);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-  auto load_kv = [&](i64 tile, int buf) {
+  auto load_k = [&](i64 tile, int buf) {
     const i64 j0 = tile * kN;
     load_swizzled_tile<kN, Dqk, kThreadCount>(sK + buf * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+  };
+  auto load_v = [&](i64 tile, int buf) {
+    const i64 j0 = tile * kN;
     load_swizzled_tile<kN, Dv, kThreadCount>(sV + buf * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
   };
 
@@ -137,44 +140,78 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
 
   if (tile_end > tile_begin) {
     load_swizzled_tile<kM, Dqk, kThreadCount>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
-    load_kv(tile_begin, 0);
+    load_k(tile_begin, 0);
     cp_async_commit();
-    for (i64 it = tile_begin; it < tile_end; ++it) {
-      const int buf = (it - tile_begin) & 1;
-      advance_pipeline(it + 1 < tile_end, [&] { load_kv(it + 1, buf ^ 1); });
+    float s[kN / 8][4];
+    std::uint32_t p[kN / 16][4];
+    // Step i (key tile tile_begin + i) computes the scores of its tile while O += P V of the tile before (its
+    // softmax done one step earlier) is in flight, so the softmax overlaps an MMA; a last step adds the last
+    // tile's P V. Step i loads K of the next tile and V of its own tile into double buffers: each buffer's last
+    // reader was waited for before the step's barrier. The MMAs are issued on paths without branches (the first
+    // and last steps peeled) so that ptxas keeps them asynchronous.
+    auto begin_step = [&](int step) {
+      const i64 it = tile_begin + step;
+      cp_async_wait<0>();
       wgmma::fence_shared_for_async();
       __syncthreads();
-      const i64 j0 = it * kN;
-
-      float s[kN / 8][4];
-      const std::uint64_t k_desc = wgmma::advance(k_desc0, buf * Tile::kK * 2);
-      const std::uint64_t v_desc = wgmma::advance(v_desc0, buf * Tile::kV * 2);
+      if (it + 1 < tile_end) load_k(it + 1, (step + 1) & 1);
+      if (it < tile_end) load_v(it, step & 1);
+      cp_async_commit();
       wgmma::fence();
+    };
+    auto issue_scores = [&](int step) {
+      const std::uint64_t k_desc = wgmma::advance(k_desc0, (step & 1) * Tile::kK * 2);
 #pragma unroll
       for (int k0 = 0; k0 < Dqk; k0 += 16) {
         wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)),
                                 wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)), k0 > 0);
       }
       wgmma::commit();
-      wgmma::wait<0>();
-
-      with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
-        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-        if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
-        online_softmax_step<kN, Dv, decltype(masked)::value>(s, acc, m, l, col_lo, col_hi, a.scale_log2);
-      });
-      std::uint32_t p[kN / 16][4];
-      wgmma::to_a_fragments<T, kN>(s, p);
-      wgmma::fence();
+    };
+    auto issue_pv = [&](int step) {  // P V of the tile of step - 1
+      const std::uint64_t v_desc = wgmma::advance(v_desc0, ((step - 1) & 1) * Tile::kV * 2);
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) {
         wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(acc), p[kk],
                                 wgmma::advance(v_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
       }
       wgmma::commit();
+    };
+    auto softmax = [&](int step, float (&correction)[2]) {
+      wgmma::fence_operand(wgmma::flat<kN>(s));
+      const i64 j0 = (tile_begin + step) * kN;
+      with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
+        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+        if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+        softmax_probabilities<kN, decltype(masked)::value>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
+      });
+    };
+    auto wait_all = [&] {
       wgmma::wait<0>();
-      __syncthreads();
+      wgmma::fence_operand(wgmma::flat<Dv>(acc));
+      wgmma::fence_operand(p);
+    };
+
+    const int steps = static_cast<int>(tile_end - tile_begin);
+    float correction[2];
+    begin_step(0);
+    issue_scores(0);
+    wgmma::wait<0>();
+    softmax(0, correction);
+    wgmma::to_a_fragments<T, kN>(s, p);
+    for (int step = 1; step < steps; ++step) {
+      begin_step(step);
+      issue_scores(step);
+      issue_pv(step);
+      wgmma::wait<1>();
+      softmax(step, correction);
+      wait_all();
+      rescale_rows<Dv>(acc, correction);
+      wgmma::to_a_fragments<T, kN>(s, p);
     }
+    begin_step(steps);
+    issue_pv(steps);
+    wait_all();
   }
 
   store_forward_rows<Dv>(acc, m, l, a, seq, t0 + warp_row0, h);
@@ -324,8 +361,11 @@ struct WgmmaDqTile {
   static constexpr int kM = 64 * kWarpgroups;  // queries per CTA
   static constexpr int kN = 64;                // keys per step
   static constexpr int kQ = kM * Dqk, kDO = kM * Dv, kK = kN * Dqk, kV = kN * Dv;  // elements
-  // Q, dO, 2 x K, 2 x V (2-byte elements), plus room to align the start to a swizzle atom.
-  static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + 2 * kK + 2 * kV) + wgmma::kTileAlignment;
+  // K is read by the scores of one step and by dQ += dS K of the next, so it has three buffers, V two.
+  static constexpr int kKBuffers = 3, kVBuffers = 2;
+  // Q, dO, the K and V buffers (2-byte elements), plus room to align the start to a swizzle atom.
+  static constexpr std::size_t kSmemBytes =
+      2 * (kQ + kDO + kKBuffers * kK + kVBuffers * kV) + wgmma::kTileAlignment;
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -338,7 +378,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
   T* sQ = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
   T* sDO = sQ + Tile::kQ;
   T* sK = sDO + Tile::kDO;
-  T* sV = sK + 2 * Tile::kK;
+  T* sV = sK + Tile::kKBuffers * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
   const Mask mask{mc, seq.T, seq.S};
@@ -358,10 +398,11 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
 
   float acc[Dqk / 8][4];
   zero(acc);
-  auto load_kv = [&](i64 tile, int buf) {
+  auto load_kv = [&](i64 tile, int k_buf, int v_buf) {
     const i64 j0 = tile * kN;
-    load_swizzled_tile<kN, Dqk, kThreadCount>(sK + buf * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-    load_swizzled_tile<kN, Dv, kThreadCount>(sV + buf * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
+    load_swizzled_tile<kN, Dqk, kThreadCount>(sK + k_buf * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0,
+                                              hk);
+    load_swizzled_tile<kN, Dv, kThreadCount>(sV + v_buf * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
   };
 
   if (tile_end > tile_begin) {
@@ -372,27 +413,47 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     }
     load_swizzled_tile<kM, Dqk, kThreadCount>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
     load_swizzled_tile<kM, Dv, kThreadCount>(sDO, a.d_o, seq.batch, seq.q_begin + t0, rows, h);
-    load_kv(tile_begin, 0);
+    load_kv(tile_begin, 0, 0);
     cp_async_commit();
-    for (i64 it = tile_begin; it < tile_end; ++it) {
-      const int buf = (it - tile_begin) & 1;
-      advance_pipeline(it + 1 < tile_end, [&] { load_kv(it + 1, buf ^ 1); });
+
+    float s[kN / 8][4], dp[kN / 8][4];
+    std::uint32_t ds[kN / 16][4];
+    // Step i (key tile tile_begin + i) computes S and dP of its tile while dQ += dS K of the tile before (dS
+    // done one step earlier) is in flight, so the dS arithmetic overlaps an MMA; a last step adds the last
+    // tile's dS K. Step i loads K and V of the next tile (K: three buffers, V: two; each buffer's last reader
+    // was waited for before the step's barrier). The MMAs are issued on paths without branches (the first and
+    // last steps peeled) so that ptxas keeps them asynchronous.
+    auto begin_step = [&](int step) {
+      const i64 it = tile_begin + step;
+      cp_async_wait<0>();
       wgmma::fence_shared_for_async();
       __syncthreads();
-      const i64 j0 = it * kN;
-      const std::uint64_t k_desc = wgmma::advance(k_desc0, buf * Tile::kK * 2);
-      const std::uint64_t k_mn_desc = wgmma::advance(k_mn_desc0, buf * Tile::kK * 2);
-      const std::uint64_t v_desc = wgmma::advance(v_desc0, buf * Tile::kV * 2);
-
-      // S = Q K^T and dP = dO V^T for this warpgroup's 64 queries.
-      float s[kN / 8][4], dp[kN / 8][4];
+      if (it + 1 < tile_end) load_kv(it + 1, (step + 1) % Tile::kKBuffers, (step + 1) % Tile::kVBuffers);
+      cp_async_commit();
+      wgmma::fence();
+    };
+    auto issue_step_scores = [&](int step) {
+      const std::uint64_t k_desc = wgmma::advance(k_desc0, (step % Tile::kKBuffers) * Tile::kK * 2);
+      const std::uint64_t v_desc = wgmma::advance(v_desc0, (step % Tile::kVBuffers) * Tile::kV * 2);
       issue_scores<T, kN, Dqk, Dv, kM, kN>(s, dp, q_desc, k_desc, do_desc, v_desc);
+    };
+    auto issue_dq = [&](int step) {  // dQ += dS K of the tile of step - 1
+      const std::uint64_t k_mn_desc = wgmma::advance(k_mn_desc0, ((step - 1) % Tile::kKBuffers) * Tile::kK * 2);
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(acc), ds[kk],
+                                 wgmma::advance(k_mn_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
+      }
+      wgmma::commit();
+    };
+    auto make_ds = [&](int step) {  // dS (without the scale) into s
+      wgmma::fence_operand(wgmma::flat<kN>(s));
+      wgmma::fence_operand(wgmma::flat<kN>(dp));
+      const i64 j0 = (tile_begin + step) * kN;
       const bool full = tile_full(mask, t0, kM, j0, kN);
-      int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-      if (!full) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
-      wgmma::wait<0>();
-
       with_mask(!full, [&](auto masked) {
+        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+        if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
 #pragma unroll
         for (int n = 0; n < kN / 8; ++n) {
 #pragma unroll
@@ -402,22 +463,35 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
             if constexpr (decltype(masked)::value) {
               if (col < col_lo[i / 2] || col > col_hi[i / 2]) p = 0.f;
             }
-            s[n][i] = p * (dp[n][i] - delta[i / 2]);  // dS (without the scale)
+            s[n][i] = p * (dp[n][i] - delta[i / 2]);
           }
         }
       });
-      std::uint32_t ds[kN / 16][4];
-      wgmma::to_a_fragments<T, kN>(s, ds);
-      wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(acc), ds[kk],
-                                 wgmma::advance(k_mn_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
-      }
-      wgmma::commit();
+    };
+    auto wait_all = [&] {
       wgmma::wait<0>();
-      __syncthreads();
+      wgmma::fence_operand(wgmma::flat<Dqk>(acc));
+      wgmma::fence_operand(ds);
+    };
+
+    const int steps = static_cast<int>(tile_end - tile_begin);
+    begin_step(0);
+    issue_step_scores(0);
+    wgmma::wait<0>();
+    make_ds(0);
+    wgmma::to_a_fragments<T, kN>(s, ds);
+    for (int step = 1; step < steps; ++step) {
+      begin_step(step);
+      issue_step_scores(step);
+      issue_dq(step);
+      wgmma::wait<1>();
+      make_ds(step);
+      wait_all();
+      wgmma::to_a_fragments<T, kN>(s, ds);
     }
+    begin_step(steps);
+    issue_dq(steps);
+    wait_all();
   }
   store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0), h);
 #endif
