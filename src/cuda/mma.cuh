@@ -67,6 +67,11 @@ __device__ __forceinline__ void cp_async_16(void* shared_destination, const void
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared_destination)),
                "l"(global_source), "r"(bytes));
 }
+// The same for a copy known to be whole: the plain form, without the source-size operand.
+__device__ __forceinline__ void cp_async_16_whole(void* shared_destination, const void* global_source) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared_destination)),
+               "l"(global_source));
+}
 // 4 bytes (bytes = 0: zero-filled), through L1 (cp.async.cg takes 16-byte copies only).
 __device__ __forceinline__ void cp_async_4(void* shared_destination, const void* global_source, int bytes = 4) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(shared_destination)),

@@ -1,12 +1,20 @@
 // Query-outer forward of selected_attention on tensor cores (mma.sync m16n8k16, fp32 accumulation).
 //
-// One CTA (4 warps) per (token t, KV head h, chunk of 16 query heads of the group): the chunk's heads are the
-// 16 rows of the mma tile (padded with zero rows when G < 16). Keys come in tiles of 64 tokens walking the
-// selected blocks of indices[t, h] (tokens <= t only; blocks starting after t are skipped; the first -1 ends
-// the list). Warp w computes scores for keys [16w, 16w+16) of a tile over the full Dqk; the per-row max /
-// sum of the online softmax are exchanged through shared memory, P goes through shared memory, and warp w
-// accumulates output columns [w*Dv/4, (w+1)*Dv/4), which keeps accumulators at Dv/8 floats per thread even
-// at Dv = 256. Needs no workspace; chosen for large groups (full tiles), see forward_plan.h.
+// One warp per (token t, KV head h, chunk of 16 query heads of the group): the chunk's heads are the 16 rows
+// of the mma tile (padded with zero rows when G < 16). The warp walks the key tiles of the selected blocks of
+// indices[t, h] (tokens <= t only; blocks starting after t are skipped; the first -1 ends the list), kKeys keys
+// per tile, and does everything of a tile itself: S = Q K^T over the full Dqk (Q in registers), the online
+// softmax in registers (softmax.cuh), P as the A operand straight from the accumulators, O += P V over all Dv
+// columns. Nothing is exchanged between warps, so there is no barrier; K and V have one shared-memory buffer
+// each, refilled (cp.async) as soon as the warp is done with it, so loads overlap the math. CTAs hold one warp:
+// shared memory alone (35 KB at D = 128, six warps per SM) sets how many run per SM.
+//
+// Every (token, block) pair re-reads the block's K and V rows from L2 (98% hits), which is what this kernel
+// spends its time on. H100, 64/4, T = 64K, n = 16: 26.5 ms for the earlier design (four warps sharing a token,
+// scores split by keys, softmax statistics through shared memory), 25.9 ms for this one. A Triton kernel of the
+// same structure measured 16.5 ms on the same inputs with the same L2 traffic (Nsight Compute: both near 85% L2
+// throughput, this one at 1.6x the time), so the gap is in how the loads reach L2, not in their amount; not
+// found yet. Needs no workspace; chosen for large groups (full tiles), see forward_plan.h.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -22,42 +30,82 @@ namespace sparseattn::cuda::selection {
 
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kWarps = 4;
-constexpr int kRows = 16;  // query heads per CTA (mma M)
-constexpr int kKeys = 64;  // keys per tile (16 per warp)
+constexpr int kThreads = 32;
+constexpr int kRows = 16;  // query heads per warp (mma M)
 
 struct FwdConfig {
   std::int64_t heads_kv, group, chunks, num_idx, block;
   float scale_log2;
 };
 
+// Keys per tile: 64, or 32 at Dqk = 256.
+template <int DQK>
+inline constexpr int kKeysOf = DQK <= 192 ? 64 : 32;
+
+// One K and one V tile per warp: 35 KB at D = 128, so six warps fit an SM.
 template <class T, int DQK, int DV>
 struct FwdSmem {
-  using Q = SmemTile<T, kRows, DQK>;
+  static constexpr int kKeys = kKeysOf<DQK>;
   using K = SmemTile<T, kKeys, DQK>;
   using V = SmemTile<T, kKeys, DV>;
-  using P = SmemTile<T, kRows, kKeys>;
-  static constexpr std::size_t kElements = Q::kElements + K::kElements + V::kElements + P::kElements;
-  static constexpr std::size_t kBytes = kElements * sizeof(T) + 2 * kWarps * kRows * sizeof(float);
+  static constexpr std::size_t kBytes = (K::kElements + V::kElements) * sizeof(T);
 };
 
-// CTAs per SM that shared memory allows on H100 (42 KB each at D = 128, 52 KB at 192/128); registers are
-// capped to match.
+// The key tiles of one token's selected blocks, in slot order: [s0, end) of at most kKeys keys, all <= t. The
+// warp walks them together (every lane calls next()); the slots' block indices sit in registers, lane i holding
+// slot chunk_base + i, so finding the next tile costs a shuffle, not a global load on the path to the next tile's
+// K load.
+template <int kKeys>
+struct KeyTiles {
+  const std::int32_t* idx;
+  std::int64_t num_idx, block, t;
+  std::int64_t slot = -1, s0 = 0, end = 0;  // the current tile; slot == num_idx: no more
+  std::int64_t chunk_base = 0;
+  std::int32_t lane_block = -1;
+
+  __device__ __forceinline__ KeyTiles(const std::int32_t* idx_, std::int64_t num_idx_, std::int64_t block_,
+                                      std::int64_t t_)
+      : idx(idx_), num_idx(num_idx_), block(block_), t(t_) {
+    const int lane = threadIdx.x % 32;
+    if (lane < num_idx) lane_block = idx[lane];
+  }
+
+  // Moves to the next tile (the rest of the current block, else the next visible block).
+  __device__ __forceinline__ bool next() {
+    if (slot >= 0 && s0 + kKeys < end) {
+      s0 += kKeys;
+      return true;
+    }
+    while (++slot < num_idx) {
+      if (slot - chunk_base == 32) {
+        chunk_base += 32;
+        const std::int64_t mine = chunk_base + threadIdx.x % 32;
+        lane_block = mine < num_idx ? idx[mine] : -1;
+      }
+      const std::int64_t b = __shfl_sync(0xffffffffu, lane_block, static_cast<int>(slot - chunk_base));
+      if (b < 0) break;
+      const std::int64_t first = b * block;
+      if (first > t) continue;  // starts after t (or out of range): contributes nothing
+      s0 = first;
+      end = min(first + block, t + 1);
+      return true;
+    }
+    slot = num_idx;
+    return false;
+  }
+  __device__ __forceinline__ int keys() const { return static_cast<int>(min(end - s0, std::int64_t{kKeys})); }
+};
+
 template <class T, int DQK, int DV>
-__global__ void __launch_bounds__(kThreads, DQK <= 128 ? 5 : DQK + DV <= 320 ? 4 : 2) selected_forward_kernel(Tokens<const T> q, Tokens<const T> k,
+__global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const T> q, Tokens<const T> k,
                                                                     Tokens<const T> v, IndexView indices,
                                                                     Tokens<T> o, LseView<float> lse, SeqTable seqs,
                                                                     FwdConfig c) {
   using S = FwdSmem<T, DQK, DV>;
+  constexpr int kKeys = S::kKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* base = reinterpret_cast<T*>(smem_raw);
-  const typename S::Q qs{base};
-  const typename S::K ks{qs.base + S::Q::kElements};
+  const typename S::K ks{reinterpret_cast<T*>(smem_raw)};
   const typename S::V vs{ks.base + S::K::kElements};
-  const typename S::P ps{vs.base + S::V::kElements};
-  float* red_max = reinterpret_cast<float*>(ps.base + S::P::kElements);  // [warp][row]
-  float* red_sum = red_max + kWarps * kRows;
 
   const std::int64_t t = blockIdx.x, h = blockIdx.y / c.chunks, chunk = blockIdx.y % c.chunks;
   const auto seq = seqs[blockIdx.z];
@@ -65,139 +113,113 @@ __global__ void __launch_bounds__(kThreads, DQK <= 128 ? 5 : DQK + DV <= 320 ? 4
   const std::int64_t row = seq.begin + t;
   const std::int64_t g0 = chunk * kRows;
   const int rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - g0));
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const T* q_fallback = q.row(seq.batch, row, h * c.group + g0);
-  load_rows<T, kRows, DQK, kThreads>(
-      qs, [&](int r) { return r < rows_here ? q.row(seq.batch, row, h * c.group + g0 + r) : nullptr; }, q_fallback);
-  cp_async_commit();
+  const int lane = threadIdx.x;
 
-  constexpr int kOutCols = DV / kWarps;  // output columns of this warp
-  float acc[kOutCols / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int r_lo = lane / 4, r_hi = lane / 4 + 8;
-  const std::int32_t* idx = indices.row(seq.batch, row, h);
   const T* const k_head = k.row(seq.batch, seq.begin, h);  // the sequence's token 0 of KV head h
   const T* const v_head = v.row(seq.batch, seq.begin, h);
-  for (std::int64_t j = 0; j < c.num_idx; ++j) {
-    const std::int64_t b = idx[j];
-    if (b < 0) break;
-    const std::int64_t first = b * c.block;
-    if (first > t) continue;  // starts after t (or out of range): contributes nothing
-    const std::int64_t end = min(first + c.block, t + 1);
-    for (std::int64_t s0 = first; s0 < end; s0 += kKeys) {
-      __syncthreads();  // the previous tile is done with ks, vs, ps, red_*
-      const int valid = static_cast<int>(end - s0);
-      load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + s0 * k.row_stride, k.row_stride, valid, k_head);
-      cp_async_commit();
-      load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + s0 * v.row_stride, v.row_stride, valid, v_head);
-      cp_async_commit();
-      cp_async_wait<1>();  // q and k have landed
-      __syncthreads();
+  auto load_k = [&](const KeyTiles<kKeys>& tile) {
+    load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + tile.s0 * k.row_stride, k.row_stride, tile.keys(), k_head);
+  };
+  auto load_v = [&](const KeyTiles<kKeys>& tile) {
+    load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + tile.s0 * v.row_stride, v.row_stride, tile.keys(), v_head);
+  };
+  KeyTiles<kKeys> tile{indices.row(seq.batch, row, h), c.num_idx, c.block, t};
+  bool has_tile = tile.next();
+  // K and V have one buffer each, and every buffer is refilled as soon as the warp is done with it: the next
+  // tile's K loads during this tile's softmax and P V, its V during its own scores (groups in order K0 V0 K1
+  // V1 ...; with empty groups past the last tile, "wait until one group is pending" always means "the buffer
+  // about to be read has landed").
+  if (has_tile) load_k(tile);
+  cp_async_commit();
+  if (has_tile) load_v(tile);
+  cp_async_commit();
 
-      float s[2][4] = {};
+  // Q stays in registers as the A fragments of the Dqk / 16 k-steps (rows past the chunk's heads: zero).
+  std::uint32_t qa[DQK / 16][4];
+  {
+    const int r = lane / 4, col = 2 * (lane % 4);
+    const T* q_lo = q.row(seq.batch, row, h * c.group + g0 + min(r, rows_here - 1));
+    const T* q_hi = q.row(seq.batch, row, h * c.group + g0 + min(r + 8, rows_here - 1));
+    const bool lo_ok = r < rows_here, hi_ok = r + 8 < rows_here;
 #pragma unroll
-      for (int kk = 0; kk < DQK / 16; ++kk) {
-        std::uint32_t a[4], bk[4];
-        load_a(a, qs, 0, kk * 16);
-        load_b_rows(bk, ks, warp * 16, kk * 16);
-        mma_pair<T>(s[0], s[1], a, bk);
-      }
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = warp * 16 + nt * 8 + 2 * (lane % 4) + (e & 1);
-          s[nt][e] = s0 + col < end ? s[nt][e] * c.scale_log2 : -INFINITY;
-          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-      }
-      if (lane % 4 == 0) {
-        red_max[warp * kRows + r_lo] = tile_max[0];
-        red_max[warp * kRows + r_hi] = tile_max[1];
-      }
-      __syncthreads();
-      float m_use[2], alpha[2], part[2] = {0.f, 0.f};
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = i == 0 ? r_lo : r_hi;
-        float mx = m[i];
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_max[w * kRows + r]);
-        m_use[i] = mx == -INFINITY ? 0.f : mx;
-        alpha[i] = fast_exp2(m[i] - m_use[i]);
-        m[i] = mx;
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] = fast_exp2(s[nt][e] - m_use[e / 2]);
-          part[e / 2] += s[nt][e];
-        }
-        const int col = warp * 16 + nt * 8 + 2 * (lane % 4);
-        *reinterpret_cast<std::uint32_t*>(ps.at(r_lo, col)) = pack2<T>(s[nt][0], s[nt][1]);
-        *reinterpret_cast<std::uint32_t*>(ps.at(r_hi, col)) = pack2<T>(s[nt][2], s[nt][3]);
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        part[i] += __shfl_xor_sync(0xffffffffu, part[i], 1);
-        part[i] += __shfl_xor_sync(0xffffffffu, part[i], 2);
-      }
-      if (lane % 4 == 0) {
-        red_sum[warp * kRows + r_lo] = part[0];
-        red_sum[warp * kRows + r_hi] = part[1];
-      }
-      cp_async_wait<0>();  // v has landed
-      __syncthreads();
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = i == 0 ? r_lo : r_hi;
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += red_sum[w * kRows + r];
-        l[i] = l[i] * alpha[i] + sum;
-      }
-#pragma unroll
-      for (int nt = 0; nt < kOutCols / 8; ++nt) {
-        acc[nt][0] *= alpha[0];
-        acc[nt][1] *= alpha[0];
-        acc[nt][2] *= alpha[1];
-        acc[nt][3] *= alpha[1];
-      }
-#pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) {
-        std::uint32_t a[4];
-        load_a(a, ps, 0, kk * 16);
-#pragma unroll
-        for (int np = 0; np < kOutCols / 16; ++np) {
-          std::uint32_t bv[4];
-          load_b_cols(bv, vs, kk * 16, warp * kOutCols + np * 16);
-          mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bv);
-        }
-      }
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+      const int c0 = kk * 16 + col;
+      qa[kk][0] = lo_ok ? *reinterpret_cast<const std::uint32_t*>(q_lo + c0) : 0u;
+      qa[kk][1] = hi_ok ? *reinterpret_cast<const std::uint32_t*>(q_hi + c0) : 0u;
+      qa[kk][2] = lo_ok ? *reinterpret_cast<const std::uint32_t*>(q_lo + c0 + 8) : 0u;
+      qa[kk][3] = hi_ok ? *reinterpret_cast<const std::uint32_t*>(q_hi + c0 + 8) : 0u;
     }
   }
+
+  float acc[DV / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  while (has_tile) {
+    cp_async_wait<1>();  // K of this tile
+    __syncwarp();
+    float s[kKeys / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kKeys / 16; ++np) {
+        std::uint32_t bk[4];
+        load_b_rows(bk, ks, np * 16, kk * 16);
+        mma_pair<T>(s[2 * np], s[2 * np + 1], qa[kk], bk);
+      }
+    }
+    const int keys = tile.keys();
+    KeyTiles<kKeys> next = tile;
+    const bool has_next = next.next();
+    __syncwarp();  // every lane has read K
+    if (has_next) load_k(next);
+    cp_async_commit();
+
+    with_mask(keys < kKeys, [&](auto masked) {
+      const int col_lo[2] = {0, 0}, col_hi[2] = {keys - 1, keys - 1};
+      online_softmax_step<kKeys, DV, decltype(masked)::value>(s, acc, m, l, col_lo, col_hi, c.scale_log2);
+    });
+    cp_async_wait<1>();  // V of this tile
+    __syncwarp();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      // P's accumulator columns [16kk, 16kk + 16) are the A fragment of k-step kk.
+      const std::uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                  pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < DV / 16; ++np) {
+        std::uint32_t bv[4];
+        load_b_cols(bv, vs, kk * 16, np * 16);
+        mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bv);
+      }
+    }
+    __syncwarp();  // every lane has read V
+    if (has_next) load_v(next);
+    cp_async_commit();
+    tile = next;
+    has_tile = has_next;
+  }
   cp_async_wait<0>();
+
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int r = i == 0 ? r_lo : r_hi;
+    const int r = lane / 4 + 8 * i;
+    l[i] = quad_sum(l[i]);
     if (r >= rows_here) continue;
     const std::int64_t hq = h * c.group + g0 + r;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     T* dst = o.row(seq.batch, row, hq);
+    const bool pairs_aligned = reinterpret_cast<std::uintptr_t>(dst) % 4 == 0;  // any stride is allowed
 #pragma unroll
-    for (int nt = 0; nt < kOutCols / 8; ++nt) {
-      const int col = warp * kOutCols + nt * 8 + 2 * (lane % 4);
-      dst[col] = from_float<T>(acc[nt][2 * i] * inv);
-      dst[col + 1] = from_float<T>(acc[nt][2 * i + 1] * inv);
+    for (int nt = 0; nt < DV / 8; ++nt) {
+      const int col = nt * 8 + 2 * (lane % 4);
+      if (pairs_aligned) {
+        *reinterpret_cast<std::uint32_t*>(dst + col) = pack2<T>(acc[nt][2 * i] * inv, acc[nt][2 * i + 1] * inv);
+      } else {
+        dst[col] = from_float<T>(acc[nt][2 * i] * inv);
+        dst[col + 1] = from_float<T>(acc[nt][2 * i + 1] * inv);
+      }
     }
-    if (warp == 0 && lane % 4 == 0) lse.at(seq.batch, row, hq) = l[i] > 0.f ? (m[i] + log2f(l[i])) * kLn2 : -INFINITY;
+    if (lane % 4 == 0) lse.at(seq.batch, row, hq) = l[i] > 0.f ? (m[i] + log2f(l[i])) * kLn2 : -INFINITY;
   }
 }
 

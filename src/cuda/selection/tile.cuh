@@ -53,6 +53,15 @@ __device__ __forceinline__ void load_strided_rows(const SmemTile<T, R, D>& tile,
     const T* from = src + r0 * row_stride + c * 8;
     const std::int64_t pass_stride = kRowsPerPass * row_stride;
     T* to = tile.at(r0, c * 8);
+    if (valid >= R) {  // a whole tile: no predicates
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        if (R % kRowsPerPass != 0 && r0 + pass * kRowsPerPass >= R) break;
+        cp_async_16_whole(to + pass * kRowsPerPass * SmemTile<T, R, D>::kPitch, from);
+        from += pass_stride;
+      }
+      return;
+    }
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int r = r0 + pass * kRowsPerPass;
