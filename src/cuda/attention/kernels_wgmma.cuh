@@ -101,6 +101,34 @@ __device__ __forceinline__ void issue_scores(float (&s)[kN / 8][4], float (&dp)[
   wgmma::commit();
 }
 
+// The software pipeline of the forward and dQ key-tile loops: step i (of steps + 1) issues the scores of tile i
+// and the accumulator update of tile i - 1 (whose elementwise part ran one step earlier), then runs tile i's
+// elementwise part while that update is in flight, then lands it. The first and last steps are peeled so that
+// every MMA is issued on a path without branches, which ptxas needs to keep them asynchronous.
+//  begin(i): the step's barrier and loads; issue_scores(i), issue_update(i): the MMAs (update: of tile i - 1);
+//  elementwise(i): on tile i's landed scores; land(i): wait for every MMA, then what needs the accumulator.
+template <class Begin, class IssueScores, class IssueUpdate, class Elementwise, class Land>
+__device__ __forceinline__ void overlapped_key_steps(int steps, Begin&& begin, IssueScores&& issue_scores,
+                                                     IssueUpdate&& issue_update, Elementwise&& elementwise,
+                                                     Land&& land) {
+  begin(0);
+  issue_scores(0);
+  wgmma::wait<0>();
+  elementwise(0);
+  land(0);
+  for (int step = 1; step < steps; ++step) {
+    begin(step);
+    issue_scores(step);
+    issue_update(step);
+    wgmma::wait<1>();
+    elementwise(step);
+    land(step);
+  }
+  begin(steps);
+  issue_update(steps);
+  land(steps);
+}
+
 template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     attention_forward_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
@@ -147,8 +175,7 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     // Step i (key tile tile_begin + i) computes the scores of its tile while O += P V of the tile before (its
     // softmax done one step earlier) is in flight, so the softmax overlaps an MMA; a last step adds the last
     // tile's P V. Step i loads K of the next tile and V of its own tile into double buffers: each buffer's last
-    // reader was waited for before the step's barrier. The MMAs are issued on paths without branches (the first
-    // and last steps peeled) so that ptxas keeps them asynchronous.
+    // reader was waited for before the step's barrier.
     auto begin_step = [&](int step) {
       const i64 it = tile_begin + step;
       cp_async_wait<0>();
@@ -192,26 +219,17 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       wgmma::fence_operand(p);
     };
 
-    const int steps = static_cast<int>(tile_end - tile_begin);
-    float correction[2];
-    begin_step(0);
-    issue_scores(0);
-    wgmma::wait<0>();
-    softmax(0, correction);
-    wgmma::to_a_fragments<T, kN>(s, p);
-    for (int step = 1; step < steps; ++step) {
-      begin_step(step);
-      issue_scores(step);
-      issue_pv(step);
-      wgmma::wait<1>();
-      softmax(step, correction);
-      wait_all();
-      rescale_rows<Dv>(acc, correction);
-      wgmma::to_a_fragments<T, kN>(s, p);
-    }
-    begin_step(steps);
-    issue_pv(steps);
-    wait_all();
+    float correction[2] = {1.f, 1.f};
+    overlapped_key_steps(
+        static_cast<int>(tile_end - tile_begin), begin_step, issue_scores, issue_pv,
+        [&](int step) { softmax(step, correction); },
+        [&](int step) {
+          wait_all();
+          if (step < tile_end - tile_begin) {
+            rescale_rows<Dv>(acc, correction);
+            wgmma::to_a_fragments<T, kN>(s, p);
+          }
+        });
   }
 
   store_forward_rows<Dv>(acc, m, l, a, seq, t0 + warp_row0, h);
@@ -421,8 +439,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     // Step i (key tile tile_begin + i) computes S and dP of its tile while dQ += dS K of the tile before (dS
     // done one step earlier) is in flight, so the dS arithmetic overlaps an MMA; a last step adds the last
     // tile's dS K. Step i loads K and V of the next tile (K: three buffers, V: two; each buffer's last reader
-    // was waited for before the step's barrier). The MMAs are issued on paths without branches (the first and
-    // last steps peeled) so that ptxas keeps them asynchronous.
+    // was waited for before the step's barrier).
     auto begin_step = [&](int step) {
       const i64 it = tile_begin + step;
       cp_async_wait<0>();
@@ -474,24 +491,11 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
       wgmma::fence_operand(ds);
     };
 
-    const int steps = static_cast<int>(tile_end - tile_begin);
-    begin_step(0);
-    issue_step_scores(0);
-    wgmma::wait<0>();
-    make_ds(0);
-    wgmma::to_a_fragments<T, kN>(s, ds);
-    for (int step = 1; step < steps; ++step) {
-      begin_step(step);
-      issue_step_scores(step);
-      issue_dq(step);
-      wgmma::wait<1>();
-      make_ds(step);
-      wait_all();
-      wgmma::to_a_fragments<T, kN>(s, ds);
-    }
-    begin_step(steps);
-    issue_dq(steps);
-    wait_all();
+    overlapped_key_steps(static_cast<int>(tile_end - tile_begin), begin_step, issue_step_scores, issue_dq, make_ds,
+                         [&](int step) {
+                           wait_all();
+                           if (step < tile_end - tile_begin) wgmma::to_a_fragments<T, kN>(s, ds);
+                         });
   }
   store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0), h);
 #endif
