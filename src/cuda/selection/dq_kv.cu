@@ -223,13 +223,13 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
       }
       const float rs[2] = {amax[0] > 0.f ? 1.f / amax[0] : 0.f, amax[1] > 0.f ? 1.f / amax[1] : 0.f};
       __syncwarp();  // every lane is done reading the Q tile
-      auto* staged = reinterpret_cast<__half*>(qt.base);  // 16 x DQK halves, pitch DQK + 8
+      auto* staged = reinterpret_cast<__half*>(qt.base);  // 16 x DQK halves in the tile's layout
 #pragma unroll
       for (int nt = 0; nt < DQK / 8; ++nt) {
         const int col = nt * 8 + 2 * (lane % 4);
-        *reinterpret_cast<__half2*>(staged + r_lo * QTile::kPitch + col) =
+        *reinterpret_cast<__half2*>(staged + QTile::offset(r_lo, col)) =
             __floats2half2_rn(acc[nt][0] * rs[0], acc[nt][1] * rs[0]);
-        *reinterpret_cast<__half2*>(staged + r_hi * QTile::kPitch + col) =
+        *reinterpret_cast<__half2*>(staged + QTile::offset(r_hi, col)) =
             __floats2half2_rn(acc[nt][2] * rs[1], acc[nt][3] * rs[1]);
       }
       __syncwarp();
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
         const std::int64_t slot = slot_s[base + r];
         if (slot >= 0) {
           *reinterpret_cast<uint4*>(dq_part + slot * DQK + cc * 8) =
-              *reinterpret_cast<const uint4*>(staged + r * QTile::kPitch + cc * 8);
+              *reinterpret_cast<const uint4*>(staged + QTile::offset(r, cc * 8));
         }
       }
       __syncwarp();

@@ -183,10 +183,10 @@ __global__ void __launch_bounds__(kThreads) kv_forward_kernel(Tokens<const T> q,
           }
         }
       }
-      // Epilogue, staged in this (now free) Q tile: 16 x DV halves at pitch DQK + 8 (DV <= DQK).
+      // Epilogue, staged in this (now free) Q tile: 16 x DV halves in the tile's layout (DV <= DQK).
       __syncwarp();  // every lane is done reading the Q tile
       store_partials<DV>(acc, m, l, slot_s + base, reinterpret_cast<__half*>(qt.base),
-                         [](int r, int col) { return r * QTile::kPitch + col; }, o_part, scale_part, lse_part);
+                         [](int r, int col) { return QTile::offset(r, col); }, o_part, scale_part, lse_part);
       buf ^= 1;
     }
     cur = stop;

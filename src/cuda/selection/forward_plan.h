@@ -38,13 +38,13 @@ inline std::int64_t kv_entries_per_cta(std::int64_t group) {
 inline std::int64_t round_up16(std::int64_t x) { return (x + 15) / 16 * 16; }
 
 // Dynamic shared memory of the KV-block-outer kernel for 16-bit inputs: sorted keys and values of its
-// entries, per-warp row descriptors, per-warp Q tiles and the block's K and V (rows padded by 8 elements).
+// entries, per-warp row descriptors, per-warp Q tiles and the block's K and V (swizzled tiles, tile.cuh).
 inline std::size_t kv_forward_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block) {
   const std::size_t key_rows = static_cast<std::size_t>(round_up16(std::min<std::int64_t>(block, kKvMaxBlock)));
   const std::size_t lists = 2 * sizeof(std::int32_t) * kKvCtaRows;
   const std::size_t rows = std::size_t{kKvQBuffers} * kKvWarps * kKvTileRows * (8 + 8 + 4);
-  const std::size_t q = std::size_t{kKvQBuffers} * kKvWarps * kKvTileRows * (dim_qk + 8) * 2;
-  const std::size_t kv = key_rows * ((dim_qk + 8) + (dim_v + 8)) * 2;
+  const std::size_t q = std::size_t{kKvQBuffers} * kKvWarps * kKvTileRows * dim_qk * 2;
+  const std::size_t kv = key_rows * (dim_qk + dim_v) * 2;
   return lists + rows + q + kv;
 }
 

@@ -7,14 +7,13 @@
 // softmax in registers (softmax.cuh), P as the A operand straight from the accumulators, O += P V over all Dv
 // columns. Nothing is exchanged between warps, so there is no barrier; K and V have one shared-memory buffer
 // each, refilled (cp.async) as soon as the warp is done with it, so loads overlap the math. CTAs hold one warp:
-// shared memory alone (35 KB at D = 128, six warps per SM) sets how many run per SM.
+// shared memory alone (32 KB at D = 128, seven warps per SM) sets how many run per SM.
 //
 // Every (token, block) pair re-reads the block's K and V rows from L2 (98% hits), which is what this kernel
-// spends its time on. H100, 64/4, T = 64K, n = 16: 26.5 ms for the earlier design (four warps sharing a token,
-// scores split by keys, softmax statistics through shared memory), 25.9 ms for this one. A Triton kernel of the
-// same structure measured 16.5 ms on the same inputs with the same L2 traffic (Nsight Compute: both near 85% L2
-// throughput, this one at 1.6x the time), so the gap is in how the loads reach L2, not in their amount; not
-// found yet. Needs no workspace; chosen for large groups (full tiles), see forward_plan.h.
+// spends its time on. H100, 64/4, T = 64K, n = 16: 26.0 ms with padded shared-memory rows, 16.0 ms with the
+// swizzled tiles of tile.cuh (the padded rows made L2 serve 1.4x the sectors for the same requests; a Triton
+// kernel of the same structure takes 16.5 ms).
+// Needs no workspace; chosen for large groups (full tiles), see forward_plan.h.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -42,7 +41,7 @@ struct FwdConfig {
 template <int DQK>
 inline constexpr int kKeysOf = DQK <= 192 ? 64 : 32;
 
-// One K and one V tile per warp: 35 KB at D = 128, so six warps fit an SM.
+// One K and one V tile per warp: 32 KB at D = 128, so seven warps fit an SM.
 template <class T, int DQK, int DV>
 struct FwdSmem {
   static constexpr int kKeys = kKeysOf<DQK>;

@@ -47,8 +47,8 @@ constexpr std::size_t kWorkspaceCap = std::size_t{256} << 20;  // pooled-score s
 template <int D>
 struct Layout {
   static constexpr int kStages = D <= 192 ? 2 : 1;  // 256: one K buffer keeps the CTA within sm_80's 163 KB
-  static constexpr std::size_t kQ = std::size_t{2} * kRows * (D + 8);
-  static constexpr std::size_t kK = std::size_t{2} * kCols * (D + 8);
+  static constexpr std::size_t kQ = std::size_t{2} * kRows * D;
+  static constexpr std::size_t kK = std::size_t{2} * kCols * D;
   // Group sums: one row per token (Gp <= 16) or per warp (Gp > 16), 128 rows at most (Gp = 1).
   static constexpr std::size_t kSums = sizeof(float) * kRows * kSumPitch;
   static constexpr std::size_t kBytes = kQ + kStages * kK + kSums + sizeof(float) * kCols;
