@@ -37,9 +37,9 @@ struct FwdConfig {
   float scale_log2;
 };
 
-// Keys per tile: 64, or 32 at Dqk = 256.
+// Keys per tile: 64, or 32 at Dqk = 192 and 256 (where Q takes 48 or 64 registers of the fragments).
 template <int DQK>
-inline constexpr int kKeysOf = DQK <= 192 ? 64 : 32;
+inline constexpr int kKeysOf = DQK <= 128 ? 64 : 32;
 
 // One K and one V tile per warp: 32 KB at D = 128, so seven warps fit an SM.
 template <class T, int DQK, int DV>
