@@ -9,7 +9,8 @@
 //    tokens, compact partial dQ per (token, query head, slot), merged in slot order. H100, bf16, D = 128,
 //    T = 64K, n = 16, block 64, NSA-like indices, dQ time query-outer -> KV-block-outer (sort + kernel +
 //    merge): G = 1 (Hq/Hkv 32/32) 225.9 -> 40.2 ms, G = 2 (16/8) 56.2 -> 13.7, G = 4 (16/4) 28.7 -> 11.9,
-//    G = 8 (32/4) 28.9 -> 23.1, G = 16 (64/4) 29.3 -> 44.9 (slower). So it runs for G <= 8.
+//    G = 8 (32/4) 28.9 -> 23.1, G = 16 (64/4) 29.3 -> 44.9 (slower). With swizzled tiles (tile.cuh) the
+//    query-outer dQ got 1.4x faster and wins from G = 7 on (dq_kv.h), so the KV-block-outer one runs for G <= 6.
 //
 // dK/dV are KV-block-outer (the FSA idea): an inverse index (for each sequence, KV head and selection
 // block, the ascending tokens whose index row lists it; inverse_index.h) is built in the workspace by a

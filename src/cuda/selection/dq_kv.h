@@ -23,10 +23,11 @@ inline constexpr int kDqKvBuffers = 2;
 // Partials (fp16 dQ row scaled by its max magnitude + that fp32 scale per (token, query head, slot)) are
 // bounded by cutting the tokens into chunks whose partials stay near this many bytes.
 inline constexpr std::size_t kDqKvPartialCap = std::size_t{256} << 20;
-// Measured (H100, bf16, D = 128, T = 64K, n = 16, block 64, NSA-like indices; backward.cu lists the times):
-// KV-block-outer dQ 5.6x faster at G = 1, 4.1x at G = 2, 2.4x at G = 4, 1.25x at G = 8, 0.65x at G = 16.
-// G = 9..15 and short sequences were not measured: the limits follow the forward's (forward_plan.h).
-inline constexpr std::int64_t kDqKvMaxGroup = 8;
+// Measured (H100, bf16, D = 128, n = 16, block 64, Hkv = 4, indices from select_blocks), time of the selected
+// backward with the query-outer dQ / with this one, T = 16K and 64K, after the query-outer dQ's swizzled tiles:
+// G = 4 1.30-1.32x, G = 5 1.14-1.15x, G = 6 1.02-1.04x, G = 7 0.94-0.96x, G = 8 0.88-0.90x, G = 12 0.72-0.76x.
+// Earlier, dQ alone at 64K: 5.6x faster at G = 1, 4.1x at G = 2. Short sequences: the forward's limit.
+inline constexpr std::int64_t kDqKvMaxGroup = 6;
 inline constexpr std::int64_t kDqKvMinTokens = 1024;
 
 inline std::size_t dq_kv_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block) {

@@ -58,13 +58,13 @@ inline bool kv_forward_supported(std::int64_t dim_qk, std::int64_t dim_v, std::i
 // ------------------------------------------------------------------------------------------- the heuristic
 
 // Measured on H100 (bf16, Dqk = Dv = 128, n = 16, block 64, one sequence, Hkv = 4, indices from select_blocks;
-// scripts/measure_selected_forward.py), query-outer time / KV-block-outer time (wgmma kernel), T = 16K and 64K:
-// G = 1 9.8-10.2x, G = 2 5.9-6.4x, G = 4 3.5x, G = 8 1.8-1.9x, G = 12 1.24-1.31x, G = 16 0.97-1.00x, G = 32
-// 1.01-1.02x (the query-outer tiles are full from G = 16 on, and the partials' traffic of the KV-block-outer
-// forward grows with G). Its mma.sync kernel is 7-10% slower than the wgmma one, so the same bound holds on
-// sm_80 and with SPARSEATTN_ATTENTION_MMA=sync. T = 4K (earlier measurement, mma.sync): G = 1 4.3x, G = 8 1.5x,
-// G = 12 1.08x. So the KV-block-outer forward runs up to G = 12 (G = 11 interpolated).
-inline constexpr std::int64_t kKvMaxGroup = 12;
+// scripts/measure_selected_forward.py), query-outer time / KV-block-outer time (wgmma kernel), T = 16K and 64K,
+// after the query-outer forward's swizzled tiles (1.6x faster): G = 8 1.00-1.10x, G = 9 0.94-0.98x, G = 10
+// 0.85-0.89x, G = 12 0.72-0.74x, G = 16 0.56-0.58x. Before that: G = 1 9.8-10.2x, G = 2 5.9-6.4x, G = 4 3.5x
+// (the query-outer tiles are full from G = 16 on, and the partials' traffic of the KV-block-outer forward
+// grows with G). Its mma.sync kernel is 7-15% slower than the wgmma one, so the same bound serves sm_80 and
+// SPARSEATTN_ATTENTION_MMA=sync. So the KV-block-outer forward runs up to G = 8.
+inline constexpr std::int64_t kKvMaxGroup = 8;
 // Below this many token rows the sort and merge launches cost as much as the padding saves (T = 512:
 // 0.92-0.97x; T = 1024: 1.97x at G = 1, 1.24x at G = 8).
 inline constexpr std::int64_t kKvMinTokens = 1024;
