@@ -208,40 +208,9 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
           }
         }
       }
-      float amax[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < DQK / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) amax[e / 2] = fmaxf(amax[e / 2], fabsf(acc[nt][e]));
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 1));
-        amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 2));
-        const std::int64_t slot = slot_s[base + lane / 4 + 8 * i];
-        if (slot >= 0 && lane % 4 == 0) scale_part[slot] = amax[i];
-      }
-      const float rs[2] = {amax[0] > 0.f ? 1.f / amax[0] : 0.f, amax[1] > 0.f ? 1.f / amax[1] : 0.f};
-      __syncwarp();  // every lane is done reading the Q tile
-      auto* staged = reinterpret_cast<__half*>(qt.base);  // 16 x DQK halves in the tile's layout
-#pragma unroll
-      for (int nt = 0; nt < DQK / 8; ++nt) {
-        const int col = nt * 8 + 2 * (lane % 4);
-        *reinterpret_cast<__half2*>(staged + QTile::offset(r_lo, col)) =
-            __floats2half2_rn(acc[nt][0] * rs[0], acc[nt][1] * rs[0]);
-        *reinterpret_cast<__half2*>(staged + QTile::offset(r_hi, col)) =
-            __floats2half2_rn(acc[nt][2] * rs[1], acc[nt][3] * rs[1]);
-      }
-      __syncwarp();
-      for (int i = lane; i < kTile * (DQK / 8); i += 32) {
-        const int r = i / (DQK / 8), cc = i % (DQK / 8);
-        const std::int64_t slot = slot_s[base + r];
-        if (slot >= 0) {
-          *reinterpret_cast<uint4*>(dq_part + slot * DQK + cc * 8) =
-              *reinterpret_cast<const uint4*>(staged + QTile::offset(r, cc * 8));
-        }
-      }
-      __syncwarp();
+      __syncwarp();  // every lane is done reading the Q tile: it stages the fp16 rows
+      store_scaled_rows<DQK>(acc, slot_s + base, reinterpret_cast<__half*>(qt.base),
+                             [](int r, int col) { return QTile::offset(r, col); }, dq_part, scale_part);
       buf ^= 1;
     }
     cur = stop;

@@ -107,42 +107,30 @@ __device__ __forceinline__ KvRow<T> describe_row(const Tokens<const T>& q, std::
           static_cast<int>(row - run.begin), bt, row, hq};
 }
 
-// A warp's epilogue for its 16 gathered rows: o = acc / l of each row, stored as fp16 of o / max|o| with that
-// fp32 scale and the fp32 lse (log2) at the row's slot (rows with slot < 0 are padding). The fp16 rows go
-// through the warp's staging area `staged` (16 x DV halves at staged_offset(r, c)) so that global writes are
-// 16-byte pieces of whole rows; the caller makes sure nothing else uses that area meanwhile.
-template <int DV, class StagedOffset>
-__device__ __forceinline__ void store_partials(float (&acc)[DV / 8][4], const float (&m)[2], float (&l)[2],
-                                               const std::int64_t* slots, __half* staged,
-                                               StagedOffset&& staged_offset, __half* o_part, float* scale_part,
-                                               float* lse_part) {
+// Stores a warp's 16 x D accumulator rows at their slots (slot < 0: a padding row, skipped) as fp16 of row /
+// max|row| in dst[slot * D ...] with that fp32 scale in scale_part[slot]. The fp16 rows go through the warp's
+// staging area `staged` (16 x D halves at staged_offset(r, c)) so that global writes are 16-byte pieces of whole
+// rows; the caller makes sure nothing else uses that area meanwhile.
+template <int D, class StagedOffset>
+__device__ __forceinline__ void store_scaled_rows(const float (&acc)[D / 8][4], const std::int64_t* slots,
+                                                  __half* staged, StagedOffset&& staged_offset, __half* dst,
+                                                  float* scale_part) {
   const int lane = threadIdx.x % 32;
-  float amax[2] = {0.f, 0.f}, inv[2];
+  float amax[2] = {0.f, 0.f};
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] = quad_sum(l[i]);
-    inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-  }
+  for (int nt = 0; nt < D / 8; ++nt) {
 #pragma unroll
-  for (int nt = 0; nt < DV / 8; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc[nt][e] *= inv[e / 2];
-      amax[e / 2] = fmaxf(amax[e / 2], fabsf(acc[nt][e]));
-    }
+    for (int e = 0; e < 4; ++e) amax[e / 2] = fmaxf(amax[e / 2], fabsf(acc[nt][e]));
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     amax[i] = quad_max(amax[i]);
     const std::int64_t slot = slots[lane / 4 + 8 * i];
-    if (slot >= 0 && lane % 4 == 0) {
-      lse_part[slot] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
-      scale_part[slot] = amax[i];
-    }
+    if (slot >= 0 && lane % 4 == 0) scale_part[slot] = amax[i];
   }
   const float rs[2] = {amax[0] > 0.f ? 1.f / amax[0] : 0.f, amax[1] > 0.f ? 1.f / amax[1] : 0.f};
 #pragma unroll
-  for (int nt = 0; nt < DV / 8; ++nt) {
+  for (int nt = 0; nt < D / 8; ++nt) {
     const int col = nt * 8 + 2 * (lane % 4);
     *reinterpret_cast<__half2*>(staged + staged_offset(lane / 4, col)) =
         __floats2half2_rn(acc[nt][0] * rs[0], acc[nt][1] * rs[0]);
@@ -150,15 +138,39 @@ __device__ __forceinline__ void store_partials(float (&acc)[DV / 8][4], const fl
         __floats2half2_rn(acc[nt][2] * rs[1], acc[nt][3] * rs[1]);
   }
   __syncwarp();
-  for (int i = lane; i < 16 * (DV / 8); i += 32) {
-    const int r = i / (DV / 8), cc = i % (DV / 8);
+  for (int i = lane; i < 16 * (D / 8); i += 32) {
+    const int r = i / (D / 8), cc = i % (D / 8);
     const std::int64_t slot = slots[r];
     if (slot >= 0) {
-      *reinterpret_cast<uint4*>(o_part + slot * DV + cc * 8) =
+      *reinterpret_cast<uint4*>(dst + slot * D + cc * 8) =
           *reinterpret_cast<const uint4*>(staged + staged_offset(r, cc * 8));
     }
   }
   __syncwarp();  // the lanes are done with the staging area
+}
+
+// A warp's epilogue for its 16 gathered rows: o = acc / l of each row, stored by store_scaled_rows, and the
+// fp32 lse (log2) at the row's slot.
+template <int DV, class StagedOffset>
+__device__ __forceinline__ void store_partials(float (&acc)[DV / 8][4], const float (&m)[2], float (&l)[2],
+                                               const std::int64_t* slots, __half* staged,
+                                               StagedOffset&& staged_offset, __half* o_part, float* scale_part,
+                                               float* lse_part) {
+  const int lane = threadIdx.x % 32;
+  float inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] = quad_sum(l[i]);
+    inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const std::int64_t slot = slots[lane / 4 + 8 * i];
+    if (slot >= 0 && lane % 4 == 0) lse_part[slot] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
+  }
+#pragma unroll
+  for (int nt = 0; nt < DV / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] *= inv[e / 2];
+  }
+  store_scaled_rows<DV>(acc, slots, staged, staged_offset, o_part, scale_part);
 }
 
 }  // namespace sparseattn::cuda::selection
