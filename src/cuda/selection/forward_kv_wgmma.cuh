@@ -16,6 +16,7 @@
 #include "cuda/mma.cuh"
 #include "cuda/selection/kv_runs.cuh"
 #include "cuda/selection/forward_plan.h"
+#include "cuda/selection/tile.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace sparseattn::cuda::selection {
@@ -162,11 +163,11 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
         wgmma::wait<0>();
       }
       // Every product of the warpgroup has read this Q tile: it becomes the warps' staging areas (warp w:
-      // 16 x DV halves, 16-byte chunks XOR-swizzled by row against bank conflicts; DV <= DQK).
+      // 16 x DV halves in the swizzled layout of tile.cuh, against bank conflicts; DV <= DQK).
       __syncthreads();
       __half* staged = reinterpret_cast<__half*>(const_cast<T*>(q_tile)) + warp * 16 * DV;
       store_partials<DV>(acc, m, l, slot_s + buf * kRows + warp * 16, staged,
-                         [](int r, int col) { return r * DV + (((col >> 3) ^ (r & 7)) << 3) + (col & 7); }, o_part,
+                         [](int r, int col) { return SmemTile<__half, 16, DV>::offset(r, col); }, o_part,
                          scale_part, lse_part);
     }
     cur = stop;
