@@ -39,6 +39,8 @@
 #include "cuda/mma.cuh"
 #include "cuda/selection/chunks.cuh"
 #include "cuda/selection/common.cuh"
+#include "cuda/selection/dkv.cuh"
+#include "cuda/selection/dkv_wgmma.cuh"
 #include "cuda/selection/dq_kv.h"
 #include "cuda/selection/inverse_index.h"
 #include "cuda/selection/launch.cuh"
@@ -49,6 +51,7 @@ namespace sparseattn::cuda {
 
 namespace {
 
+using selection::DkvConfig;
 using selection::IndexView;
 using selection::kLn2;
 using selection::kLog2e;
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
                                                                const float* delta, Tokens<T> dq, SeqTable seqs,
                                                                BwdConfig c) {
   using S = DqSmem<T, DQK, DV>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernel of this unit declares it
   T* base = reinterpret_cast<T*>(smem_raw);
   const typename S::Q qs{base};
   const typename S::DO dos{qs.base + S::Q::kElements};
@@ -233,14 +236,6 @@ struct DkvSmem {
   static constexpr std::size_t kBytes = kElements * sizeof(T) + 3 * kGather * sizeof(float);
 };
 
-struct DkvConfig {
-  std::int64_t heads_kv, group, block, rows, blocks_per_seq, batch;  // blocks_per_seq: batched only
-  std::int64_t keys, chunk_tokens;
-  std::uint32_t blocks_bound;
-  bool packed;
-  float scale, scale_log2;
-};
-
 template <class T, int DQK, int DV, int SPLIT>
 __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
     Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, LseView<const float> lse, Tokens<const T> d_o,
@@ -249,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
     SeqTable seqs, DkvConfig c) {
   using S = DkvSmem<T, DQK, DV>;
   constexpr int kCk = DQK / SPLIT, kCv = DV / SPLIT;  // dK / dV columns of this CTA
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernel of this unit declares it
   T* base = reinterpret_cast<T*>(smem_raw);
   const typename S::K ks{base};
   const typename S::V vs{ks.base + S::K::kElements};
@@ -259,25 +254,13 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
   float* delta_s = lse_s + kGather;
   int* pos_s = reinterpret_cast<int*>(delta_s + kGather);
 
-  // Which (key, chunk of its segment) this CTA takes (selection::locate_chunk).
-  __shared__ std::int64_t task_s[3];
-  if (threadIdx.x == 0) {
-    const selection::ChunkTask task = selection::locate_chunk(chunk_scan, c.keys, blockIdx.x);
-    task_s[0] = task.key;
-    task_s[1] = task.chunk;
-    task_s[2] = task.slot;
-  }
-  __syncthreads();
-  const std::int64_t key = task_s[0], chunk = task_s[1];
-  if (key < 0) return;
-  const selection::BlockOf where = selection::block_of(static_cast<std::uint64_t>(key), c.blocks_bound,
-                                                       c.blocks_per_seq, offsets, c.batch, c.packed);
-  const std::int64_t h = where.head, b = where.block, sq = where.seq;
-  const std::int64_t sub = blockIdx.y / SPLIT, half = blockIdx.y % SPLIT;
-  const auto seq = seqs[sq];
-  const std::int64_t first = b * c.block + sub * kKeys;
-  const std::int64_t end = min(min((b + 1) * c.block, seq.length), first + kKeys);
-  if (first >= end) return;
+  const std::int64_t half = blockIdx.y % SPLIT;
+  const selection::DkvTask task = selection::dkv_task(chunk_scan, offsets, seg_begin, seg_end, seqs, c,
+                                                      blockIdx.y / SPLIT, kKeys);
+  if (task.first >= task.end) return;
+  const auto& seq = task.seq;
+  const std::int64_t h = task.h, first = task.first, end = task.end, list_begin = task.list_begin,
+                     pairs = task.pairs;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int64_t heads_q = c.heads_kv * c.group;
 
@@ -288,10 +271,6 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
       vs, [&](int r) { return first + r < end ? v.row(seq.batch, seq.begin + first + r, h) : nullptr; },
       v.row(seq.batch, seq.begin + first, h));
   cp_async_commit();
-
-  const std::int64_t list_begin = seg_begin[key] + chunk * c.chunk_tokens;
-  const std::int64_t list_end = min(std::int64_t{seg_end[key]}, list_begin + c.chunk_tokens);
-  const std::int64_t pairs = (list_end - list_begin) * c.group;
 
   float dk_acc[kCk / 8][4] = {}, dv_acc[kCv / 8][4] = {};
   const int k_lo = warp * 16 + lane / 4, k_hi = k_lo + 8;  // key rows of this thread in the tile
@@ -398,48 +377,8 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
     }
   }
   cp_async_wait<0>();
-  const std::int64_t slot = task_s[2];  // re-read here: shared memory, not a register held through the loop
-  if (slot >= 0) {
-    // One chunk of a split segment: fp32 partial (dK unscaled) at rows s - b * block of the slot.
-    float* dk_part = partials + slot * c.block * (DQK + DV);
-    float* dv_part = dk_part + c.block * DQK;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const std::int64_t s = first + (i == 0 ? k_lo : k_hi);
-      if (s >= end) continue;
-      const std::int64_t r = s - b * c.block;
-#pragma unroll
-      for (int nt = 0; nt < kCk / 8; ++nt) {
-        const int col = static_cast<int>(half) * kCk + nt * 8 + 2 * (lane % 4);
-        *reinterpret_cast<float2*>(dk_part + r * DQK + col) = make_float2(dk_acc[nt][2 * i], dk_acc[nt][2 * i + 1]);
-      }
-#pragma unroll
-      for (int nt = 0; nt < kCv / 8; ++nt) {
-        const int col = static_cast<int>(half) * kCv + nt * 8 + 2 * (lane % 4);
-        *reinterpret_cast<float2*>(dv_part + r * DV + col) = make_float2(dv_acc[nt][2 * i], dv_acc[nt][2 * i + 1]);
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const std::int64_t s = first + (i == 0 ? k_lo : k_hi);
-    if (s >= end) continue;
-    T* dkp = dk.row(seq.batch, seq.begin + s, h);
-    T* dvp = dv.row(seq.batch, seq.begin + s, h);
-#pragma unroll
-    for (int nt = 0; nt < kCk / 8; ++nt) {
-      const int col = static_cast<int>(half) * kCk + nt * 8 + 2 * (lane % 4);
-      dkp[col] = from_float<T>(dk_acc[nt][2 * i] * c.scale);
-      dkp[col + 1] = from_float<T>(dk_acc[nt][2 * i + 1] * c.scale);
-    }
-#pragma unroll
-    for (int nt = 0; nt < kCv / 8; ++nt) {
-      const int col = static_cast<int>(half) * kCv + nt * 8 + 2 * (lane % 4);
-      dvp[col] = from_float<T>(dv_acc[nt][2 * i]);
-      dvp[col + 1] = from_float<T>(dv_acc[nt][2 * i + 1]);
-    }
-  }
+  selection::store_dkv<T, DQK, DV, kCk, kCv>(dk_acc, dv_acc, task, c, warp * 16, static_cast<int>(half) * kCk,
+                                             static_cast<int>(half) * kCv, partials, dk, dv);
 }
 
 // dK/dV of the split segments: one CTA per key; the sum of its partial slots in chunk order.
@@ -679,10 +618,20 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p) {
                                         static_cast<std::uint32_t>(plan.blocks_bound), s.packed};
         selection::launch_chunk_counts(seg_begin, seg_end, offsets, table, cc, counts, stream);
         selection::chunk_scan(ws + plan.scan_temp, plan.scan_temp_bytes, counts, scan, keys, stream);
+        // The wgmma kernel where it runs (sm_90a; Dqk = Dv <= 128), else the mma.sync one; same arguments.
         auto kernel = selected_dkv_kernel<T, DQK, DV, SPLIT>;
-        const std::size_t smem = DkvSmem<T, DQK, DV>::kBytes;
+        std::size_t smem = DkvSmem<T, DQK, DV>::kBytes;
+        std::int64_t split = SPLIT;
+        if constexpr (selection::DkvWgmmaTile<DQK, DV>::kSupported) {
+          auto wgmma_kernel = selection::selected_dkv_wgmma_kernel<T, DQK, DV>;
+          if (wgmma::kernel_runs(wgmma_kernel)) {
+            kernel = wgmma_kernel;
+            smem = selection::DkvWgmmaTile<DQK, DV>::kSmemBytes;
+            split = 1;
+          }
+        }
         selection::set_smem(kernel, smem);
-        const dim3 grid(static_cast<unsigned>(plan.grid), static_cast<unsigned>(subtiles * SPLIT));
+        const dim3 grid(static_cast<unsigned>(plan.grid), static_cast<unsigned>(subtiles * split));
         kernel<<<grid, kThreads, smem, stream>>>(
             tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v),
             selection::lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, offsets, seg_begin, seg_end,
