@@ -245,12 +245,14 @@ def test_selected_attention(forward, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, b
 
 
 # The two CUDA dQ paths of the backward (src/cuda/selection/dq_kv.h): query-outer or KV-block-outer, read on the
-# host like the forward switch.
+# host like the forward switch; the KV-block-outer one on wgmma where it can (attention_mma "auto") and on
+# mma.sync ("sync").
 DQ_ENV = "SPARSEATTN_SELECTED_DQ"
 
 
 @pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n,future", SELECTED_CASES)
-def test_selected_attention_kv_outer_dq(monkeypatch, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
+def test_selected_attention_kv_outer_dq(monkeypatch, attention_mma, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n,
+                                        future):
     monkeypatch.setenv(DQ_ENV, "kv")
     _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
 

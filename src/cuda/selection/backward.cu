@@ -10,7 +10,8 @@
 //    T = 64K, n = 16, block 64, NSA-like indices, dQ time query-outer -> KV-block-outer (sort + kernel +
 //    merge): G = 1 (Hq/Hkv 32/32) 225.9 -> 40.2 ms, G = 2 (16/8) 56.2 -> 13.7, G = 4 (16/4) 28.7 -> 11.9,
 //    G = 8 (32/4) 28.9 -> 23.1, G = 16 (64/4) 29.3 -> 44.9 (slower). With swizzled tiles (tile.cuh) the
-//    query-outer dQ got 1.4x faster and wins from G = 7 on (dq_kv.h), so the KV-block-outer one runs for G <= 6.
+//    query-outer dQ got 1.4x faster; on wgmma (dq_kv_wgmma.cuh, sm_90a) the KV-block-outer one wins up to
+//    G = 8 (dq_kv.h) and runs there.
 //
 // dK/dV are KV-block-outer (the FSA idea): an inverse index (for each sequence, KV head and selection
 // block, the ascending tokens whose index row lists it; inverse_index.h) is built in the workspace by a
@@ -20,7 +21,9 @@
 // (chunk, 64-key tile of the block, Dqk/Dv half for head dims > 128) gathers its tokens' query rows (all G
 // heads, 32 (token, head) rows at a time) and accumulates dK and dV in registers: warp w owns keys
 // [16w, 16w+16) of the tile and computes S^T = K Q^T and dP^T = V dO^T directly in key-major form, so no
-// reduction across warps is needed. A segment that fits one chunk writes dK/dV directly; the chunks of a
+// reduction across warps is needed. On sm_90a with Dqk = Dv <= 128 the same task runs on warpgroup MMAs with
+// 64-row gathers (dkv_wgmma.cuh; H100, 64/4, T = 64K: 27.2 -> 16.3 ms, 32/32: 17.2 -> 12.4 ms); the two
+// kernels share the task and the epilogue (dkv.cuh). A segment that fits one chunk writes dK/dV directly; the chunks of a
 // longer one write fp32 partials to their own workspace slots and dkv_reduce_kernel sums them in chunk
 // order. No float atomics anywhere: the backward is deterministic.
 //

@@ -22,6 +22,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/selection/dq_kv_wgmma.cuh"
 #include "cuda/selection/inverse_index.h"
 #include "cuda/selection/kv_runs.cuh"
 #include "cuda/selection/launch.cuh"
@@ -49,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
   using OTile = SmemTile<T, kTile, DV>;
   using KTile = SmemTile<T, kDqKvMaxBlock, DQK>;
   using VTile = SmemTile<T, kDqKvMaxBlock, DV>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernels of this unit declare it
   auto* keys_s = reinterpret_cast<std::uint32_t*>(smem_raw);
   auto* vals_s = reinterpret_cast<std::int32_t*>(keys_s + kDqKvCtaRows);
   auto* qptr_s = reinterpret_cast<const T**>(vals_s + kDqKvCtaRows);
@@ -282,8 +283,17 @@ void dq_kv_outer(const SelectedAttentionBackwardParams& p, const DqKvArgs& a) {
     using T = typename decltype(tag)::type;
     dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+      // The wgmma kernel where it runs (sm_90a; Dqk, Dv <= 128), else the mma.sync one; same arguments.
       auto kernel = dq_kv_kernel<T, DQK, DV>;
-      const std::size_t smem = dq_kv_smem_bytes(DQK, DV, a.block);
+      std::size_t smem = dq_kv_smem_bytes(DQK, DV, a.block);
+      if constexpr (DqKvWgmmaTile<DQK, DV>::kSupported) {
+        const int keys = a.block <= 64 ? 64 : 128;
+        auto wgmma_kernel = keys == 64 ? dq_kv_wgmma_kernel<T, DQK, DV, 64> : dq_kv_wgmma_kernel<T, DQK, DV, 128>;
+        if (wgmma::kernel_runs(wgmma_kernel)) {
+          kernel = wgmma_kernel;
+          smem = dq_kv_wgmma_smem_bytes(DQK, DV, keys);
+        }
+      }
       set_smem(kernel, smem);
       for (std::int64_t row0 = 0; row0 < a.total_rows; row0 += a.chunk_rows) {
         const std::int64_t rows_here = std::min(a.chunk_rows, a.total_rows - row0);

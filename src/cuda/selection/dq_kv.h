@@ -24,10 +24,10 @@ inline constexpr int kDqKvBuffers = 2;
 // bounded by cutting the tokens into chunks whose partials stay near this many bytes.
 inline constexpr std::size_t kDqKvPartialCap = std::size_t{256} << 20;
 // Measured (H100, bf16, D = 128, n = 16, block 64, Hkv = 4, indices from select_blocks), time of the selected
-// backward with the query-outer dQ / with this one, T = 16K and 64K, after the query-outer dQ's swizzled tiles:
-// G = 4 1.30-1.32x, G = 5 1.14-1.15x, G = 6 1.02-1.04x, G = 7 0.94-0.96x, G = 8 0.88-0.90x, G = 12 0.72-0.76x.
-// Earlier, dQ alone at 64K: 5.6x faster at G = 1, 4.1x at G = 2. Short sequences: the forward's limit.
-inline constexpr std::int64_t kDqKvMaxGroup = 6;
+// backward with the query-outer dQ / with this one on wgmma (dq_kv_wgmma.cuh), T = 16K and 64K: G = 1
+// 3.65-4.02x, G = 4 1.62-1.66x, G = 6 1.24x, G = 8 1.04-1.05x, G = 12 0.84x, G = 16 0.73x (with the mma.sync
+// kernel it was G = 6 1.02-1.04x, G = 7 0.94-0.96x: the limit was 6). Short sequences: the forward's limit.
+inline constexpr std::int64_t kDqKvMaxGroup = 8;
 inline constexpr std::int64_t kDqKvMinTokens = 1024;
 
 inline std::size_t dq_kv_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block) {
