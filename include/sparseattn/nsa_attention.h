@@ -39,8 +39,8 @@ struct NsaParams {
   Sequences seqs;
   TensorView cu_seqlens_cmp;  // packed only: int32 [B+1], prefix sums of num_compressed_blocks(T_b)
   NsaConfig config;
-  void* workspace = nullptr;  // on q's device, 16-byte aligned, nsa_workspace_size(params) bytes; the
-                              // backward reads it
+  void* workspace = nullptr;  // on q's device, 16-byte aligned, nsa_workspace_size(params) bytes, any
+                              // contents (every byte is written: deterministic); the backward reads it
   std::size_t workspace_bytes = 0;
   Stream stream = nullptr;
 };

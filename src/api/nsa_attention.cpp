@@ -176,6 +176,16 @@ void nsa_attention(const NsaParams& params) {
   check_backend(check, params.q);
 
   const NsaConfig& c = params.config;
+  // Every byte of the workspace ends up deterministic (the caller may pass it uninitialised): what no step
+  // writes is zero-filled (NsaWorkspace::unwritten).
+  const auto zero = [&](const TensorView& view) {
+    if (view.present() && view.numel() > 0) sum_into(view, {}, {}, params.stream);
+  };
+  if (plan.layout.packed) {
+    zero(ws.whole);
+  } else {
+    for (const TensorView& gap : ws.unwritten) zero(gap);
+  }
   const TensorView k_cmp = plan.user_cmp ? params.k_cmp : ws.k_cmp;
   const TensorView v_cmp = plan.user_cmp ? params.v_cmp : ws.v_cmp;
   if (plan.run_compression) {
@@ -191,6 +201,7 @@ void nsa_attention(const NsaParams& params) {
   const ForwardSteps steps = forward_steps(plan, params, ws);
   if (plan.run_selection) select_blocks(steps.select);
   if (plan.branch[1]) selected_attention(steps.slc);
+  zero(ws.step_extent);  // its own slice, done with: the steps' scratch is not part of the result
   if (plan.branch[2]) {
     flash_attention({.q = params.q, .k = params.k, .v = params.v, .mask = {}, .bias = {}, .o = ws.o[2],
                      .lse = ws.lse[2], .seqs_q = params.seqs, .seqs_k = params.seqs, .causal = true,

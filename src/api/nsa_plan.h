@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "api/check.h"
 #include "sparseattn/nsa_attention.h"
@@ -42,6 +43,13 @@ struct NsaWorkspace {
                         // (combine writes every row; rows past cu_seqlens[B] of o must stay untouched)
   TensorView step_workspace;  // uint8: the workspace of select_blocks and then selected_attention (in the
                               // sliding window's output slice when that is large enough)
+  // What the steps leave unwritten, as float16 views the forward zero-fills so that every byte of the
+  // workspace is deterministic: the alignment gaps after the slices, the step workspace's whole extent when it
+  // has its own slice (zeroed after its last use), and, for the packed layout (whose rows outside the
+  // sequences no step writes), the whole workspace.
+  std::vector<TensorView> unwritten;
+  TensorView step_extent;  // absent when the step workspace lives in the window's slice (or there is none)
+  TensorView whole;
   std::size_t bytes = 0;
 };
 

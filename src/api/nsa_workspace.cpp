@@ -31,16 +31,38 @@ class Carver {
     }
     t.data = base_ == nullptr ? nullptr : base_ + offset_;
     const std::size_t bytes = static_cast<std::size_t>(elements) * element_size(dtype);
+    const std::size_t end = offset_ + bytes;
     offset_ += (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    if (offset_ > end) padding_.push_back(bytes_at(end, offset_ - end));
+    return t;
+  }
+
+  // The bytes [offset, offset + bytes) as a float16 view (bytes even: every slice but a byte-sized step
+  // workspace, whose extent is zeroed whole, ends on an even offset): rows of 256 bytes where they divide
+  // it (a 16-byte vector per thread when it is zeroed), else one row.
+  TensorView bytes_at(std::size_t offset, std::size_t bytes) const {
+    TensorView t;
+    t.dtype = DType::float16;
+    t.device = plan_.device;
+    t.device_index = plan_.device_index;
+    t.rank = 2;
+    const bool rows = bytes % kAlignment == 0;
+    t.shape[0] = rows ? static_cast<std::int64_t>(bytes / kAlignment) : 1;
+    t.shape[1] = static_cast<std::int64_t>(rows ? kAlignment / 2 : bytes / 2);
+    t.stride[0] = t.shape[1];
+    t.stride[1] = 1;
+    t.data = base_ == nullptr ? nullptr : base_ + offset;
     return t;
   }
 
   std::size_t bytes() const { return offset_; }
+  std::vector<TensorView> take_padding() { return std::move(padding_); }
 
  private:
   const NsaPlan& plan_;
   char* base_ = nullptr;
   std::size_t offset_ = 0;
+  std::vector<TensorView> padding_;  // the alignment gaps after the slices
 };
 
 }  // namespace
@@ -72,10 +94,16 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_wor
       ws.step_workspace.shape[0] = static_cast<std::int64_t>(step_workspace_bytes);
       ws.step_workspace.stride[0] = 1;
     } else {
+      ws.unwritten = carve.take_padding();
+      const std::size_t start = carve.bytes();
       ws.step_workspace = carve.take(DType::boolean, {static_cast<std::int64_t>(step_workspace_bytes)});
+      ws.step_extent = carve.bytes_at(start, carve.bytes() - start);
+      carve.take_padding();
     }
   }
+  for (TensorView& gap : carve.take_padding()) ws.unwritten.push_back(gap);
   ws.bytes = carve.bytes();
+  ws.whole = carve.bytes_at(0, ws.bytes);
   return ws;
 }
 
