@@ -650,12 +650,16 @@ _NSA_NUM_INPUTS = 20
 def _nsa_setup(ctx, inputs, output):
     o, workspace = output
     ctx.mark_non_differentiable(workspace)
+    # No zero gradient of the workspace (gigabytes at long T) materialised for the backward, which ignores it.
+    ctx.set_materialize_grads(False)
     tensors = inputs[:11]  # q .. cu_seqlens_cmp
     ctx.save_for_backward(*tensors, o, workspace)
     ctx.args = inputs[11:]  # max_seqlen and the config
 
 
 def _nsa_backward(ctx, d_o, d_workspace):
+    if d_o is None:  # not materialised: nothing reached o
+        return (None,) * _NSA_NUM_INPUTS
     *tensors, o, workspace = ctx.saved_tensors
     grads = nsa_attention_backward(*tensors, *ctx.args, o, workspace, d_o)
     result = [None] * _NSA_NUM_INPUTS
