@@ -536,3 +536,50 @@ def test_error_message_mentions_op_or_argument():
         sa.flash_attention(a["q"], a["k"].double(), a["v"])
     msg = str(info.value)
     assert "argument 'k'" in msg and ("float64" in msg or "double" in msg), msg
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_nsa_workspace_every_byte_written(monkeypatch, device, packed):
+    # The forward's workspace (an output of the custom op) comes from torch.empty: nsa_attention must write
+    # every byte (alignment gaps, packed rows outside the sequences, step scratch), so that two runs on
+    # differently poisoned memory return the same bytes. T = 300: lse rows leave gaps before the next slice.
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lengths = [130, 170] if packed else [300]
+    torch.manual_seed(0)
+    if packed:
+        N = sum(lengths) + 5
+        q, k, v = (randn(N, h, 32, dtype=dtype, device=device) for h in (8, 2, 2))
+        g = [gates(N, 8, dtype=dtype, device=device) for _ in range(3)]
+        cu = cu_seqlens_of(lengths, device=device)
+        cu_cmp = sa.compressed_cu_seqlens(cu, block=SMALL["cmp_block"], stride=SMALL["cmp_stride"])
+        max_seqlen = max(lengths)
+    else:
+        q, k, v = qkv(1, lengths[0], 8, 2, 32, dtype=dtype, device=device)
+        g = [gates(1, lengths[0], 8, dtype=dtype, device=device) for _ in range(3)]
+        cu = cu_cmp = None
+        max_seqlen = 0
+    config = (SMALL["cmp_block"], SMALL["cmp_stride"], SMALL["sel_block"], SMALL["num_selected"], SMALL["num_init"],
+              SMALL["num_local"], SMALL["window"], None)
+    real_empty = torch.empty
+
+    def run(poison):
+        def empty(*args, **kwargs):
+            t = real_empty(*args, **kwargs)
+            return t.fill_(poison) if kwargs.get("dtype") == torch.uint8 else t
+        monkeypatch.setattr(torch, "empty", empty)
+        try:
+            o, workspace = torch.ops.sparseattn.nsa_attention(q, k, v, None, None, None, *g, cu, cu_cmp, max_seqlen,
+                                                              *config)
+        finally:
+            monkeypatch.setattr(torch, "empty", real_empty)
+        return o, workspace
+
+    o0, ws0 = run(0)
+    o1, ws1 = run(0xA5)
+    assert ws0.numel() > 0
+    assert torch.equal(ws0, ws1)
+    assert torch.equal(o0[:sum(lengths)] if packed else o0, o1[:sum(lengths)] if packed else o1)
