@@ -29,6 +29,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "cuda/common.cuh"
 #include "cuda/mma.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -95,6 +96,56 @@ __device__ __forceinline__ std::uint64_t mn_major_descriptor(const T* tile, int 
 // (address / 16, 14 bits) and shared addresses stay below 2^18, so the sum never carries out of it. With the
 // offsets known at compile time, a k-loop of MMAs costs one integer add per operand instead of a descriptor.
 __device__ __forceinline__ std::uint64_t advance(std::uint64_t desc, std::uint32_t bytes) { return desc + (bytes >> 4); }
+
+// Copies rows [row0, row0 + valid) of head h into a kRows x kDim swizzled tile (the layout above), zero-filling the
+// rest. Eight consecutive threads move the 8 chunks of 16 bytes of one 128-byte row piece: one coalesced
+// global read, and a conflict-free shared-memory write. Where the threads cover whole rows a multiple of 8
+// apart (64 and 128 columns), a thread keeps one chunk column, so its swizzle is the same in every row it
+// copies: one address computation, then one pointer increment per pass, and no predicates when the tile is
+// whole (the common case; these loads are issued by the threads that run the softmax, so their instructions
+// count); otherwise (192 columns) each chunk is placed on its own.
+template <int kRows, int kDim, int kThreadCount, class T, class G>  // G: T or const T
+__device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<G>& g, std::int64_t b, std::int64_t row0,
+                                                   std::int64_t valid, std::int64_t h) {
+  static_assert(kDim % 64 == 0, "swizzled tiles: whole 128-byte panels");
+  constexpr int kChunks = kDim / 8, kRowStep = kThreadCount / kChunks;
+  if constexpr (kThreadCount % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0) {
+    const int c = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
+    const int rows = valid < kRows ? static_cast<int>(valid) : kRows;
+    const G* src = g.row(b, row0, h) + r0 * g.row_stride + c * 8;
+    const std::int64_t pass_stride = kRowStep * g.row_stride;
+    T* dst = smem + swizzled_offset<kRows>(r0, c * 8);
+    if (rows == kRows) {
+#pragma unroll
+      for (int i = 0; i < kRows / kRowStep; ++i, src += pass_stride) cp_async_16(dst + i * kRowStep * 64, src, 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRows / kRowStep; ++i, src += pass_stride) {
+        const bool ok = r0 + i * kRowStep < rows;
+        cp_async_16(dst + i * kRowStep * 64, ok ? src : g.data, ok ? 16 : 0);
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreadCount) {
+      const int r = i / kChunks, c = i % kChunks;
+      const bool ok = r < valid;
+      cp_async_16(smem + swizzled_offset<kRows>(r, c * 8), ok ? g.row(b, row0 + r, h) + c * 8 : g.data,
+                  ok ? 16 : 0);
+    }
+  }
+}
+
+// Copies kRows rows of kDim elements, row r from rows[r] (null: a zero row; fallback: any readable address),
+// into a kRows x kDim swizzled tile: the gathered-row counterpart of load_swizzled_tile.
+template <int kRows, int kDim, int kThreadCount, class T>
+__device__ __forceinline__ void gather_swizzled_rows(T* smem, const T* const* rows, const T* fallback) {
+  for (int i = threadIdx.x; i < kRows * (kDim / 8); i += kThreadCount) {
+    const int r = i / (kDim / 8), c = i % (kDim / 8);
+    const T* src = rows[r];
+    cp_async_16(smem + swizzled_offset<kRows>(r, c * 8), (src != nullptr ? src : fallback) + c * 8,
+                src != nullptr ? 16 : 0);
+  }
+}
 
 // Before the first wgmma that reads registers (accumulators, A fragments) written by ordinary code.
 __device__ __forceinline__ void fence() {

@@ -31,6 +31,8 @@
 
 namespace sparseattn::cuda::attention {
 
+using wgmma::load_swizzled_tile;  // shared with the selection kernels
+
 template <int Dqk, int Dv>
 struct WgmmaFwdTile {
   // wgmma N is 64 or 128 here (O's N = Dv); tiles are whole 64-column panels.
@@ -43,43 +45,6 @@ struct WgmmaFwdTile {
   // Q, 2 x K, 2 x V (2-byte elements), plus room to align the start to a swizzle atom.
   static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV) + wgmma::kTileAlignment;
 };
-
-// Copies rows [row0, row0 + valid) of head h into a kRows x kDim swizzled tile (wgmma.cuh), zero-filling the
-// rest. Eight consecutive threads move the 8 chunks of 16 bytes of one 128-byte row piece: one coalesced
-// global read, and a conflict-free shared-memory write. Where the threads cover whole rows a multiple of 8
-// apart (64 and 128 columns), a thread keeps one chunk column, so its swizzle is the same in every row it
-// copies: one address computation, then one pointer increment per pass, and no predicates when the tile is
-// whole (the common case; these loads are issued by the threads that run the softmax, so their instructions
-// count); otherwise (192 columns) each chunk is placed on its own.
-template <int kRows, int kDim, int kThreadCount, class T>
-__device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<T>& g, i64 b, i64 row0, i64 valid, i64 h) {
-  static_assert(kDim % 64 == 0, "swizzled tiles: whole 128-byte panels");
-  constexpr int kChunks = kDim / 8, kRowStep = kThreadCount / kChunks;
-  if constexpr (kThreadCount % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0) {
-    const int c = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
-    const int rows = valid < kRows ? static_cast<int>(valid) : kRows;
-    const T* src = g.row(b, row0, h) + r0 * g.row_stride + c * 8;
-    const i64 pass_stride = kRowStep * g.row_stride;
-    T* dst = smem + wgmma::swizzled_offset<kRows>(r0, c * 8);
-    if (rows == kRows) {
-#pragma unroll
-      for (int i = 0; i < kRows / kRowStep; ++i, src += pass_stride) cp_async_16(dst + i * kRowStep * 64, src, 16);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kRows / kRowStep; ++i, src += pass_stride) {
-        const bool ok = r0 + i * kRowStep < rows;
-        cp_async_16(dst + i * kRowStep * 64, ok ? src : g.data, ok ? 16 : 0);
-      }
-    }
-  } else {
-    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreadCount) {
-      const int r = i / kChunks, c = i % kChunks;
-      const bool ok = r < valid;
-      cp_async_16(smem + wgmma::swizzled_offset<kRows>(r, c * 8), ok ? g.row(b, row0 + r, h) + c * 8 : g.data,
-                  ok ? 16 : 0);
-    }
-  }
-}
 
 // The two score products of a backward step, committed as one MMA group: s = A_s B_s^T over Dqk columns and
 // dp = A_p B_p^T over Dv (every operand K-major, its descriptor at column 0; A tiles of kRowsA rows, B tiles of

@@ -61,21 +61,12 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
   const auto& seq = task.seq;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int64_t heads_q = c.heads_kv * c.group;
-  const int keys = static_cast<int>(task.end - task.first);
 
   // K and V rows [first, end), zero rows after.
-  for (int i = threadIdx.x; i < kKeys * (DQK / 8); i += kThreads) {
-    const int r = i / (DQK / 8), cc = i % (DQK / 8);
-    const bool in = r < keys;
-    cp_async_16(sK + wgmma::swizzled_offset<kKeys>(r, cc * 8),
-                k.row(seq.batch, seq.begin + task.first + (in ? r : 0), task.h) + cc * 8, in ? 16 : 0);
-  }
-  for (int i = threadIdx.x; i < kKeys * (DV / 8); i += kThreads) {
-    const int r = i / (DV / 8), cc = i % (DV / 8);
-    const bool in = r < keys;
-    cp_async_16(sV + wgmma::swizzled_offset<kKeys>(r, cc * 8),
-                v.row(seq.batch, seq.begin + task.first + (in ? r : 0), task.h) + cc * 8, in ? 16 : 0);
-  }
+  wgmma::load_swizzled_tile<kKeys, DQK, kThreads>(sK, k, seq.batch, seq.begin + task.first, task.end - task.first,
+                                                  task.h);
+  wgmma::load_swizzled_tile<kKeys, DV, kThreads>(sV, v, seq.batch, seq.begin + task.first, task.end - task.first,
+                                                 task.h);
 
   // Pair p of the chunk: token tokens[list_begin + p / G] and group head p % G (32-bit division: pairs < 2^31).
   const std::uint32_t group32 = static_cast<std::uint32_t>(c.group);

@@ -106,36 +106,15 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
         delta_s[at] = dl;
       }
       __syncthreads();
-      const T* q_fallback = qptr_s[buf * kRows];  // row 0 of a tile always exists
-      const T* do_fallback = optr_s[buf * kRows];
-      for (int i = threadIdx.x; i < kRows * (DQK / 8); i += kThreads) {
-        const int r = i / (DQK / 8), cc = i % (DQK / 8);
-        const T* src = qptr_s[buf * kRows + r];
-        cp_async_16(sQ + buf * kQ + wgmma::swizzled_offset<kRows>(r, cc * 8),
-                    (src != nullptr ? src : q_fallback) + cc * 8, src != nullptr ? 16 : 0);
-      }
-      for (int i = threadIdx.x; i < kRows * (DV / 8); i += kThreads) {
-        const int r = i / (DV / 8), cc = i % (DV / 8);
-        const T* src = optr_s[buf * kRows + r];
-        cp_async_16(sDO + buf * kDO + wgmma::swizzled_offset<kRows>(r, cc * 8),
-                    (src != nullptr ? src : do_fallback) + cc * 8, src != nullptr ? 16 : 0);
-      }
+      // Row 0 of a tile always exists: its rows are the padding rows' fallback addresses.
+      wgmma::gather_swizzled_rows<kRows, DQK, kThreads>(sQ + buf * kQ, qptr_s + buf * kRows, qptr_s[buf * kRows]);
+      wgmma::gather_swizzled_rows<kRows, DV, kThreads>(sDO + buf * kDO, optr_s + buf * kRows, optr_s[buf * kRows]);
       cp_async_commit();
     };
 
     __syncthreads();  // the previous run is done with K, V and both tile buffers
-    for (int i = threadIdx.x; i < KEYS * (DQK / 8); i += kThreads) {
-      const int r = i / (DQK / 8), cc = i % (DQK / 8);
-      const bool in = r < run.keys;
-      cp_async_16(sK + wgmma::swizzled_offset<KEYS>(r, cc * 8),
-                  k.row(run.batch, run.begin + run.first + (in ? r : 0), run.h) + cc * 8, in ? 16 : 0);
-    }
-    for (int i = threadIdx.x; i < KEYS * (DV / 8); i += kThreads) {
-      const int r = i / (DV / 8), cc = i % (DV / 8);
-      const bool in = r < run.keys;
-      cp_async_16(sV + wgmma::swizzled_offset<KEYS>(r, cc * 8),
-                  v.row(run.batch, run.begin + run.first + (in ? r : 0), run.h) + cc * 8, in ? 16 : 0);
-    }
+    wgmma::load_swizzled_tile<KEYS, DQK, kThreads>(sK, k, run.batch, run.begin + run.first, run.keys, run.h);
+    wgmma::load_swizzled_tile<KEYS, DV, kThreads>(sV, v, run.batch, run.begin + run.first, run.keys, run.h);
     cp_async_commit();
     stage(0, 0);
 
