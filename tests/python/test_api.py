@@ -547,18 +547,19 @@ def test_nsa_workspace_every_byte_written(monkeypatch, device, packed):
     # The forward's workspace (an output of the custom op) comes from torch.empty: nsa_attention must write
     # every byte (alignment gaps, packed rows outside the sequences, step scratch), so that two runs on
     # differently poisoned memory return the same bytes. T = 300: lse rows leave gaps before the next slice.
+    # Head dim 64: the smallest with CUDA kernels.
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     lengths = [130, 170] if packed else [300]
     torch.manual_seed(0)
     if packed:
         N = sum(lengths) + 5
-        q, k, v = (randn(N, h, 32, dtype=dtype, device=device) for h in (8, 2, 2))
+        q, k, v = (randn(N, h, 64, dtype=dtype, device=device) for h in (8, 2, 2))
         g = [gates(N, 8, dtype=dtype, device=device) for _ in range(3)]
         cu = cu_seqlens_of(lengths, device=device)
         cu_cmp = sa.compressed_cu_seqlens(cu, block=SMALL["cmp_block"], stride=SMALL["cmp_stride"])
         max_seqlen = max(lengths)
     else:
-        q, k, v = qkv(1, lengths[0], 8, 2, 32, dtype=dtype, device=device)
+        q, k, v = qkv(1, lengths[0], 8, 2, 64, dtype=dtype, device=device)
         g = [gates(1, lengths[0], 8, dtype=dtype, device=device) for _ in range(3)]
         cu = cu_cmp = None
         max_seqlen = 0
