@@ -13,9 +13,8 @@
 // score comes from one tile: fixed summation order, no atomics, deterministic). Only the K tile pipeline
 // (and, for Gp > 16, the sum across a token's warps) synchronises the CTA. Pooled scores go to the CTA's
 // slot of the workspace ([tokens][blocks] fp32: O(T) per CTA, a fixed number of CTAs), then each warp picks
-// the top-n of one token's row: forced blocks first, then argmax rounds (ties to the lower index, as the
-// reference's stable sort). Chosen blocks are marked -inf in the slot (real scores are >= 0 or NaN) and
-// collected in ascending order.
+// the top-n of one token's row (choose_blocks: a threshold from the lanes' best blocks, then ranks among the
+// few blocks that reach it; ties to the lower index, as the reference's stable sort).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -42,6 +41,7 @@ static_assert(kRows == kSelectMaxGroup, "a tile holds at least one token of the 
 constexpr int kCols = kSelectColumns;       // compressed blocks per column tile
 constexpr int kSumPitch = kCols + 8;        // fp32 pitch of the group sums: 64-bit stores hit distinct banks
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kListCap = 64;               // top-n: blocks ranked in the usual path (two per lane)
 constexpr std::size_t kWorkspaceCap = std::size_t{256} << 20;  // pooled-score slots of all CTAs
 
 template <int D>
@@ -51,7 +51,7 @@ struct Layout {
   static constexpr std::size_t kK = std::size_t{2} * kCols * D;
   // Group sums: one row per token (Gp <= 16) or per warp (Gp > 16), 128 rows at most (Gp = 1).
   static constexpr std::size_t kSums = sizeof(float) * kRows * kSumPitch;
-  static constexpr std::size_t kBytes = kQ + kStages * kK + kSums + sizeof(float) * kCols;
+  static constexpr std::size_t kBytes = kQ + kStages * kK + kSums + sizeof(std::uint64_t) * kWarps * kListCap;
 };
 
 // Positions within a sequence (and block numbers) fit int32 (cu_seqlens is int32); the per-element and
@@ -79,6 +79,14 @@ __device__ __forceinline__ int first_cmp_block(const Config& c, int b) {
   return b == 0 ? 0 : b * c.cols_per_block - c.border;
 }
 
+// Weight of compressed block j = b * cols_per_block - border + s in selection block b: its overlap / stride.
+__device__ __forceinline__ float tap_weight(const Config& c, int s) {
+  const int start = (s - c.border) * static_cast<int>(c.cmp_stride);
+  const int overlap = min(start + static_cast<int>(c.cmp_block), static_cast<int>(c.sel_block)) - max(start, 0);
+  return static_cast<float>(overlap) / static_cast<float>(c.cmp_stride);
+}
+constexpr int kUnrolledTaps = 8;  // stencils up to this many taps pool without a loop (weights in registers)
+
 // Compressed blocks [j0, j0 + kCols) of the sequence's KV head (k_head: its block 0), zero past cmp_count.
 template <class T, int D>
 __device__ __forceinline__ void load_k_tile(const SmemTile<T, kCols, D>& tile, const T* k_head, i64 row_stride,
@@ -88,8 +96,7 @@ __device__ __forceinline__ void load_k_tile(const SmemTile<T, kCols, D>& tile, c
   cp_async_commit();
 }
 
-// A candidate's rank value: chosen blocks are -inf (skipped); NaN (garbage input) ranks last but still fills
-// a slot.
+// A candidate's rank value: NaN (garbage input) ranks last but still fills a slot.
 __device__ __forceinline__ float rank_value(float v) { return v != v ? -3.0e38f : v; }
 
 // Order-preserving map of floats to unsigned integers (-inf lowest, then the negative NaN stand-in, then >= 0).
@@ -97,75 +104,124 @@ __device__ __forceinline__ unsigned order_key(float v) {
   const unsigned bits = __float_as_uint(v);
   return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
 }
-__device__ __forceinline__ float from_order_key(unsigned key) {
-  return __uint_as_float((key & 0x80000000u) != 0 ? key & 0x7fffffffu : ~key);
+
+// A candidate block as one integer: its rank value's order key above the complement of its index, so that
+// the larger key is the better block, ties going to the lower index (the reference's stable sort). Keys are
+// never 0 (0 stands for "no candidate").
+__device__ __forceinline__ std::uint64_t candidate_key(float v, int b) {
+  return (std::uint64_t{order_key(rank_value(v))} << 32) | (0xffffffffu - static_cast<unsigned>(b));
+}
+__device__ __forceinline__ int block_of(std::uint64_t key) {
+  return static_cast<int>(0xffffffffu - static_cast<unsigned>(key));
 }
 
-// The larger of (v, i) and the lanes' (ties to the lower index), across the warp: two warp reductions.
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-  const unsigned key = order_key(v);
-  const unsigned best = __reduce_max_sync(0xffffffffu, key);
-  i = static_cast<int>(__reduce_min_sync(0xffffffffu, key == best ? static_cast<unsigned>(i) : 0xffffffffu));
-  v = from_order_key(best);
+__device__ __forceinline__ std::uint64_t warp_max(std::uint64_t key) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) {
+    const std::uint64_t other = __shfl_xor_sync(0xffffffffu, key, mask);
+    key = other > key ? other : key;
+  }
+  return key;
 }
 
-// Top-n of one token's pooled row (`row`, `candidates` blocks) by one warp; writes `out[0..n)`. Lane l keeps
-// the best of blocks l, l + 32, ...; a round takes the warp's best, marks it, and only its lane's subset is
-// scanned again (by the whole warp), so a round costs a few loads rather than a scan of the row.
-__device__ void choose_blocks(float* row, int candidates, const Config& c, std::int32_t* out) {
-  constexpr int kNone = 0x7fffffff;
+// The n-th largest (1 <= n <= 32) of the lanes' keys: a bitonic sort across the warp, descending.
+__device__ __forceinline__ std::uint64_t warp_nth_largest(std::uint64_t key, int n) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int k = 2; k <= 32; k *= 2) {
+#pragma unroll
+    for (int j = k / 2; j > 0; j /= 2) {
+      const std::uint64_t other = __shfl_xor_sync(0xffffffffu, key, j);
+      const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
+      key = keep_max ? (other > key ? other : key) : (other < key ? other : key);
+    }
+  }
+  return __shfl_sync(0xffffffffu, key, n - 1);
+}
+
+// Top-n of one token's pooled row (`row`, `candidates` blocks) by one warp; writes `out[0..n)` ascending, -1
+// padded. The forced blocks (the first init, the last local) go straight to their places; `need` more come
+// from the blocks between them, [init, local_lo). Lane l owns the blocks b = l (mod 32).
+//  - Usual path (need <= 32): the need-th best of the 32 lanes' best blocks is a threshold that at least need
+//    blocks reach, so the chosen blocks are among those at or above it. With scores of any spread these are
+//    few (about need + need / 2 for random rows): they are compacted into `list` (ascending block order) and
+//    each is ranked against the others.
+//  - Otherwise (need > 32, or more than kListCap blocks reach the threshold: ties, or the best blocks sharing
+//    a lane): need rounds of warp argmax, each marking its block (-inf) and rescanning only the owner's blocks.
+__device__ void choose_blocks(float* row, int candidates, const Config& c, std::int32_t* out, std::uint64_t* list) {
   const int lane = threadIdx.x % 32;
   const int init = static_cast<int>(min(c.num_init, i64{candidates}));
   const int local_lo = max(init, candidates - static_cast<int>(min(c.num_local, i64{candidates})));
-  const int forced = init + (candidates - local_lo);
-  for (int b = lane; b < candidates; b += 32) {
-    if (b < init || b >= local_lo) row[b] = -INFINITY;
+  const int count = static_cast<int>(min(c.num_selected, i64{candidates}));
+  const int need = count - init - (candidates - local_lo);  // >= 0: num_init + num_local <= num_selected
+  for (int i = lane; i < init; i += 32) out[i] = i;
+  for (int i = lane; i < candidates - local_lo; i += 32) out[init + need + i] = local_lo + i;
+  for (i64 i = count + lane; i < c.num_selected; i += 32) out[i] = -1;
+  if (need == 0) return;
+  const int first = init + (lane - init % 32 + 32) % 32;  // this lane's first block in [init, local_lo)
+  std::uint64_t best = 0;
+  for (int b = first; b < local_lo; b += 32) {
+    const std::uint64_t key = candidate_key(row[b], b);
+    best = key > best ? key : best;
   }
-  __syncwarp();
-  float mine = -INFINITY;
-  int mine_i = kNone;
-  for (int b = lane; b < candidates; b += 32) {
-    const float v = row[b];
-    if (v != -INFINITY && rank_value(v) > mine) {
-      mine = rank_value(v);
-      mine_i = b;
+  if (need <= 32) {
+    const std::uint64_t threshold = warp_nth_largest(best, need);  // > 0: [init, local_lo) covers >= need lanes
+    int size = 0;
+    for (int base = init; base < local_lo; base += 32) {
+      const int b = base + lane;
+      const std::uint64_t key = b < local_lo ? candidate_key(row[b], b) : 0;
+      const bool keep = key >= threshold;
+      const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+      const int slot = size + __popc(ballot & ((1u << lane) - 1u));
+      if (keep && slot < kListCap) list[slot] = key;
+      size += __popc(ballot);
+    }
+    if (size <= kListCap) {
+      __syncwarp();
+      std::uint64_t mine[2];
+      int better[2] = {0, 0};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) mine[e] = lane + 32 * e < size ? list[lane + 32 * e] : ~std::uint64_t{0};
+      for (int j = 0; j < size; ++j) {
+        const std::uint64_t other = list[j];
+        better[0] += other > mine[0];
+        better[1] += other > mine[1];
+      }
+      // The list is in ascending block order, so a chosen block's place is the number of chosen ones before it.
+      const unsigned chosen0 = __ballot_sync(0xffffffffu, lane < size && better[0] < need);
+      const unsigned chosen1 = __ballot_sync(0xffffffffu, lane + 32 < size && better[1] < need);
+      const unsigned below = (1u << lane) - 1u;
+      if ((chosen0 >> lane) & 1u) out[init + __popc(chosen0 & below)] = block_of(mine[0]);
+      if ((chosen1 >> lane) & 1u) out[init + __popc(chosen0) + __popc(chosen1 & below)] = block_of(mine[1]);
+      __syncwarp();  // the list is read before the warp's next token overwrites it
+      return;
     }
   }
-  const int count = static_cast<int>(min(c.num_selected, i64{candidates}));
-  for (int round = forced; round < count; ++round) {
-    float best = mine;
-    int best_i = mine_i;
-    warp_argmax(best, best_i);
-    if (best_i == kNone) break;  // cannot happen while round < count <= candidates
-    const int owner = best_i % 32;
-    if (lane == owner) row[best_i] = -INFINITY;
+  for (int round = 0; round < need; ++round) {
+    const std::uint64_t top = warp_max(best);
+    const int b = block_of(top), owner = b % 32;
+    if (lane == owner) row[b] = -INFINITY;  // chosen (real scores are >= 0 or NaN)
     __syncwarp();
-    float next = -INFINITY;
-    int next_i = kNone;
-    for (int b = owner + 32 * lane; b < candidates; b += 32 * 32) {
-      const float v = row[b];
-      if (v != -INFINITY && rank_value(v) > next) {
-        next = rank_value(v);
-        next_i = b;
+    std::uint64_t next = 0;
+    for (int bb = init + (owner - init % 32 + 32) % 32 + 32 * lane; bb < local_lo; bb += 32 * 32) {
+      const float v = row[bb];
+      if (v != -INFINITY) {
+        const std::uint64_t key = candidate_key(v, bb);
+        next = key > next ? key : next;
       }
     }
-    warp_argmax(next, next_i);
-    if (lane == owner) {
-      mine = next;
-      mine_i = next_i;
-    }
+    next = warp_max(next);
+    if (lane == owner) best = next;
   }
-  // Collect the marked blocks in ascending order, then pad with -1.
-  int written = 0;
-  for (int base = 0; base < candidates && written < count; base += 32) {
+  // Collect the chosen (marked) blocks in ascending order.
+  int written = init;
+  for (int base = init; base < local_lo; base += 32) {
     const int b = base + lane;
-    const bool marked = b < candidates && row[b] == -INFINITY;
+    const bool marked = b < local_lo && row[b] == -INFINITY;
     const unsigned ballot = __ballot_sync(0xffffffffu, marked);
-    const int slot = written + __popc(ballot & ((1u << lane) - 1u));
-    if (marked && slot < c.num_selected) out[slot] = b;
+    if (marked) out[written + __popc(ballot & ((1u << lane) - 1u))] = b;
     written += __popc(ballot);
   }
-  for (i64 i = written + lane; i < c.num_selected; i += 32) out[i] = -1;
 }
 
 // Sums the probabilities p (the warp's 16 x kCols accumulator tile) over the rows of each token and stores
@@ -227,18 +283,15 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const SmemTile<T, kRows, D> q_tile{reinterpret_cast<T*>(smem)};
   T* const k_base = reinterpret_cast<T*>(smem + L::kQ);
   float* const sums = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK);  // [kRows][kSumPitch]
-  float* const stencil = sums + kRows * kSumPitch;  // pooling weight of the s-th compressed block of a block
+  std::uint64_t* const list = reinterpret_cast<std::uint64_t*>(sums + kRows * kSumPitch) + (threadIdx.x / 32) * kListCap;
   float* const slot = slots + static_cast<i64>(blockIdx.x) * c.tokens_per_tile * c.slot_blocks;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   constexpr int kStageFloats = static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps);
   float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
-  // Weight of compressed block j = b * cols_per_block - border + s in selection block b: its overlap / stride.
-  for (int s = tid; s < c.stencil; s += kThreads) {
-    const int start = (s - c.border) * static_cast<int>(c.cmp_stride);
-    const int overlap = min(start + static_cast<int>(c.cmp_block), static_cast<int>(c.sel_block)) - max(start, 0);
-    stencil[s] = static_cast<float>(overlap) / static_cast<float>(c.cmp_stride);
-  }
+  float taps[kUnrolledTaps];
+#pragma unroll
+  for (int s = 0; s < kUnrolledTaps; ++s) taps[s] = s < c.stencil ? tap_weight(c, s) : 0.f;
   const i64 G = c.group, M = c.tokens_per_tile;
   const int tpw = c.tokens_per_warp, wpt = c.warps_per_token;
   // The tile token and group head of tile row 16 * w + i (see the header: Gp rows per token).
@@ -248,8 +301,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int row_token[2] = {token_of(warp, lane / 4), token_of(warp, lane / 4 + 8)};
   const int row_head[2] = {head_of(warp, lane / 4), head_of(warp, lane / 4 + 8)};
   // Pooling: Gp <= 16, each warp pools its own tokens; Gp > 16, the CTA pools all tokens after a barrier.
-  const int pool_first = wpt == 1 ? warp * tpw : 0, pool_tokens = wpt == 1 ? tpw : static_cast<int>(M);
+  // A pooling thread keeps one token and takes every block_step-th selection block of a column tile.
+  const int pool_tokens = wpt == 1 ? tpw : static_cast<int>(M);
   const int pool_thread = wpt == 1 ? lane : tid, pool_threads = wpt == 1 ? 32 : kThreads;
+  const int pool_token = (wpt == 1 ? warp * tpw : 0) + pool_thread % pool_tokens;
+  const int pool_block = pool_thread / pool_tokens, block_step = pool_threads / pool_tokens;
+  const float* const pool_sums = sums + pool_token * wpt * kSumPitch;  // its token's group sums (wpt rows)
 
   const i64 tiles = c.position_tiles * c.batch * c.heads_kv;
   // Longest tokens first (position tiles descending), so the round-robin ends with the cheap tiles.
@@ -264,6 +321,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const int cmp_count =
         seq.length >= c.cmp_block ? static_cast<int>((seq.length - c.cmp_block) / c.cmp_stride + 1) : 0;
     const T* const k_head = k_cmp.row(seq.batch, cmp_begin, h);
+    // The pooling thread's last candidate block (-1: no token) and its token's pooled row.
+    const int last_block = pool_token < tokens ? static_cast<int>((t0 + pool_token) / c.sel_block) : -1;
+    float* const pooled = slot + pool_token * c.slot_blocks;
 
     __syncthreads();  // the previous tile is done with shared memory
     selection::load_rows<T, kRows, D, kThreads>(
@@ -339,25 +399,30 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       } else {
         __syncthreads();
       }
-      // Pool: selection block b gets sum_s stencil[s] * P[b * cols_per_block - border + s] (blocks j >= 0).
-      const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), block = static_cast<int>(c.sel_block);
-      for (int i = pool_thread; i < pool_tokens * nb; i += pool_threads) {
-        const int mm = __float2int_rz((static_cast<float>(i) + 0.5f) * c.inv_blocks_per_tile);
-        const int m = pool_first + mm, b = b0 + (i - mm * nb);
-        if (m >= tokens || static_cast<i64>(b) * block > t0 + m) continue;  // not a candidate of this token
-        const int j_first = b * c.cols_per_block - c.border;
-        const float* x = sums + m * wpt * kSumPitch + (j_first - j0);  // x[s]: compressed block j_first + s
-        float score = 0.f;
-        if (wpt == 1) {  // its own loop: one item per (token, block) makes this the hot path at small groups
-          for (int s = max(0, -j_first); s < c.stencil; ++s) score = fmaf(stencil[s], x[s], score);
-        } else {
-          for (int s = max(0, -j_first); s < c.stencil; ++s) {
-            float sum = x[s];
-            for (int w = 1; w < wpt; ++w) sum += x[w * kSumPitch + s];  // the token's other warps
-            score = fmaf(stencil[s], sum, score);
+      // Pool: selection block b gets sum_s w[s] * P[b * cols_per_block - border + s] (blocks j >= 0). Tile 0
+      // starts at compressed block 0 rather than at block 0's first border block.
+      const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), shift = k == 0 ? c.border : 0;
+      const auto pool = [&](auto column) {  // column(x, s): the token's group sum x[s]
+        for (int bb = pool_block; bb < nb && b0 + bb <= last_block; bb += block_step) {
+          const float* x = pool_sums + bb * c.cols_per_block - shift;  // x[s]: the block's s-th compressed block
+          const int s0 = b0 + bb == 0 ? c.border : 0;                 // block 0 has no border blocks before it
+          float score = 0.f;
+#pragma unroll
+          for (int s = 0; s < kUnrolledTaps; ++s) {
+            if (s >= s0 && s < c.stencil) score = fmaf(taps[s], column(x, s), score);
           }
+          for (int s = kUnrolledTaps; s < c.stencil; ++s) score = fmaf(tap_weight(c, s), column(x, s), score);
+          pooled[b0 + bb] = score;
         }
-        slot[m * c.slot_blocks + b] = score;
+      };
+      if (wpt == 1) {
+        pool([](const float* x, int s) { return x[s]; });
+      } else {
+        pool([wpt](const float* x, int s) {
+          float sum = x[s];
+          for (int w = 1; w < wpt; ++w) sum += x[w * kSumPitch + s];  // the token's other warps
+          return sum;
+        });
       }
       if (wpt == 1) __syncwarp();  // the warp's sums are read before the next tile overwrites them
     }
@@ -366,14 +431,14 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       const i64 t = t0 + m;
       const int candidates = static_cast<int>(t / c.sel_block + 1);
       float* row = slot + m * c.slot_blocks;
-      // The top-n rounds rescan the row: from this warp's share of shared memory where it fits (L2 latency
-      // per round otherwise, which dominates small groups' time).
+      // The top-n reads the row at least twice: from this warp's share of shared memory where it fits (L2
+      // latency per pass otherwise, which dominates small groups' time).
       if (candidates <= kStageFloats) {
         for (int b = lane; b < candidates; b += 32) stage[b] = row[b];
         __syncwarp();
         row = stage;
       }
-      choose_blocks(row, candidates, c, out.row(seq.batch, seq.begin + t, h));
+      choose_blocks(row, candidates, c, out.row(seq.batch, seq.begin + t, h), list);
       __syncwarp();  // the stage is read before the warp's next token overwrites it
     }
   }
