@@ -40,10 +40,10 @@
 
 namespace sparseattn::cuda::wgmma {
 
-// Host: whether a wgmma kernel runs. SPARSEATTN_ATTENTION_MMA=sync forces the mma.sync kernels of attention and
-// selected attention (the tests use it to cover them on Hopper); otherwise yes when the running device executes
-// the kernel's sm_90a code (not on A100, nor on Hopper from a build without the 90a target, where the kernel
-// body is empty).
+// Host: whether a wgmma kernel runs. SPARSEATTN_ATTENTION_MMA=sync forces the mma.sync kernels of attention,
+// selected attention and select_blocks (the tests use it to cover them on Hopper); otherwise yes when the
+// running device executes the kernel's sm_90a code (not on A100, nor on Hopper from a build without the 90a
+// target, where the kernel body is empty).
 template <class Kernel>
 bool kernel_runs(Kernel kernel) {
   const char* choice = std::getenv("SPARSEATTN_ATTENTION_MMA");
@@ -135,13 +135,13 @@ __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<G>& g, 
   }
 }
 
-// Copies kRows rows of kDim elements, row r from rows[r] (null: a zero row; fallback: any readable address),
-// into a kRows x kDim swizzled tile: the gathered-row counterpart of load_swizzled_tile.
-template <int kRows, int kDim, int kThreadCount, class T>
-__device__ __forceinline__ void gather_swizzled_rows(T* smem, const T* const* rows, const T* fallback) {
+// Copies kRows rows of kDim elements, row r from row_pointer(r) (null: a zero row; fallback: any readable
+// address), into a kRows x kDim swizzled tile: the gathered-row counterpart of load_swizzled_tile.
+template <int kRows, int kDim, int kThreadCount, class T, class RowPointer>
+__device__ __forceinline__ void gather_swizzled_rows(T* smem, RowPointer&& row_pointer, const T* fallback) {
   for (int i = threadIdx.x; i < kRows * (kDim / 8); i += kThreadCount) {
     const int r = i / (kDim / 8), c = i % (kDim / 8);
-    const T* src = rows[r];
+    const T* src = row_pointer(r);
     cp_async_16(smem + swizzled_offset<kRows>(r, c * 8), (src != nullptr ? src : fallback) + c * 8,
                 src != nullptr ? 16 : 0);
   }

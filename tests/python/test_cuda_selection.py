@@ -140,7 +140,8 @@ def test_select_blocks_unsupported_stride_is_a_clear_error():
 
 
 @pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,D,sel_block,n", SELECT_CASES)
-def test_select_blocks(dtype, lengths, packed, Hq, Hkv, D, sel_block, n):
+def test_select_blocks(attention_mma, dtype, lengths, packed, Hq, Hkv, D, sel_block, n):
+    """Both MMA paths of the kernel: wgmma where the GPU runs it ("auto") and mma.sync."""
     q, kc, lse, cu, cu_cmp = _selection_inputs(lengths, Hq, Hkv, D, dtype, packed)
     kw = dict(cmp_block=32, cmp_stride=16, sel_block=sel_block, num_selected=n, num_init=1, num_local=2)
     extra = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cmp=cu_cmp)
@@ -150,6 +151,28 @@ def test_select_blocks(dtype, lengths, packed, Hq, Hkv, D, sel_block, n):
                            **{k: v.cuda() for k, v in extra.items()})
     assert got.dtype == torch.int32
     _check_selection(got, ref, q, kc, lse, kw, cu, cu_cmp)
+
+
+@pytest.mark.parametrize("case", ["many_selected", "tied_scores"])
+def test_select_blocks_top_n_paths(case):
+    """The kernel's top-n has a usual path (a threshold from the 32 lanes' best blocks, then ranks among the
+    blocks that reach it) and argmax rounds for the rest: more than 32 blocks to choose besides the forced ones,
+    and rows of exactly tied scores (zero keys: every block reaches the threshold; ties go to the lower block,
+    so the indices must equal the reference's exactly)."""
+    q, kc, lse, _, _ = _selection_inputs([4097], 8, 2, 64, torch.bfloat16, False)
+    n = 40 if case == "many_selected" else 16
+    if case == "tied_scores":
+        kc = torch.zeros_like(kc)
+        _, lse = sa.compressed_attention(q.double(), kc.double(), kc.double(), block=32, stride=16)
+        lse = lse.float()
+    kw = dict(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=n, num_init=1, num_local=2)
+    ref = sa.select_blocks(q.double(), kc.double(), lse.double(), **kw)
+    poison_allocator()
+    got = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw)
+    if case == "tied_scores":
+        assert torch.equal(got.cpu(), ref), indices_mismatch_report(got.cpu(), ref)
+    else:
+        _check_selection(got, ref, q, kc, lse, kw, None, None)
 
 
 def test_select_blocks_forced_config():

@@ -107,8 +107,10 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
       }
       __syncthreads();
       // Row 0 of a tile always exists: its rows are the padding rows' fallback addresses.
-      wgmma::gather_swizzled_rows<kRows, DQK, kThreads>(sQ + buf * kQ, qptr_s + buf * kRows, qptr_s[buf * kRows]);
-      wgmma::gather_swizzled_rows<kRows, DV, kThreads>(sDO + buf * kDO, optr_s + buf * kRows, optr_s[buf * kRows]);
+      wgmma::gather_swizzled_rows<kRows, DQK, kThreads>(
+          sQ + buf * kQ, [&](int r) { return qptr_s[buf * kRows + r]; }, qptr_s[buf * kRows]);
+      wgmma::gather_swizzled_rows<kRows, DV, kThreads>(
+          sDO + buf * kDO, [&](int r) { return optr_s[buf * kRows + r]; }, optr_s[buf * kRows]);
       cp_async_commit();
     };
 

@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
       }
       __syncthreads();
       // Row 0 of a tile always exists: its q row is the padding rows' fallback address.
-      wgmma::gather_swizzled_rows<kRows, DQK, kThreads>(sQ + buf * kQ, qptr_s + buf * kRows, qptr_s[buf * kRows]);
+      wgmma::gather_swizzled_rows<kRows, DQK, kThreads>(
+          sQ + buf * kQ, [&](int r) { return qptr_s[buf * kRows + r]; }, qptr_s[buf * kRows]);
       cp_async_commit();
     };
 

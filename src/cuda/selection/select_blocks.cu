@@ -24,6 +24,7 @@
 #include "cuda/selection/common.cuh"
 #include "cuda/selection/ops.h"
 #include "cuda/selection/tile.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace sparseattn::cuda {
 
@@ -32,7 +33,6 @@ namespace {
 using i64 = std::int64_t;
 using selection::LseView;
 using selection::SeqTable;
-using selection::SmemTile;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
@@ -41,6 +41,7 @@ static_assert(kRows == kSelectMaxGroup, "a tile holds at least one token of the 
 constexpr int kCols = kSelectColumns;       // compressed blocks per column tile
 constexpr int kSumPitch = kCols + 8;        // fp32 pitch of the group sums: 64-bit stores hit distinct banks
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kUnrolledTaps = 8;           // pooling: stencils up to this many taps go without a loop
 constexpr int kListCap = 64;               // top-n: blocks ranked in the usual path (two per lane)
 constexpr std::size_t kWorkspaceCap = std::size_t{256} << 20;  // pooled-score slots of all CTAs
 
@@ -51,7 +52,8 @@ struct Layout {
   static constexpr std::size_t kK = std::size_t{2} * kCols * D;
   // Group sums: one row per token (Gp <= 16) or per warp (Gp > 16), 128 rows at most (Gp = 1).
   static constexpr std::size_t kSums = sizeof(float) * kRows * kSumPitch;
-  static constexpr std::size_t kBytes = kQ + kStages * kK + kSums + sizeof(std::uint64_t) * kWarps * kListCap;
+  static constexpr std::size_t kBytes =
+      kQ + kStages * kK + kSums + sizeof(std::uint64_t) * kWarps * kListCap + wgmma::kTileAlignment;
 };
 
 // Positions within a sequence (and block numbers) fit int32 (cu_seqlens is int32); the per-element and
@@ -65,9 +67,12 @@ struct Config {
   int cols_per_block;   // sel_block / cmp_stride
   int border;           // cmp_block / cmp_stride - 1: compressed blocks reaching into the previous selection block
   int stencil;          // cols_per_block + border: compressed blocks overlapping one selection block
+  // Weight of compressed block j = b * cols_per_block - border + s in selection block b: its overlap / stride.
+  // In the kernel parameters, so that the unrolled pooling takes them as constant operands, not registers.
+  float taps[kCols];
   int blocks_per_tile;  // selection blocks pooled per column tile
   float inv_blocks_per_tile;
-  i64 slot_blocks;      // row length of a slot: selection blocks of the longest sequence
+  i64 slot_blocks;      // row length of a slot: selection blocks of the longest sequence, rounded up to 4 (16 bytes)
   i64 position_tiles;   // token tiles of the longest sequence
   i64 batch;
   float scale_log2;
@@ -79,21 +84,18 @@ __device__ __forceinline__ int first_cmp_block(const Config& c, int b) {
   return b == 0 ? 0 : b * c.cols_per_block - c.border;
 }
 
-// Weight of compressed block j = b * cols_per_block - border + s in selection block b: its overlap / stride.
-__device__ __forceinline__ float tap_weight(const Config& c, int s) {
-  const int start = (s - c.border) * static_cast<int>(c.cmp_stride);
-  const int overlap = min(start + static_cast<int>(c.cmp_block), static_cast<int>(c.sel_block)) - max(start, 0);
-  return static_cast<float>(overlap) / static_cast<float>(c.cmp_stride);
+// Fragments of the mma.sync path from the 128-byte swizzled tiles of wgmma.cuh (conflict-free for ldmatrix
+// too): A = rows [r0, r0 + 16) x columns [c0, c0 + 16) of the Q tile; B = two n-tiles, K tile rows
+// [n0, n0 + 16) as n and columns [k0, k0 + 16) as k.
+template <class T>
+__device__ __forceinline__ void load_q_fragment(std::uint32_t (&a)[4], const T* q_tile, int r0, int c0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(a, q_tile + wgmma::swizzled_offset<kRows>(r0 + lane % 16, c0 + (lane / 16) * 8));
 }
-constexpr int kUnrolledTaps = 8;  // stencils up to this many taps pool without a loop (weights in registers)
-
-// Compressed blocks [j0, j0 + kCols) of the sequence's KV head (k_head: its block 0), zero past cmp_count.
-template <class T, int D>
-__device__ __forceinline__ void load_k_tile(const SmemTile<T, kCols, D>& tile, const T* k_head, i64 row_stride,
-                                            int j0, int cmp_count) {
-  selection::load_strided_rows<T, kCols, D, kThreads>(tile, k_head + j0 * row_stride, row_stride, cmp_count - j0,
-                                                      k_head);
-  cp_async_commit();
+template <class T>
+__device__ __forceinline__ void load_k_fragments(std::uint32_t (&b)[4], const T* k_tile, int n0, int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(b, k_tile + wgmma::swizzled_offset<kCols>(n0 + lane % 8 + (lane / 16) * 8, k0 + ((lane / 8) % 2) * 8));
 }
 
 // A candidate's rank value: NaN (garbage input) ranks last but still fills a slot.
@@ -274,13 +276,17 @@ __device__ __forceinline__ void store_group_sums(const float (&p)[kCols / 8][4],
 }
 
 // Two CTAs per SM fit in shared memory up to D = 128 (105 KB each at 128); registers are capped to match.
-template <class T, int D>
+// kWgmma: S on warpgroup MMAs (sm_90a; warpgroup g computes rows 64g..64g+63, the warps' rows of mma.sync);
+// otherwise on mma.sync. Both read the same swizzled Q and K tiles.
+template <class T, int D, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     select_blocks_kernel(Tokens<const T> q, Tokens<const T> k_cmp, LseView<const float> lse, Tokens<std::int32_t> out,
                          SeqTable seqs, const std::int32_t* cu_seqlens_cmp, Config c, float* slots) {
+  if constexpr (kWgmma && !SPARSEATTN_WGMMA_ENABLED) return;  // not launched: wgmma::kernel_runs is false
   using L = Layout<D>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const SmemTile<T, kRows, D> q_tile{reinterpret_cast<T*>(smem)};
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1));
+  T* const q_tile = reinterpret_cast<T*>(smem);
   T* const k_base = reinterpret_cast<T*>(smem + L::kQ);
   float* const sums = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK);  // [kRows][kSumPitch]
   std::uint64_t* const list = reinterpret_cast<std::uint64_t*>(sums + kRows * kSumPitch) + (threadIdx.x / 32) * kListCap;
@@ -289,9 +295,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   constexpr int kStageFloats = static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps);
   float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
-  float taps[kUnrolledTaps];
-#pragma unroll
-  for (int s = 0; s < kUnrolledTaps; ++s) taps[s] = s < c.stencil ? tap_weight(c, s) : 0.f;
+  static_assert(kStageFloats % 4 == 0, "stages start at 16-byte boundaries (cp.async)");
   const i64 G = c.group, M = c.tokens_per_tile;
   const int tpw = c.tokens_per_warp, wpt = c.warps_per_token;
   // The tile token and group head of tile row 16 * w + i (see the header: Gp rows per token).
@@ -320,13 +324,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const i64 cmp_begin = cu_seqlens_cmp != nullptr ? cu_seqlens_cmp[sq] : 0;
     const int cmp_count =
         seq.length >= c.cmp_block ? static_cast<int>((seq.length - c.cmp_block) / c.cmp_stride + 1) : 0;
-    const T* const k_head = k_cmp.row(seq.batch, cmp_begin, h);
     // The pooling thread's last candidate block (-1: no token) and its token's pooled row.
     const int last_block = pool_token < tokens ? static_cast<int>((t0 + pool_token) / c.sel_block) : -1;
     float* const pooled = slot + pool_token * c.slot_blocks;
 
     __syncthreads();  // the previous tile is done with shared memory
-    selection::load_rows<T, kRows, D, kThreads>(
+    wgmma::gather_swizzled_rows<kRows, D, kThreads>(
         q_tile,
         [&](int r) -> const T* {
           const int m = token_of(r / 16, r % 16), head = head_of(r / 16, r % 16);
@@ -347,36 +350,52 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     }
     const int warp_visible_end = __reduce_max_sync(0xffffffffu, max(visible_end[0], visible_end[1]));
     const i64 col_tiles = ceil_div((t0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
-    const auto k_stage = [&](i64 k) {
-      return SmemTile<T, kCols, D>{k_base + (k % L::kStages) * SmemTile<T, kCols, D>::kElements};
-    };
+    const auto k_stage = [&](i64 k) { return k_base + (k % L::kStages) * (kCols * D); };
     const auto first_col = [&](i64 k) { return first_cmp_block(c, static_cast<int>(k * c.blocks_per_tile)); };
-    load_k_tile<T, D>(k_stage(0), k_head, k_cmp.row_stride, 0, cmp_count);
+    // Compressed blocks [j0, j0 + kCols) of the sequence's KV head, zero rows past cmp_count.
+    const auto load_k_tile = [&](i64 k) {
+      const int j0 = first_col(k);
+      wgmma::load_swizzled_tile<kCols, D, kThreads>(k_stage(k), k_cmp, seq.batch, cmp_begin + j0, cmp_count - j0, h);
+      cp_async_commit();
+    };
+    load_k_tile(0);
 
     for (i64 k = 0; k < col_tiles; ++k) {
       cp_async_wait<0>();
+      if constexpr (kWgmma) wgmma::fence_shared_for_async();
       __syncthreads();  // K stage k has landed for all; every warp is done with the other stage and the sums
-      if (L::kStages == 2 && k + 1 < col_tiles) load_k_tile<T, D>(k_stage(k + 1), k_head, k_cmp.row_stride,
-                                                                  first_col(k + 1), cmp_count);
+      if (L::kStages == 2 && k + 1 < col_tiles) load_k_tile(k + 1);
       const int j0 = first_col(k);
+      const T* const k_tile = k_stage(k);
       float acc[kCols / 8][4] = {};
-      if (j0 < warp_visible_end) {
-        const SmemTile<T, kCols, D> k_tile = k_stage(k);
+      if constexpr (kWgmma) {  // warpgroup-wide, so not skipped for warps that see none of the tile
+        const std::uint64_t q_desc = wgmma::k_major_descriptor<kRows>(q_tile, 64 * (warp / 4), 0);
+        const std::uint64_t k_desc = wgmma::k_major_descriptor<kCols>(k_tile, 0, 0);
+        wgmma::fence();
+#pragma unroll
+        for (int k0 = 0; k0 < D; k0 += 16) {
+          wgmma::mma_ss<T, kCols, 0>(wgmma::flat<kCols>(acc), wgmma::advance(q_desc, wgmma::operand_offset<kRows>(0, k0)),
+                                     wgmma::advance(k_desc, wgmma::operand_offset<kCols>(0, k0)), k0 > 0);
+        }
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::fence_operand(wgmma::flat<kCols>(acc));
+      } else if (j0 < warp_visible_end) {
 #pragma unroll
         for (int k0 = 0; k0 < D; k0 += 16) {
           std::uint32_t a[4];
-          selection::load_a(a, q_tile, 16 * warp, k0);
+          load_q_fragment(a, q_tile, 16 * warp, k0);
 #pragma unroll
           for (int n = 0; n < kCols / 8; n += 2) {
             std::uint32_t b[4];
-            selection::load_b_rows(b, k_tile, n * 8, k0);
+            load_k_fragments(b, k_tile, n * 8, k0);
             selection::mma_pair<T>(acc[n], acc[n + 1], a, b);
           }
         }
       }
       if (L::kStages == 1 && k + 1 < col_tiles) {
         __syncthreads();  // every warp is done with the single K stage
-        load_k_tile<T, D>(k_stage(k + 1), k_head, k_cmp.row_stride, first_col(k + 1), cmp_count);
+        load_k_tile(k + 1);
       }
 #pragma unroll
       for (int n = 0; n < kCols / 8; ++n) {
@@ -403,15 +422,16 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       // starts at compressed block 0 rather than at block 0's first border block.
       const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), shift = k == 0 ? c.border : 0;
       const auto pool = [&](auto column) {  // column(x, s): the token's group sum x[s]
+#pragma unroll 2  // two blocks' loads in flight (the loop is bound by shared-memory latency)
         for (int bb = pool_block; bb < nb && b0 + bb <= last_block; bb += block_step) {
           const float* x = pool_sums + bb * c.cols_per_block - shift;  // x[s]: the block's s-th compressed block
           const int s0 = b0 + bb == 0 ? c.border : 0;                 // block 0 has no border blocks before it
           float score = 0.f;
 #pragma unroll
           for (int s = 0; s < kUnrolledTaps; ++s) {
-            if (s >= s0 && s < c.stencil) score = fmaf(taps[s], column(x, s), score);
+            if (s >= s0 && s < c.stencil) score = fmaf(c.taps[s], column(x, s), score);
           }
-          for (int s = kUnrolledTaps; s < c.stencil; ++s) score = fmaf(tap_weight(c, s), column(x, s), score);
+          for (int s = kUnrolledTaps; s < c.stencil; ++s) score = fmaf(c.taps[s], column(x, s), score);
           pooled[b0 + bb] = score;
         }
       };
@@ -433,8 +453,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       float* row = slot + m * c.slot_blocks;
       // The top-n reads the row at least twice: from this warp's share of shared memory where it fits (L2
       // latency per pass otherwise, which dominates small groups' time).
-      if (candidates <= kStageFloats) {
-        for (int b = lane; b < candidates; b += 32) stage[b] = row[b];
+      if (candidates <= kStageFloats) {  // one 16-byte cp.async per 4 blocks, all in flight at once
+        for (int b = 4 * lane; b < candidates; b += 4 * 32) cp_async_16(stage + b, row + b);
+        cp_async_commit();
+        cp_async_wait<0>();
         __syncwarp();
         row = stage;
       }
@@ -490,9 +512,14 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
   c.cols_per_block = static_cast<int>(p.sel_block / p.cmp_stride);
   c.border = static_cast<int>(p.cmp_block / p.cmp_stride - 1);
   c.stencil = c.cols_per_block + c.border;
+  for (int s = 0; s < c.stencil; ++s) {
+    const i64 start = (s - c.border) * p.cmp_stride;
+    const i64 overlap = std::min<i64>(start + p.cmp_block, p.sel_block) - std::max<i64>(start, 0);
+    c.taps[s] = static_cast<float>(overlap) / static_cast<float>(p.cmp_stride);
+  }
   c.blocks_per_tile = (kCols - c.border) / c.cols_per_block;
   c.inv_blocks_per_tile = 1.f / static_cast<float>(c.blocks_per_tile);
-  c.slot_blocks = ceil_div(s.max_len, p.sel_block);
+  c.slot_blocks = ceil_div(ceil_div(s.max_len, p.sel_block), i64{4}) * 4;
   c.position_tiles = ceil_div(s.max_len, c.tokens_per_tile);
   c.batch = s.batch;
   c.scale_log2 = static_cast<float>(softmax_scale(p.scale, plan.dim) * 1.4426950408889634);
@@ -505,7 +532,8 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
 
 template <class T, int D>
 void launch(const SelectBlocksParams& p, const LaunchPlan& plan) {
-  auto kernel = select_blocks_kernel<T, D>;
+  auto kernel = wgmma::kernel_runs(select_blocks_kernel<T, D, true>) ? select_blocks_kernel<T, D, true>
+                                                                     : select_blocks_kernel<T, D, false>;
   constexpr std::size_t smem = Layout<D>::kBytes;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   kernel<<<plan.ctas, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
