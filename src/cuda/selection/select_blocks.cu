@@ -289,7 +289,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   T* const q_tile = reinterpret_cast<T*>(smem);
   T* const k_base = reinterpret_cast<T*>(smem + L::kQ);
   float* const sums = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK);  // [kRows][kSumPitch]
-  std::uint64_t* const list = reinterpret_cast<std::uint64_t*>(sums + kRows * kSumPitch) + (threadIdx.x / 32) * kListCap;
+  std::uint64_t* const list =  // this warp's top-n list
+      reinterpret_cast<std::uint64_t*>(sums + kRows * kSumPitch) + (threadIdx.x / 32) * kListCap;
   float* const slot = slots + static_cast<i64>(blockIdx.x) * c.tokens_per_tile * c.slot_blocks;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -311,6 +312,13 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int pool_token = (wpt == 1 ? warp * tpw : 0) + pool_thread % pool_tokens;
   const int pool_block = pool_thread / pool_tokens, block_step = pool_threads / pool_tokens;
   const float* const pool_sums = sums + pool_token * wpt * kSumPitch;  // its token's group sums (wpt rows)
+
+  // wgmma descriptors of this warpgroup's 64 Q rows and of K stage 0 (the loops add offsets). The warpgroup
+  // index comes through a shuffle so that the compiler knows it is warp-uniform and keeps the descriptors in
+  // uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
+  const std::uint64_t q_desc = wgmma::k_major_descriptor<kRows>(q_tile, 64 * warpgroup, 0);
+  const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kCols>(k_base, 0, 0);
 
   const i64 tiles = c.position_tiles * c.batch * c.heads_kv;
   // Longest tokens first (position tiles descending), so the round-robin ends with the cheap tiles.
@@ -369,12 +377,13 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       const T* const k_tile = k_stage(k);
       float acc[kCols / 8][4] = {};
       if constexpr (kWgmma) {  // warpgroup-wide, so not skipped for warps that see none of the tile
-        const std::uint64_t q_desc = wgmma::k_major_descriptor<kRows>(q_tile, 64 * (warp / 4), 0);
-        const std::uint64_t k_desc = wgmma::k_major_descriptor<kCols>(k_tile, 0, 0);
+        const std::uint64_t k_desc =
+            wgmma::advance(k_desc0, static_cast<std::uint32_t>((k % L::kStages) * kCols * D * sizeof(T)));
         wgmma::fence();
 #pragma unroll
         for (int k0 = 0; k0 < D; k0 += 16) {
-          wgmma::mma_ss<T, kCols, 0>(wgmma::flat<kCols>(acc), wgmma::advance(q_desc, wgmma::operand_offset<kRows>(0, k0)),
+          wgmma::mma_ss<T, kCols, 0>(wgmma::flat<kCols>(acc),
+                                     wgmma::advance(q_desc, wgmma::operand_offset<kRows>(0, k0)),
                                      wgmma::advance(k_desc, wgmma::operand_offset<kCols>(0, k0)), k0 > 0);
         }
         wgmma::commit();
