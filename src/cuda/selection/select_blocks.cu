@@ -313,11 +313,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int pool_block = pool_thread / pool_tokens, block_step = pool_threads / pool_tokens;
   const float* const pool_sums = sums + pool_token * wpt * kSumPitch;  // its token's group sums (wpt rows)
 
-  // wgmma descriptors of this warpgroup's 64 Q rows and of K stage 0 (the loops add offsets). The warpgroup
-  // index comes through a shuffle so that the compiler knows it is warp-uniform and keeps the descriptors in
-  // uniform registers.
-  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
-  const std::uint64_t q_desc = wgmma::k_major_descriptor<kRows>(q_tile, 64 * warpgroup, 0);
+  // wgmma descriptors of this warpgroup's 64 Q rows and of K stage 0 (the loops add offsets).
+  const std::uint64_t q_desc = wgmma::k_major_descriptor<kRows>(q_tile, 64 * wgmma::warpgroup_index(), 0);
   const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kCols>(k_base, 0, 0);
 
   const i64 tiles = c.position_tiles * c.batch * c.heads_kv;
