@@ -5,7 +5,8 @@
 // MMA rows are (token, group head) pairs; each token owns Gp rows, Gp = G rounded up to a power of two
 // (empty rows give zero probability), so that a token's rows sit in one warp (Gp <= 16: 16 / Gp tokens per
 // warp, row i holds token i % (16 / Gp) and head i / (16 / Gp)) or in whole warps (Gp > 16). Per column
-// tile of kCols compressed blocks: S = Q K_cmp^T on mma.sync (fp32 accumulate), P = exp2(S * scale * log2e -
+// tile of kCols compressed blocks: S = Q K_cmp^T on tensor cores (fp32 accumulate; wgmma on sm_90a, whose
+// accumulator rows are the rows each warp owns under mma.sync elsewhere), P = exp2(S * scale * log2e -
 // lse * log2e) with the visibility rule (j*stride + block - 1 <= t), summed over the group heads in
 // registers (the two rows a thread holds, then a reduce-scatter butterfly over the lanes of the same token:
 // each step halves the columns a lane keeps), and pooled into the selection blocks whose compressed blocks
@@ -71,7 +72,6 @@ struct Config {
   // In the kernel parameters, so that the unrolled pooling takes them as constant operands, not registers.
   float taps[kCols];
   int blocks_per_tile;  // selection blocks pooled per column tile
-  float inv_blocks_per_tile;
   i64 slot_blocks;      // row length of a slot: selection blocks of the longest sequence, rounded up to 4 (16 bytes)
   i64 position_tiles;   // token tiles of the longest sequence
   i64 batch;
@@ -524,7 +524,6 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
     c.taps[s] = static_cast<float>(overlap) / static_cast<float>(p.cmp_stride);
   }
   c.blocks_per_tile = (kCols - c.border) / c.cols_per_block;
-  c.inv_blocks_per_tile = 1.f / static_cast<float>(c.blocks_per_tile);
   c.slot_blocks = ceil_div(ceil_div(s.max_len, p.sel_block), i64{4}) * 4;
   c.position_tiles = ceil_div(s.max_len, c.tokens_per_tile);
   c.batch = s.batch;
