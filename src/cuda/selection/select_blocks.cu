@@ -160,9 +160,9 @@ __device__ void choose_blocks(float* row, int candidates, const Config& c, std::
   for (int i = lane; i < candidates - local_lo; i += 32) out[init + need + i] = local_lo + i;
   for (i64 i = count + lane; i < c.num_selected; i += 32) out[i] = -1;
   if (need == 0) return;
-  const int first = init + (lane - init % 32 + 32) % 32;  // this lane's first block in [init, local_lo)
+  const auto first_owned = [&](int l) { return init + (l - init % 32 + 32) % 32; };  // lane l's first block
   std::uint64_t best = 0;
-  for (int b = first; b < local_lo; b += 32) {
+  for (int b = first_owned(lane); b < local_lo; b += 32) {
     const std::uint64_t key = candidate_key(row[b], b);
     best = key > best ? key : best;
   }
@@ -205,7 +205,7 @@ __device__ void choose_blocks(float* row, int candidates, const Config& c, std::
     if (lane == owner) row[b] = -INFINITY;  // chosen (real scores are >= 0 or NaN)
     __syncwarp();
     std::uint64_t next = 0;
-    for (int bb = init + (owner - init % 32 + 32) % 32 + 32 * lane; bb < local_lo; bb += 32 * 32) {
+    for (int bb = first_owned(owner) + 32 * lane; bb < local_lo; bb += 32 * 32) {
       const float v = row[bb];
       if (v != -INFINITY) {
         const std::uint64_t key = candidate_key(v, bb);
@@ -289,11 +289,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   T* const q_tile = reinterpret_cast<T*>(smem);
   T* const k_base = reinterpret_cast<T*>(smem + L::kQ);
   float* const sums = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK);  // [kRows][kSumPitch]
-  std::uint64_t* const list =  // this warp's top-n list
-      reinterpret_cast<std::uint64_t*>(sums + kRows * kSumPitch) + (threadIdx.x / 32) * kListCap;
   float* const slot = slots + static_cast<i64>(blockIdx.x) * c.tokens_per_tile * c.slot_blocks;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  std::uint64_t* const list = reinterpret_cast<std::uint64_t*>(sums + kRows * kSumPitch) + warp * kListCap;
   constexpr int kStageFloats = static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps);
   float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
   static_assert(kStageFloats % 4 == 0, "stages start at 16-byte boundaries (cp.async)");
