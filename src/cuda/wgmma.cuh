@@ -273,6 +273,35 @@ __device__ __forceinline__ void to_a_fragments(const float (&acc)[N / 8][4], std
   }
 }
 
+// The software pipeline of a loop whose step computes scores (an MMA group), an elementwise part on them, and an
+// accumulator update (a second MMA group) from that part's result: step i (of steps + 1) issues the scores of
+// step i and the update of step i - 1 (whose elementwise part ran one step earlier), then runs step i's
+// elementwise part while that update is in flight, then lands it. Used by the forward and dQ key-tile loops and
+// the dK/dV query loops. The first and last steps are peeled so that every MMA is issued on a path without
+// branches, which ptxas needs to keep them asynchronous.
+//  begin(i): the step's barrier and loads; issue_scores(i), issue_update(i): the MMAs (update: of step i - 1);
+//  elementwise(i): on step i's landed scores; land(i): wait for every MMA, then what needs the accumulator.
+template <class Begin, class IssueScores, class IssueUpdate, class Elementwise, class Land>
+__device__ __forceinline__ void overlapped_steps(int steps, Begin&& begin, IssueScores&& issue_scores,
+                                                 IssueUpdate&& issue_update, Elementwise&& elementwise, Land&& land) {
+  begin(0);
+  issue_scores(0);
+  wait<0>();
+  elementwise(0);
+  land(0);
+  for (int step = 1; step < steps; ++step) {
+    begin(step);
+    issue_scores(step);
+    issue_update(step);
+    wait<1>();
+    elementwise(step);
+    land(step);
+  }
+  begin(steps);
+  issue_update(steps);
+  land(steps);
+}
+
 #undef SPARSEATTN_WGMMA_SS_64
 #undef SPARSEATTN_WGMMA_RS_64
 #undef SPARSEATTN_WGMMA_SS_128

@@ -19,11 +19,12 @@
 // register A operand and K as an MN-major operand. Registers: dQ 64 + S 32 + dP 32 + dS 16 at 128/128.
 //
 // dK/dV: a CTA of two warpgroups owns kN = 128 keys of one KV head (64 per warpgroup) and loops over query
-// tiles of kM = 64 rows of its share of the group's heads (head splits as the mma.sync kernel), double-
-// buffering Q, dO, lse and delta. Per step each warpgroup computes S^T = K Q^T and dP^T = V dO^T (shared-memory
+// tiles of kM = 64 rows of its share of the group's heads (head splits as the mma.sync kernel), with Q, dO, lse
+// and delta in three buffers. Per step each warpgroup computes S^T = K Q^T and dP^T = V dO^T (shared-memory
 // operands, K-major), P^T and dS^T in registers, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as
-// register A operands and dO, Q as MN-major B operands. Registers: dK 64 + dV 64 + S^T 32 + dP^T 32 + the A
-// fragments 32 at D = 128; Dqk = Dv in {64, 128} only (192/128 and 256/256 keep the two-pass mma.sync kernel).
+// register A operands and dO, Q as MN-major B operands; the update of one step is in flight while the next
+// step's P^T and dS^T are computed (wgmma::overlapped_steps). Registers: dK 64 + dV 64 + S^T 32 + dP^T 32 + the
+// A fragments 32 at D = 128; Dqk = Dv in {64, 128} only (192/128 and 256/256 keep the two-pass mma.sync kernel).
 #pragma once
 
 #include "cuda/attention/kernels.cuh"
@@ -64,34 +65,6 @@ __device__ __forceinline__ void issue_scores(float (&s)[kN / 8][4], float (&dp)[
                             wgmma::advance(b_p, wgmma::operand_offset<kRowsB>(0, k0)), k0 > 0);
   }
   wgmma::commit();
-}
-
-// The software pipeline of the forward and dQ key-tile loops: step i (of steps + 1) issues the scores of tile i
-// and the accumulator update of tile i - 1 (whose elementwise part ran one step earlier), then runs tile i's
-// elementwise part while that update is in flight, then lands it. The first and last steps are peeled so that
-// every MMA is issued on a path without branches, which ptxas needs to keep them asynchronous.
-//  begin(i): the step's barrier and loads; issue_scores(i), issue_update(i): the MMAs (update: of tile i - 1);
-//  elementwise(i): on tile i's landed scores; land(i): wait for every MMA, then what needs the accumulator.
-template <class Begin, class IssueScores, class IssueUpdate, class Elementwise, class Land>
-__device__ __forceinline__ void overlapped_key_steps(int steps, Begin&& begin, IssueScores&& issue_scores,
-                                                     IssueUpdate&& issue_update, Elementwise&& elementwise,
-                                                     Land&& land) {
-  begin(0);
-  issue_scores(0);
-  wgmma::wait<0>();
-  elementwise(0);
-  land(0);
-  for (int step = 1; step < steps; ++step) {
-    begin(step);
-    issue_scores(step);
-    issue_update(step);
-    wgmma::wait<1>();
-    elementwise(step);
-    land(step);
-  }
-  begin(steps);
-  issue_update(steps);
-  land(steps);
 }
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -185,7 +158,7 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     };
 
     float correction[2] = {1.f, 1.f};
-    overlapped_key_steps(
+    wgmma::overlapped_steps(
         static_cast<int>(tile_end - tile_begin), begin_step, issue_scores, issue_pv,
         [&](int step) { softmax(step, correction); },
         [&](int step) {
@@ -210,11 +183,14 @@ struct WgmmaDkvTile {
   static constexpr int kThreads = 128 * kWarpgroups;
   static constexpr int kN = 64 * kWarpgroups;  // keys per CTA
   static constexpr int kM = 64;                // queries per step
+  // A query step's tiles are read by its scores and by the update issued one step later, while the next step's
+  // load is in flight: three buffers.
+  static constexpr int kBuffers = 3;
   static constexpr int kK = kN * Dqk, kV = kN * Dv, kQ = kM * Dqk, kDO = kM * Dv;  // elements
-  // K, V, 2 x Q, 2 x dO (2-byte elements; every tile a multiple of 1024 bytes), 2 x (lse, delta) rows of kM
-  // floats, plus room to align the start to a swizzle atom.
-  static constexpr std::size_t kSmemBytes =
-      2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 2 * kM * sizeof(float) + wgmma::kTileAlignment;
+  // K, V, the Q and dO buffers (2-byte elements; every tile a multiple of 1024 bytes), the (lse, delta) rows of
+  // kM floats per buffer, plus room to align the start to a swizzle atom.
+  static constexpr std::size_t kSmemBytes = 2 * (kK + kV + kBuffers * (kQ + kDO)) +
+                                            kBuffers * 2 * kM * sizeof(float) + wgmma::kTileAlignment;
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -222,14 +198,14 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     attention_dkv_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = WgmmaDkvTile<Dqk, Dv>;
-  constexpr int kM = Tile::kM, kN = Tile::kN, kThreadCount = Tile::kThreads;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kThreadCount = Tile::kThreads, kBuffers = Tile::kBuffers;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
   T* sV = sK + Tile::kK;
   T* sQ = sV + Tile::kV;
-  T* sDO = sQ + 2 * Tile::kQ;
-  float* sLse = reinterpret_cast<float*>(sDO + 2 * Tile::kDO);  // [2][kM]
-  float* sDelta = sLse + 2 * kM;                                // [2][kM]
+  T* sDO = sQ + kBuffers * Tile::kQ;
+  float* sLse = reinterpret_cast<float*>(sDO + kBuffers * Tile::kDO);  // [kBuffers][kM]
+  float* sDelta = sLse + kBuffers * kM;                                // [kBuffers][kM]
 
   const auto seq = a.seqs[blockIdx.z];
   const Mask mask{mc, seq.T, seq.S};
@@ -238,9 +214,13 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warpgroup_row0 = (warp / 4) * 64;
-  i64 q_first[2], q_end[2];  // queries that see this thread's two key rows
+  // Queries [q_first, q_end) (positions in the sequence, below 2^31) see this thread's two key rows.
+  int q_first[2], q_end[2];
   for (int half = 0; half < 2; ++half) {
-    visible_queries(mask, j0 + warp * 16 + lane / 4 + half * 8, q_first[half], q_end[half]);
+    i64 first, end;
+    visible_queries(mask, j0 + warp * 16 + lane / 4 + half * 8, first, end);
+    q_first[half] = static_cast<int>(first);
+    q_end[half] = static_cast<int>(end);
   }
   // Descriptors of this warpgroup's K and V rows and of buffer 0's Q and dO; the loops add compile-time offsets.
   const std::uint64_t k_desc = wgmma::k_major_descriptor<kN>(sK, warpgroup_row0, 0);
@@ -264,56 +244,33 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   };
 
   if (w.steps > 0) {
+    const int steps = static_cast<int>(w.steps);
     load_swizzled_tile<kN, Dqk, kThreadCount>(sK, a.k, seq.batch, seq.k_begin + j0, w.keys, w.hk);
     load_swizzled_tile<kN, Dv, kThreadCount>(sV, a.v, seq.batch, seq.k_begin + j0, w.keys, w.hk);
     load_step(0, 0);
     cp_async_commit();
-    for (i64 step = 0; step < w.steps; ++step) {
-      const int buf = step & 1;
-      advance_pipeline(step + 1 < w.steps, [&] { load_step(step + 1, buf ^ 1); });
+    float s[kM / 8][4], dp[kM / 8][4];
+    std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
+    // Step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of step i - 1 (its
+    // elementwise part done one step earlier) are in flight, and loads step i + 1 into buffer (i + 1) % 3,
+    // whose last reader (the update of step i - 2) every thread waited for before this step's barrier.
+    auto begin_step = [&](int step) {
+      cp_async_wait<0>();
       wgmma::fence_shared_for_async();
       __syncthreads();
-      const float* lse = sLse + buf * kM;
-      const float* delta = sDelta + buf * kM;
-      const i64 t0 = w.tile(step) * kM;
-      const std::uint64_t q_desc = wgmma::advance(q_desc0, buf * Tile::kQ * 2);
-      const std::uint64_t do_desc = wgmma::advance(do_desc0, buf * Tile::kDO * 2);
+      if (step + 1 < steps) load_step(step + 1, (step + 1) % kBuffers);
+      cp_async_commit();
+      wgmma::fence();
+    };
+    auto issue_step_scores = [&](int step) {  // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
+      const int buf = step % kBuffers;
+      issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_desc, wgmma::advance(q_desc0, buf * Tile::kQ * 2), v_desc,
+                                           wgmma::advance(do_desc0, buf * Tile::kDO * 2));
+    };
+    auto issue_update = [&](int step) {  // dV += P^T dO and dK += dS^T Q of step - 1
+      const int buf = (step - 1) % kBuffers;
       const std::uint64_t q_mn_desc = wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2);
       const std::uint64_t do_mn_desc = wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2);
-
-      // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
-      float s[kM / 8][4], dp[kM / 8][4];
-      issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_desc, q_desc, v_desc, do_desc);
-      // The row statistics of this thread's query columns 8n + 2(lane % 4) + {0, 1}, while the MMAs run.
-      float2 lse2[kM / 8], dlt[kM / 8];
-#pragma unroll
-      for (int n = 0; n < kM / 8; ++n) {
-        const float2 x = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
-        lse2[n] = make_float2(x.x * kLog2e, x.y * kLog2e);
-        dlt[n] = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
-      }
-      const bool full = tile_full(mask, t0, kM, j0, kN);
-      wgmma::wait<0>();
-
-      with_mask(!full, [&](auto masked) {
-#pragma unroll
-        for (int n = 0; n < kM / 8; ++n) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -(i % 2 ? lse2[n].y : lse2[n].x)));
-            if constexpr (decltype(masked)::value) {
-              if (t0 + col < q_first[i / 2] || t0 + col >= q_end[i / 2]) p = 0.f;
-            }
-            s[n][i] = p;
-            dp[n][i] = p * (dp[n][i] - (i % 2 ? dlt[n].y : dlt[n].x));  // dS^T (without the scale)
-          }
-        }
-      });
-      std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
-      wgmma::to_a_fragments<T, kM>(s, p_a);
-      wgmma::to_a_fragments<T, kM>(dp, ds_a);
-      wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < kM / 16; ++kk) {
         wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(dv), p_a[kk],
@@ -325,9 +282,49 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
                                  wgmma::advance(q_mn_desc, wgmma::operand_offset<kM>(16 * kk, 0)), 1);
       }
       wgmma::commit();
+    };
+    // P^T and dS^T (without the scale) in place of S^T and dP^T; column n * 8 + 2 (lane % 4) + {0, 1} is a query
+    // row, its statistics read from shared memory here rather than held (registers: the update's A fragments
+    // are live across this part).
+    auto make_ds = [&](int step) {
+      wgmma::fence_operand(wgmma::flat<kM>(s));
+      wgmma::fence_operand(wgmma::flat<kM>(dp));
+      const float* lse = sLse + (step % kBuffers) * kM;
+      const float* delta = sDelta + (step % kBuffers) * kM;
+      // This thread's visible columns [col_first, col_end) of the step, per key row; the mask is needed only
+      // where they do not cover the step (a per-thread choice: the elementwise part has no collectives).
+      const int t0 = static_cast<int>(w.tile(step) * kM);
+      const int col_first[2] = {q_first[0] - t0, q_first[1] - t0}, col_end[2] = {q_end[0] - t0, q_end[1] - t0};
+      const bool full = max(col_first[0], col_first[1]) <= 0 && min(col_end[0], col_end[1]) >= kM;
+      with_mask(!full, [&](auto masked) {
+#pragma unroll
+        for (int n = 0; n < kM / 8; ++n) {
+          const float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
+          const float2 d2 = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -kLog2e * (i % 2 ? l2.y : l2.x)));
+            if constexpr (decltype(masked)::value) {
+              if (col < col_first[i / 2] || col >= col_end[i / 2]) p = 0.f;
+            }
+            s[n][i] = p;
+            dp[n][i] = p * (dp[n][i] - (i % 2 ? d2.y : d2.x));
+          }
+        }
+      });
+    };
+    wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_update, make_ds, [&](int step) {
       wgmma::wait<0>();
-      __syncthreads();
-    }
+      wgmma::fence_operand(wgmma::flat<Dv>(dv));
+      wgmma::fence_operand(wgmma::flat<Dqk>(dk));
+      wgmma::fence_operand(p_a);
+      wgmma::fence_operand(ds_a);
+      if (step < steps) {
+        wgmma::to_a_fragments<T, kM>(s, p_a);
+        wgmma::to_a_fragments<T, kM>(dp, ds_a);
+      }
+    });
   }
   store_dkv_rows<true, true>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
 #endif
@@ -456,7 +453,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
       wgmma::fence_operand(ds);
     };
 
-    overlapped_key_steps(static_cast<int>(tile_end - tile_begin), begin_step, issue_step_scores, issue_dq, make_ds,
+    wgmma::overlapped_steps(static_cast<int>(tile_end - tile_begin), begin_step, issue_step_scores, issue_dq, make_ds,
                          [&](int step) {
                            wait_all();
                            if (step < tile_end - tile_begin) wgmma::to_a_fragments<T, kN>(s, ds);
