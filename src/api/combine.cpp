@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "api/branch_delta.h"
 #include "api/check.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
@@ -59,7 +60,20 @@ void combine(const CombineParams& params) {
   }
 }
 
-void combine_backward(const CombineBackwardParams& params) {
+void combine_backward(const CombineBackwardParams& params) { detail::combine_backward(params, {}); }
+
+namespace detail {
+
+void check_delta(const Check& check, const TensorView& delta, const std::string& arg,
+                 const std::vector<std::int64_t>& lse_shape, const TensorView& anchor, const std::string& anchor_arg) {
+  if (!delta.present()) return;
+  check.require(anchor.device == DeviceType::cuda, ErrorKind::unsupported, arg, "is taken on CUDA only");
+  check.tensor(delta, arg, DType::float32, anchor, anchor_arg);
+  check.shape(delta, arg, lse_shape);
+  check.inner_contiguous(delta, arg);
+}
+
+void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas) {
   const detail::Check check("combine_backward");
   const detail::TokenLayout layout = check_branches(check, params.outputs, params.gates, params.d_o, "d_o");
   const std::int64_t heads = params.d_o.shape[params.d_o.rank - 2];
@@ -78,15 +92,18 @@ void combine_backward(const CombineBackwardParams& params) {
       check.tensor(params.d_gates[i], d_gate, params.d_o.dtype, params.d_o, "d_o");
       check.shape(params.d_gates[i], d_gate, layout.per_head(heads));
     }
+    check_delta(check, deltas[i], std::string("delta_") + kBranch[i], layout.lse(heads), params.d_o, "d_o");
   }
   switch (detail::backend(check, params.d_o, "d_o", detail::kCudaBuilt)) {
     case detail::Backend::cpu: reference::combine_backward(params); break;
 #ifdef SPARSEATTN_WITH_CUDA
-    case detail::Backend::cuda: cuda::combine_backward(params); break;
+    case detail::Backend::cuda: cuda::combine_backward(params, deltas); break;
 #else
     case detail::Backend::cuda: break;
 #endif
   }
 }
+
+}  // namespace detail
 
 }  // namespace sparseattn

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "api/branch_delta.h"
 #include "api/check.h"
 #include "api/cuda_limits.h"
 #include "reference/reference.h"
@@ -131,6 +132,10 @@ std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackward
 }
 
 void flash_attention_backward(const FlashAttentionBackwardParams& params) {
+  detail::flash_attention_backward(params, {});
+}
+
+void detail::flash_attention_backward(const FlashAttentionBackwardParams& params, const TensorView& delta) {
   const detail::Check check("flash_attention_backward");
   const FlashShapes shapes = check_common(check, params);
   const DType dtype = params.q.dtype;
@@ -150,6 +155,7 @@ void flash_attention_backward(const FlashAttentionBackwardParams& params) {
   }
   check.buffer(params.workspace, params.workspace_bytes, flash_attention_backward_workspace_size(params), "workspace",
                "flash_attention_backward_workspace_size");
+  detail::check_delta(check, delta, "delta", shapes.layout_q.lse(shapes.q_heads), params.q, "q");
   switch (detail::backend(check, params.q, "q", detail::kCudaBuilt)) {
     case detail::Backend::cpu: reference::flash_attention_backward(params); break;
     case detail::Backend::cuda:
@@ -159,7 +165,7 @@ void flash_attention_backward(const FlashAttentionBackwardParams& params) {
       detail::check_cuda_rows(check, params.dk, "dk");
       detail::check_cuda_rows(check, params.dv, "dv");
 #ifdef SPARSEATTN_WITH_CUDA
-      cuda::flash_attention_backward(params);
+      cuda::flash_attention_backward(params, delta);
 #endif
       break;
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "api/accumulate.h"
+#include "api/branch_delta.h"
 #include "api/check.h"
 #include "api/nsa_plan.h"
 #include "sparseattn/compress_kv.h"
@@ -238,20 +239,22 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
     gated.gates[i] = f.gates[i];
     gated.d_outputs[i] = scratch.d_o;
     gated.d_gates[i] = plan.layout.packed && params.d_gates[i].present() ? scratch.d_gates[i] : params.d_gates[i];
-    combine_backward(gated);
+    std::array<TensorView, kNumBranches> deltas{};
+    deltas[i] = scratch.delta;
+    detail::combine_backward(gated, deltas);
     if (plan.layout.packed && params.d_gates[i].present()) {
       sum_into(params.d_gates[i], {scratch.d_gates[i]}, f.seqs.cu_seqlens, f.stream);
     }
     if (i == 0) {
-      compressed_attention_backward(branches.cmp);
+      detail::compressed_attention_backward(branches.cmp, scratch.delta);
       if (!plan.user_cmp) {
         compress_kv_backward({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = scratch.dk[0],
                               .dv = scratch.dv[0], .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
                               .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream});
       }
     }
-    if (i == 1) selected_attention_backward(branches.slc);
-    if (i == 2) flash_attention_backward(branches.swa);
+    if (i == 1) detail::selected_attention_backward(branches.slc, scratch.delta);
+    if (i == 2) detail::flash_attention_backward(branches.swa, scratch.delta);
   }
   if (!plan.branch[0] && plan.user_cmp) {  // the compressed branch is skipped: the caller's k_cmp/v_cmp get no gradient
     sum_into(params.dk_cmp, {}, f.cu_seqlens_cmp, f.stream);

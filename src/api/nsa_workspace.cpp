@@ -117,6 +117,7 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
     scratch.dv_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
   }
   scratch.d_o = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+  if (plan.device == DeviceType::cuda) scratch.delta = carve.take(DType::float32, layout.lse(plan.heads_q));
   int last = kNumBranches - 1;
   while (!plan.branch[last]) --last;  // the plan has at least one branch
   for (int i = 0; i < kNumBranches; ++i) {

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/branch_delta.h"
 #include "api/check.h"
 #include "api/cuda_limits.h"
 #include "reference/reference.h"
@@ -133,6 +134,10 @@ std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBa
 }
 
 void selected_attention_backward(const SelectedAttentionBackwardParams& params) {
+  detail::selected_attention_backward(params, {});
+}
+
+void detail::selected_attention_backward(const SelectedAttentionBackwardParams& params, const TensorView& delta) {
   const detail::Check check("selected_attention_backward");
   const SelectedShapes shapes = check_common(check, params);
   const DType dtype = params.q.dtype;
@@ -152,10 +157,11 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& params) 
   }
   check.buffer(params.workspace, params.workspace_bytes, selected_attention_backward_workspace_size(params), "workspace",
                "selected_attention_backward_workspace_size");
+  detail::check_delta(check, delta, "delta", shapes.layout.lse(shapes.q_heads), params.q, "q");
   switch (backend) {
     case detail::Backend::cpu: reference::selected_attention_backward(params); break;
 #ifdef SPARSEATTN_WITH_CUDA
-    case detail::Backend::cuda: cuda::selected_attention_backward(params); break;
+    case detail::Backend::cuda: cuda::selected_attention_backward(params, delta); break;
 #else
     case detail::Backend::cuda: break;
 #endif

@@ -107,24 +107,36 @@ __global__ void combine_kernel(Branches<T> branches, Tokens<T> o, RowGrid grid, 
   }
 }
 
-// Every row's lanes stay active to the end: d_gate is a shuffle reduction over them.
+// A branch's delta (float32 laid out like lse: [B, H, T] or packed [H, N]); data null: not wanted.
+struct DeltaRows {
+  float* data;
+  std::int64_t batch_stride, head_stride;
+};
+
+template <class T>
+struct BackwardOutputs {
+  Tokens<T> d_outputs[kNumBranches];
+  PerHead<T> d_gates[kNumBranches];
+  DeltaRows deltas[kNumBranches];
+};
+
+// Every row's lanes stay active to the end: d_gate and delta are shuffle reductions over them. delta is
+// sum(d_out * o) over the d_out values as stored (rounded to T), exactly what the branch's backward would
+// compute from the stored tensor.
 template <class T, int kVec>
-__global__ void combine_backward_kernel(Branches<T> branches, Tokens<T> d_o, Tokens<T> d_outputs_0,
-                                        Tokens<T> d_outputs_1, Tokens<T> d_outputs_2, PerHead<T> d_gate_0,
-                                        PerHead<T> d_gate_1, PerHead<T> d_gate_2, RowGrid grid, int lanes) {
+__global__ void combine_backward_kernel(Branches<T> branches, Tokens<T> d_o, BackwardOutputs<T> outs, RowGrid grid,
+                                        int lanes) {
   RowOf r;
   const bool active = row_of(grid, lanes, r);
   if (__all_sync(0xffffffffu, !active)) return;
-  const Tokens<T> d_outputs[kNumBranches] = {d_outputs_0, d_outputs_1, d_outputs_2};
-  const PerHead<T> d_gates[kNumBranches] = {d_gate_0, d_gate_1, d_gate_2};
   for (int i = 0; i < kNumBranches; ++i) {
     if (!branches.present[i]) continue;
-    float partial = 0.f;
+    float d_gate = 0.f, delta = 0.f;
     if (active) {
       const float gate = to_float(branches.gates[i].at(r.b, r.t, r.h));
       const T* grad = d_o.row(r.b, r.t, r.h);
       const T* out = branches.outputs[i].row(r.b, r.t, r.h);
-      T* d_out = d_outputs[i].row(r.b, r.t, r.h);
+      T* d_out = outs.d_outputs[i].row(r.b, r.t, r.h);
       for (std::int64_t d = std::int64_t{r.lane} * kVec; d < grid.dim; d += std::int64_t{lanes} * kVec) {
         float g[kVec], x[kVec], scaled[kVec];
         load_vec<T, kVec>(g, grad + d);
@@ -132,13 +144,20 @@ __global__ void combine_backward_kernel(Branches<T> branches, Tokens<T> d_o, Tok
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
           scaled[e] = gate * g[e];
-          partial += g[e] * x[e];
+          d_gate += g[e] * x[e];
+          delta += to_float(from_float<T>(scaled[e])) * x[e];
         }
         if (d_out != nullptr) store_vec<T, kVec>(d_out + d, scaled);
       }
     }
-    for (int offset = lanes / 2; offset > 0; offset /= 2) partial += __shfl_xor_sync(0xffffffffu, partial, offset);
-    if (active && d_gates[i].data != nullptr && r.lane == 0) d_gates[i].at(r.b, r.t, r.h) = from_float<T>(partial);
+    for (int offset = lanes / 2; offset > 0; offset /= 2) {
+      d_gate += __shfl_xor_sync(0xffffffffu, d_gate, offset);
+      delta += __shfl_xor_sync(0xffffffffu, delta, offset);
+    }
+    if (!active || r.lane != 0) continue;
+    if (outs.d_gates[i].data != nullptr) outs.d_gates[i].at(r.b, r.t, r.h) = from_float<T>(d_gate);
+    const DeltaRows& rows = outs.deltas[i];
+    if (rows.data != nullptr) rows.data[r.b * rows.batch_stride + r.h * rows.head_stride + r.t] = delta;
   }
 }
 
@@ -186,17 +205,21 @@ void combine(const CombineParams& params) {
   });
 }
 
-void combine_backward(const CombineBackwardParams& params) {
+void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas) {
   const DeviceGuard device(params.d_o.device_index);
   const RowGrid grid = row_grid(params.d_o);
   if (grid.batch * grid.rows * grid.heads == 0) return;
   dispatch_float(params.d_o.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    Tokens<T> d_outputs[kNumBranches]{};
-    PerHead<T> d_gates[kNumBranches]{};
+    BackwardOutputs<T> backward_outputs{};
     for (int i = 0; i < kNumBranches; ++i) {
-      if (params.d_outputs[i].present()) d_outputs[i] = tokens_of<T>(params.d_outputs[i]);
-      if (params.d_gates[i].present()) d_gates[i] = per_head_of<T>(params.d_gates[i]);
+      if (params.d_outputs[i].present()) backward_outputs.d_outputs[i] = tokens_of<T>(params.d_outputs[i]);
+      if (params.d_gates[i].present()) backward_outputs.d_gates[i] = per_head_of<T>(params.d_gates[i]);
+      const TensorView& delta = deltas[i];
+      if (!delta.present()) continue;
+      const bool packed = delta.rank == 2;
+      backward_outputs.deltas[i] = {static_cast<float*>(delta.data), packed ? 0 : delta.stride[0],
+                                    delta.stride[packed ? 0 : 1]};
     }
     const auto& outs = params.outputs;
     const auto& d_outs = params.d_outputs;
@@ -204,8 +227,7 @@ void combine_backward(const CombineBackwardParams& params) {
     auto launch = [&](auto kernel, int vec) {
       const int lanes = lanes_per_row(grid.dim, vec);
       kernel<<<blocks_for(grid, lanes), kThreadsPerBlock, 0, stream>>>(
-          branches_of<T>(outs, params.gates), tokens_of<T>(params.d_o), d_outputs[0], d_outputs[1], d_outputs[2],
-          d_gates[0], d_gates[1], d_gates[2], grid, lanes);
+          branches_of<T>(outs, params.gates), tokens_of<T>(params.d_o), backward_outputs, grid, lanes);
     };
     if (vector_width<T>(grid.dim, params.d_o, outs[0], outs[1], outs[2], d_outs[0], d_outs[1], d_outs[2]) > 1) {
       launch(combine_backward_kernel<T, 16 / sizeof(T)>, 16 / sizeof(T));

@@ -11,7 +11,9 @@ namespace sparseattn::cuda {
 void compress_kv(const CompressKvParams& params);
 void compress_kv_backward(const CompressKvBackwardParams& params);
 void combine(const CombineParams& params);
-void combine_backward(const CombineBackwardParams& params);
+// deltas (optional per branch): float32 like lse, filled with sum(d_outputs[i] * outputs[i]) per row (the delta of
+// that branch's attention backward).
+void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas);
 void accumulate(const detail::AccumulateParams& params);
 
 }  // namespace sparseattn::cuda

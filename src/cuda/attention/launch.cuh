@@ -14,6 +14,7 @@ struct Launch {
   i64 q_heads, kv_heads;
   i64 rows_q;      // rows of the q tensor's token dim per batch (T, or N packed), for the delta kernel
   i64 batch_rows;  // leading batch dim of the q tensor (B, or 1 packed)
+  bool delta_given;  // backward: AttnArgs::delta holds the caller's rowsum(dO * O), no delta kernel
   cudaStream_t stream;
 };
 
@@ -121,7 +122,7 @@ template <class T, int Dqk, int Dv, class Mask>
 void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   if (l.batch == 0) return;
   const i64 delta_items = l.batch_rows * l.rows_q * l.q_heads;
-  if (delta_items > 0) {
+  if (delta_items > 0 && !l.delta_given) {
     attention_delta_kernel<T, Dv><<<static_cast<unsigned>(ceil_div(delta_items, kWarps)), kThreads, 0, l.stream>>>(
         args, l.batch_rows, l.rows_q, l.q_heads);
     check_launch("attention_delta_kernel");

@@ -106,7 +106,7 @@ template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq_kernel(Tokens<const T> q, Tokens<const T> k,
                                                                Tokens<const T> v, IndexView indices,
                                                                LseView<const float> lse, Tokens<const T> d_o,
-                                                               const float* delta, Tokens<T> dq, SeqTable seqs,
+                                                               LseView<const float> delta, Tokens<T> dq, SeqTable seqs,
                                                                BwdConfig c) {
   using S = DqSmem<T, DQK, DV>;
   extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernel of this unit declares it
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
     if (r < rows_here) {
       const float x = lse.at(seq.batch, row, hq0 + r);
       if (x != -INFINITY) value = x * kLog2e;
-      dl = delta[(seq.batch * c.rows + row) * (c.heads_kv * c.group) + hq0 + r];
+      dl = delta.at(seq.batch, row, hq0 + r);
     }
     lse_s[r] = value;
     delta_s[r] = dl;
@@ -242,9 +242,9 @@ struct DkvSmem {
 template <class T, int DQK, int DV, int SPLIT>
 __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
     Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, LseView<const float> lse, Tokens<const T> d_o,
-    const float* delta, const std::int32_t* offsets, const std::int32_t* seg_begin, const std::int32_t* seg_end,
-    const std::int32_t* tokens, const std::uint64_t* chunk_scan, float* partials, Tokens<T> dk, Tokens<T> dv,
-    SeqTable seqs, DkvConfig c) {
+    LseView<const float> delta, const std::int32_t* offsets, const std::int32_t* seg_begin,
+    const std::int32_t* seg_end, const std::int32_t* tokens, const std::uint64_t* chunk_scan, float* partials,
+    Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
   using S = DkvSmem<T, DQK, DV>;
   constexpr int kCk = DQK / SPLIT, kCv = DV / SPLIT;  // dK / dV columns of this CTA
   extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernel of this unit declares it
@@ -265,7 +265,6 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
   const std::int64_t h = task.h, first = task.first, end = task.end, list_begin = task.list_begin,
                      pairs = task.pairs;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t heads_q = c.heads_kv * c.group;
 
   selection::load_rows<T, kKeys, DQK, kThreads>(
       ks, [&](int r) { return first + r < end ? k.row(seq.batch, seq.begin + first + r, h) : nullptr; },
@@ -306,7 +305,7 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
         const std::int64_t hq = h * c.group + (static_cast<std::uint32_t>(pidx) - token * group32);
         const float x = lse.at(seq.batch, seq.begin + pos, hq);
         if (x != -INFINITY) lv = x * kLog2e;
-        dl = delta[(seq.batch * c.rows + seq.begin + pos) * heads_q + hq];
+        dl = delta.at(seq.batch, seq.begin + pos, hq);
       }
       lse_s[r] = lv;
       delta_s[r] = dl;
@@ -548,7 +547,7 @@ std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBa
   return plan_of(p).total;
 }
 
-void selected_attention_backward(const SelectedAttentionBackwardParams& p) {
+void selected_attention_backward(const SelectedAttentionBackwardParams& p, const TensorView& given_delta) {
   const DeviceGuard device(p.q.device_index);
   const BwdPlan plan = plan_of(p);
   const selection::HostShape& s = plan.shape;
@@ -556,7 +555,11 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p) {
   if (s.batch <= 0 || s.max_len <= 0 || plan.heads_q <= 0) return;
   const auto stream = static_cast<cudaStream_t>(p.stream);
   unsigned char* ws = selection::aligned_workspace(p.workspace);
-  float* delta = reinterpret_cast<float*>(ws + plan.delta);
+  // delta = rowsum(dO * O): the caller's (laid out like lse), else computed into the workspace as [rows][Hq].
+  float* const delta_ws = reinterpret_cast<float*>(ws + plan.delta);
+  const LseView<const float> delta = given_delta.present()
+                                         ? selection::lse_of<const float>(given_delta)
+                                         : LseView<const float>{delta_ws, s.rows * plan.heads_q, 1, plan.heads_q};
   auto* offsets = reinterpret_cast<std::int32_t*>(ws + plan.offsets);
   auto* keys_in = reinterpret_cast<std::uint32_t*>(ws + plan.keys_in);
   auto* keys_out = reinterpret_cast<std::uint32_t*>(ws + plan.keys_out);
@@ -577,10 +580,10 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p) {
   selection::dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     // 1. delta = rowsum(dO * O).
-    if (plan.total_rows * plan.heads_q > 0) {
+    if (plan.total_rows * plan.heads_q > 0 && !given_delta.present()) {
       const std::int64_t items = plan.total_rows * plan.heads_q;
       delta_kernel<T><<<static_cast<unsigned>(ceil_div(items, 8)), 256, 0, stream>>>(
-          tokens_of<const T>(p.o), tokens_of<const T>(p.d_o), delta, s.rows, plan.total_rows,
+          tokens_of<const T>(p.o), tokens_of<const T>(p.d_o), delta_ws, s.rows, plan.total_rows,
           plan.heads_q, dv);
       check_launch("delta_kernel");
     }

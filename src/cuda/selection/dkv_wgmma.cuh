@@ -41,9 +41,9 @@ struct DkvWgmmaTile {
 template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, LseView<const float> lse, Tokens<const T> d_o,
-    const float* delta, const std::int32_t* offsets, const std::int32_t* seg_begin, const std::int32_t* seg_end,
-    const std::int32_t* tokens, const std::uint64_t* chunk_scan, float* partials, Tokens<T> dk, Tokens<T> dv,
-    SeqTable seqs, DkvConfig c) {
+    LseView<const float> delta, const std::int32_t* offsets, const std::int32_t* seg_begin,
+    const std::int32_t* seg_end, const std::int32_t* tokens, const std::uint64_t* chunk_scan, float* partials,
+    Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = DkvWgmmaTile<DQK, DV>;
   constexpr int kThreads = Tile::kThreads, kKeys = Tile::kKeys, kRows = Tile::kRows;
@@ -60,7 +60,6 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
   if (task.first >= task.end) return;
   const auto& seq = task.seq;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t heads_q = c.heads_kv * c.group;
 
   // K and V rows [first, end), zero rows after.
   wgmma::load_swizzled_tile<kKeys, DQK, kThreads>(sK, k, seq.batch, seq.begin + task.first, task.end - task.first,
@@ -108,7 +107,7 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
       const std::int64_t hq = task.h * c.group + (static_cast<std::uint32_t>(pidx) - token * group32);
       const float x = lse.at(seq.batch, seq.begin + pos, hq);
       if (x != -INFINITY) lv = x * kLog2e;
-      dl = delta[(seq.batch * c.rows + seq.begin + pos) * heads_q + hq];
+      dl = delta.at(seq.batch, seq.begin + pos, hq);
     }
     sLse[buf * kRows + threadIdx.x] = lv;
     sDelta[buf * kRows + threadIdx.x] = dl;

@@ -42,7 +42,7 @@ constexpr int kMergeWarps = 8;
 template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v,
                                                          Tokens<const T> d_o, LseView<const float> lse,
-                                                         const float* delta, const std::uint32_t* keys,
+                                                         LseView<const float> delta, const std::uint32_t* keys,
                                                          const std::int32_t* values, const std::int32_t* cu_seqlens,
                                                          const std::int32_t* offsets, __half* dq_part,
                                                          float* scale_part, KvConfig c) {
@@ -67,7 +67,6 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int count = load_cta_entries<kThreads>(keys, values, c, keys_s, vals_s);
 
-  const std::int64_t heads_q = c.heads_kv * c.group;
   int cur = 0;
   while (cur < count && keys_s[cur] < c.sentinel) {
     const std::uint32_t key = keys_s[cur];
@@ -103,8 +102,7 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
         if (qp != nullptr) {
           const float x = lse.at(r.batch, r.row, r.hq);
           if (x != -INFINITY) lv = x * kLog2e;
-          // delta is [rows of the batch][Hq]: batched rows count from batch 0.
-          dl = delta[(r.batch * c.rows + r.row) * heads_q + r.hq];
+          dl = delta.at(r.batch, r.row, r.hq);
         }
         qptr_s[base + lane] = qp;
         optr_s[base + lane] = op;

@@ -74,7 +74,7 @@ struct DqKvArgs {
   float scale, scale_log2;
   const std::int32_t* cu_seqlens;  // packed only
   const std::int32_t* offsets;     // packed: block offsets (already built)
-  const float* delta;
+  LseView<const float> delta;  // rowsum(dO * O), (batch, row, query head)
   std::uint32_t *keys_in, *keys_out;
   std::int32_t *values_in, *values_out;
   void* temp;

@@ -46,7 +46,7 @@ inline std::size_t dq_kv_wgmma_smem_bytes(int dim_qk, int dim_v, int keys) {
 template <class T, int DQK, int DV, int KEYS>
 __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v,
                                                           Tokens<const T> d_o, LseView<const float> lse,
-                                                          const float* delta, const std::uint32_t* keys,
+                                                          LseView<const float> delta, const std::uint32_t* keys,
                                                           const std::int32_t* values, const std::int32_t* cu_seqlens,
                                                           const std::int32_t* offsets, __half* dq_part,
                                                           float* scale_part, KvConfig c) {
@@ -71,7 +71,6 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int count = load_cta_entries<kThreads>(keys, values, c, keys_s, vals_s);
-  const std::int64_t heads_q = c.heads_kv * c.group;
 
   const std::uint64_t q_desc0 = wgmma::k_major_descriptor<kRows>(sQ, 0, 0);
   const std::uint64_t do_desc0 = wgmma::k_major_descriptor<kRows>(sDO, 0, 0);
@@ -95,7 +94,7 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
         if (r.q != nullptr) {
           const float x = lse.at(r.batch, r.row, r.hq);
           if (x != -INFINITY) lv = x * kLog2e;
-          dl = delta[(r.batch * c.rows + r.row) * heads_q + r.hq];  // [rows of the batch][Hq]
+          dl = delta.at(r.batch, r.row, r.hq);
         }
         const int at = buf * kRows + threadIdx.x;
         qptr_s[at] = r.q;
