@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "api/branch_delta.h"
+#include "api/branch_backward.h"
 #include "api/check.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
@@ -71,6 +71,13 @@ void check_delta(const Check& check, const TensorView& delta, const std::string&
   check.tensor(delta, arg, DType::float32, anchor, anchor_arg);
   check.shape(delta, arg, lse_shape);
   check.inner_contiguous(delta, arg);
+}
+
+void check_options(const Check& check, const BranchBackwardOptions& options, const std::vector<std::int64_t>& lse_shape,
+                   const TensorView& q) {
+  check.require(!options.accumulate_dq || q.device == DeviceType::cuda, ErrorKind::unsupported, "dq",
+                "accumulates on CUDA only");
+  check_delta(check, options.delta, "delta", lse_shape, q, "q");
 }
 
 void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas) {

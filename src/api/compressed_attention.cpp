@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "api/branch_delta.h"
+#include "api/branch_backward.h"
 #include "api/check.h"
 #include "api/cuda_limits.h"
 #include "reference/reference.h"
@@ -131,7 +131,8 @@ void compressed_attention_backward(const CompressedAttentionBackwardParams& para
   detail::compressed_attention_backward(params, {});
 }
 
-void detail::compressed_attention_backward(const CompressedAttentionBackwardParams& params, const TensorView& delta) {
+void detail::compressed_attention_backward(const CompressedAttentionBackwardParams& params,
+                                           const BranchBackwardOptions& options) {
   const detail::Check check("compressed_attention_backward");
   const CompressedShapes shapes = check_common(check, params);
   const DType dtype = params.q.dtype;
@@ -145,7 +146,7 @@ void detail::compressed_attention_backward(const CompressedAttentionBackwardPara
   check.shape(params.dv_cmp, "dv_cmp", shapes.cmp_tokens(shapes.dim_v));
   check.buffer(params.workspace, params.workspace_bytes, compressed_attention_backward_workspace_size(params), "workspace",
                "compressed_attention_backward_workspace_size");
-  detail::check_delta(check, delta, "delta", shapes.layout.lse(shapes.q_heads), params.q, "q");
+  detail::check_options(check, options, shapes.layout.lse(shapes.q_heads), params.q);
   switch (detail::backend(check, params.q, "q", detail::kCudaBuilt)) {
     case detail::Backend::cpu: reference::compressed_attention_backward(params); break;
     case detail::Backend::cuda:
@@ -155,7 +156,7 @@ void detail::compressed_attention_backward(const CompressedAttentionBackwardPara
       detail::check_cuda_rows(check, params.dk_cmp, "dk_cmp");
       detail::check_cuda_rows(check, params.dv_cmp, "dv_cmp");
 #ifdef SPARSEATTN_WITH_CUDA
-      cuda::compressed_attention_backward(params, delta);
+      cuda::compressed_attention_backward(params, options);
 #endif
       break;
   }

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "api/branch_delta.h"
+#include "api/branch_backward.h"
 #include "api/check.h"
 #include "api/cuda_limits.h"
 #include "reference/reference.h"
@@ -135,7 +135,8 @@ void flash_attention_backward(const FlashAttentionBackwardParams& params) {
   detail::flash_attention_backward(params, {});
 }
 
-void detail::flash_attention_backward(const FlashAttentionBackwardParams& params, const TensorView& delta) {
+void detail::flash_attention_backward(const FlashAttentionBackwardParams& params,
+                                      const BranchBackwardOptions& options) {
   const detail::Check check("flash_attention_backward");
   const FlashShapes shapes = check_common(check, params);
   const DType dtype = params.q.dtype;
@@ -155,7 +156,7 @@ void detail::flash_attention_backward(const FlashAttentionBackwardParams& params
   }
   check.buffer(params.workspace, params.workspace_bytes, flash_attention_backward_workspace_size(params), "workspace",
                "flash_attention_backward_workspace_size");
-  detail::check_delta(check, delta, "delta", shapes.layout_q.lse(shapes.q_heads), params.q, "q");
+  detail::check_options(check, options, shapes.layout_q.lse(shapes.q_heads), params.q);
   switch (detail::backend(check, params.q, "q", detail::kCudaBuilt)) {
     case detail::Backend::cpu: reference::flash_attention_backward(params); break;
     case detail::Backend::cuda:
@@ -165,7 +166,7 @@ void detail::flash_attention_backward(const FlashAttentionBackwardParams& params
       detail::check_cuda_rows(check, params.dk, "dk");
       detail::check_cuda_rows(check, params.dv, "dv");
 #ifdef SPARSEATTN_WITH_CUDA
-      cuda::flash_attention_backward(params, delta);
+      cuda::flash_attention_backward(params, options);
 #endif
       break;
   }

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "api/accumulate.h"
-#include "api/branch_delta.h"
+#include "api/branch_backward.h"
 #include "api/check.h"
 #include "api/nsa_plan.h"
 #include "sparseattn/compress_kv.h"
@@ -229,6 +229,8 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
   const BranchBackward branches =
       branch_backward(plan, f, ws, scratch, params.dq, plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
                       plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
+  // CUDA: the first branch writes dq, the others add to it (scratch.dq is empty there).
+  detail::BranchBackwardOptions options{.delta = scratch.delta, .accumulate_dq = false};
   for (int i = 0; i < kNumBranches; ++i) {
     if (!plan.branch[i]) continue;
     // This branch's output gradient (and gate gradient: packed, through scratch so that rows past
@@ -246,21 +248,22 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
       sum_into(params.d_gates[i], {scratch.d_gates[i]}, f.seqs.cu_seqlens, f.stream);
     }
     if (i == 0) {
-      detail::compressed_attention_backward(branches.cmp, scratch.delta);
+      detail::compressed_attention_backward(branches.cmp, options);
       if (!plan.user_cmp) {
         compress_kv_backward({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = scratch.dk[0],
                               .dv = scratch.dv[0], .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
                               .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream});
       }
     }
-    if (i == 1) detail::selected_attention_backward(branches.slc, scratch.delta);
-    if (i == 2) detail::flash_attention_backward(branches.swa, scratch.delta);
+    if (i == 1) detail::selected_attention_backward(branches.slc, options);
+    if (i == 2) detail::flash_attention_backward(branches.swa, options);
+    options.accumulate_dq = plan.device == DeviceType::cuda;
   }
   if (!plan.branch[0] && plan.user_cmp) {  // the compressed branch is skipped: the caller's k_cmp/v_cmp get no gradient
     sum_into(params.dk_cmp, {}, f.cu_seqlens_cmp, f.stream);
     sum_into(params.dv_cmp, {}, f.cu_seqlens_cmp, f.stream);
   }
-  // The last branch wrote params.dq; add the others' (each element is read before it is written).
+  // CPU: the last branch wrote params.dq; add the others' (each element is read before it is written).
   std::array<TensorView, kNumBranches> dq_terms = scratch.dq;
   if (std::any_of(dq_terms.begin(), dq_terms.end(), [](const TensorView& t) { return t.present(); })) {
     dq_terms[kNumBranches - 1] = params.dq;  // the last slot never holds a scratch dq

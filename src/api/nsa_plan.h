@@ -57,8 +57,8 @@ struct NsaWorkspace {
 // them all; the last branch writes its dq straight into the caller's dq, which then adds the others.
 struct NsaScratch {
   TensorView d_o;                                   // the output gradient of the branch running now
-  TensorView delta;  // CUDA: float32 like lse, rowsum(d_o * o) of the branch running now (branch_delta.h)
-  std::array<TensorView, kNumBranches> dq;          // per gate but the last: the branch's dq
+  TensorView delta;  // CUDA: float32 like lse, rowsum(d_o * o) of the branch running now (branch_backward.h)
+  std::array<TensorView, kNumBranches> dq;          // CPU, per gate but the last: the branch's dq
   std::array<TensorView, kNumBranches> dk, dv;      // per gate: the branch's contribution (no dk, dv from
                                                     // the compressed branch when k_cmp/v_cmp are the caller's)
   TensorView dk_cmp, dv_cmp;                        // compressed branch with pooled K/V: their gradient

@@ -123,7 +123,10 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
   for (int i = 0; i < kNumBranches; ++i) {
     if (!plan.branch[i]) continue;
     if (layout.packed) scratch.d_gates[i] = carve.take(plan.dtype, layout.per_head(plan.heads_q));
-    if (i != last) scratch.dq[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_qk));
+    // On CUDA the branches add their dq in place (branch_backward.h); the CPU reference sums buffers.
+    if (i != last && plan.device != DeviceType::cuda) {
+      scratch.dq[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_qk));
+    }
     if (i == 0 && !pooled_cmp) continue;
     scratch.dk[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_qk));
     scratch.dv[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_v));

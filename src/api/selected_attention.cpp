@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "api/branch_delta.h"
+#include "api/branch_backward.h"
 #include "api/check.h"
 #include "api/cuda_limits.h"
 #include "reference/reference.h"
@@ -137,7 +137,8 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& params) 
   detail::selected_attention_backward(params, {});
 }
 
-void detail::selected_attention_backward(const SelectedAttentionBackwardParams& params, const TensorView& delta) {
+void detail::selected_attention_backward(const SelectedAttentionBackwardParams& params,
+                                         const BranchBackwardOptions& options) {
   const detail::Check check("selected_attention_backward");
   const SelectedShapes shapes = check_common(check, params);
   const DType dtype = params.q.dtype;
@@ -157,11 +158,11 @@ void detail::selected_attention_backward(const SelectedAttentionBackwardParams& 
   }
   check.buffer(params.workspace, params.workspace_bytes, selected_attention_backward_workspace_size(params), "workspace",
                "selected_attention_backward_workspace_size");
-  detail::check_delta(check, delta, "delta", shapes.layout.lse(shapes.q_heads), params.q, "q");
+  detail::check_options(check, options, shapes.layout.lse(shapes.q_heads), params.q);
   switch (backend) {
     case detail::Backend::cpu: reference::selected_attention_backward(params); break;
 #ifdef SPARSEATTN_WITH_CUDA
-    case detail::Backend::cuda: cuda::selected_attention_backward(params, delta); break;
+    case detail::Backend::cuda: cuda::selected_attention_backward(params, options); break;
 #else
     case detail::Backend::cuda: break;
 #endif

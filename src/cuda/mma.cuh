@@ -93,4 +93,16 @@ __device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
   }
 }
 
+// lo += first and hi += second 16-bit element of `pair` (the inverse of pack2, added): for stores that accumulate.
+template <class T>
+__device__ __forceinline__ void add_unpacked(std::uint32_t pair, float& lo, float& hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
+    lo += v.x, hi += v.y;
+  } else {
+    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&pair));
+    lo += v.x, hi += v.y;
+  }
+}
+
 }  // namespace sparseattn::cuda

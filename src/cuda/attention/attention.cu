@@ -231,14 +231,15 @@ std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackward
   return backward_workspace(p.q, p.k, p.v, launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream)).bytes();
 }
 
-void flash_attention_backward(const FlashAttentionBackwardParams& p, const TensorView& delta) {
+void flash_attention_backward(const FlashAttentionBackwardParams& p, const detail::BranchBackwardOptions& options) {
   const DeviceGuard device(p.q.device_index);
   Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
-  l.delta_given = delta.present();
+  l.delta_given = options.delta.present();
   dispatch_half(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, p.d_o, p.dq, p.dk, p.dv, p.workspace, p.scale);
-    if (l.delta_given) a.delta = rows_of(delta);
+    if (l.delta_given) a.delta = rows_of(options.delta);
+    a.accumulate_dq = options.accumulate_dq;
     set_head_splits(a, p.workspace, backward_workspace(p.q, p.k, p.v, l));
     a.seqs = flash_seqs(p);
     dispatch<T, FlashMask>(false, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1], a,
@@ -266,16 +267,18 @@ std::size_t compressed_attention_backward_workspace_size(const CompressedAttenti
   return backward_workspace(p.q, p.k_cmp, p.v_cmp, l).bytes();
 }
 
-void compressed_attention_backward(const CompressedAttentionBackwardParams& p, const TensorView& delta) {
+void compressed_attention_backward(const CompressedAttentionBackwardParams& p,
+                                   const detail::BranchBackwardOptions& options) {
   const DeviceGuard device(p.q.device_index);
   Launch l = launch_of(p.q, p.k_cmp, p.seqs, 0, p.stream);
   l.max_k = compressed_max_k(p, l.max_q);
-  l.delta_given = delta.present();
+  l.delta_given = options.delta.present();
   dispatch_half(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, p.d_o, p.dq, p.dk_cmp, p.dv_cmp, p.workspace,
                                p.scale);
-    if (l.delta_given) a.delta = rows_of(delta);
+    if (l.delta_given) a.delta = rows_of(options.delta);
+    a.accumulate_dq = options.accumulate_dq;
     set_head_splits(a, p.workspace, backward_workspace(p.q, p.k_cmp, p.v_cmp, l));
     a.seqs = compressed_seqs(p);
     dispatch<T, CompressedMask>(false, p.q.shape[p.q.rank - 1], p.v_cmp.shape[p.v_cmp.rank - 1], a,

@@ -85,6 +85,7 @@ struct AttnArgs {
   // they write fp32 partials that attention_dkv_reduce_kernel adds up in split order (deterministic).
   int head_splits;
   Partials dk_partial, dv_partial;
+  bool accumulate_dq;  // dQ kernels: dq += the gradient (the NSA backward sums its branches in place)
 };
 
 template <int kDim>
@@ -195,10 +196,12 @@ __device__ __forceinline__ void zero(float (&acc)[kN][4]) {
   for (int i = 0; i < kN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
-// Stores a warp's 16 x kDim fp32 C-fragment rows (times `mul`) to rows row0 + r of head h where r < valid.
+// Stores a warp's 16 x kDim fp32 C-fragment rows (times `mul`) to rows row0 + r of head h where r < valid; with
+// `accumulate`, adds them to what the rows hold.
 template <int kDim, class T>
 __device__ __forceinline__ void store_rows(const float (&acc)[kDim / 8][4], float mul0, float mul1,
-                                           const Tokens<T>& g, i64 b, i64 row0, i64 valid, i64 h) {
+                                           const Tokens<T>& g, i64 b, i64 row0, i64 valid, i64 h,
+                                           bool accumulate = false) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -208,8 +211,10 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kDim / 8][4], floa
     T* dst = g.row(b, row0 + r, h);
 #pragma unroll
     for (int n = 0; n < kDim / 8; ++n) {
-      const std::uint32_t packed = pack2<T>(acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul);
-      *reinterpret_cast<std::uint32_t*>(dst + n * 8 + 2 * (lane % 4)) = packed;
+      auto* pair = reinterpret_cast<std::uint32_t*>(dst + n * 8 + 2 * (lane % 4));
+      float x = acc[n][2 * half] * mul, y = acc[n][2 * half + 1] * mul;
+      if (accumulate) add_unpacked<T>(*pair, x, y);
+      *pair = pack2<T>(x, y);
     }
   }
 }
@@ -557,7 +562,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
     const i64 row0 = t0 + warp_row0 + 16 * mt;
-    store_rows<Dqk>(acc[mt], a.scale, a.scale, a.dq, seq.batch, seq.q_begin + row0, seq.T - row0, h);
+    store_rows<Dqk>(acc[mt], a.scale, a.scale, a.dq, seq.batch, seq.q_begin + row0, seq.T - row0, h,
+                    a.accumulate_dq);
   }
 }
 
@@ -673,8 +679,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   store_dkv_rows<kDoDK, kDoDV>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
 }
 
-// dK or dV = the sum of the head splits' partials, for the rows the dK/dV kernel's CTA (same grid, one
-// split) covers.
+// dK or dV = the sum of the head splits' partials (in split order), for key rows [j0, j0 + rows_per_cta) of one
+// KV head.
 template <class T, int kDim>
 __global__ void __launch_bounds__(kThreads) attention_dkv_reduce_kernel(Tokens<T> out, Partials part, SeqTable seqs,
                                                                        int splits, int rows_per_cta) {
@@ -684,6 +690,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_reduce_kernel(Tokens<T
   for (i64 i = threadIdx.x; i < rows * (kDim / 4); i += kThreads) {
     const i64 r = seq.k_begin + j0 + i / (kDim / 4), d = (i % (kDim / 4)) * 4;
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
     for (int sp = 0; sp < splits; ++sp) {
       const float4 x = *reinterpret_cast<const float4*>(part.row(sp, seq.batch, r, hk) + d);
       sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;

@@ -459,7 +459,8 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
                            if (step < tile_end - tile_begin) wgmma::to_a_fragments<T, kN>(s, ds);
                          });
   }
-  store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0), h);
+  store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0), h,
+                  a.accumulate_dq);
 #endif
 }
 

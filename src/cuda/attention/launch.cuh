@@ -101,9 +101,9 @@ void launch_dkv_sync(const AttnArgs<T>& args, const typename Mask::Config& mc, c
   }
 }
 
-// Launches the wgmma dK/dV kernel where it runs (setting keys_per_cta to its CTA's keys); false otherwise.
+// Launches the wgmma dK/dV kernel where it runs; false otherwise.
 template <class T, int Dqk, int Dv, class Mask>
-bool launch_dkv_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l, int& keys_per_cta) {
+bool launch_dkv_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   if constexpr (WgmmaDkvTile<Dqk, Dv>::kSupported) {
     using Tile = WgmmaDkvTile<Dqk, Dv>;
     auto kernel = attention_dkv_wgmma_kernel<T, Dqk, Dv, Mask>;
@@ -112,7 +112,6 @@ bool launch_dkv_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, 
     const dim3 grid = key_grid(l, Tile::kN, args.head_splits);
     kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
     check_launch("attention_dkv_wgmma_kernel");
-    keys_per_cta = Tile::kN;
     return true;
   }
   return false;
@@ -136,14 +135,16 @@ void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, cons
     check_launch("attention_dq_kernel");
   }
   if (l.max_k > 0) {
-    int keys_per_cta = DkvTile<Dqk, Dv>::kN;
-    if (!launch_dkv_wgmma<T, Dqk, Dv, Mask>(args, mc, l, keys_per_cta)) launch_dkv_sync<T, Dqk, Dv, Mask>(args, mc, l);
+    if (!launch_dkv_wgmma<T, Dqk, Dv, Mask>(args, mc, l)) launch_dkv_sync<T, Dqk, Dv, Mask>(args, mc, l);
     if (args.head_splits > 1) {
-      const dim3 reduce_grid = key_grid(l, keys_per_cta, 1);
+      // Few key rows per CTA: the compressed keys are few (T / 16) and the reduction is latency-bound, so it
+      // needs many CTAs in flight (compressed keys at T = 8K, 4 KV heads: 256 CTAs instead of 16).
+      constexpr int kReduceRows = 8;
+      const dim3 reduce_grid = key_grid(l, kReduceRows, 1);
       attention_dkv_reduce_kernel<T, Dqk><<<reduce_grid, kThreads, 0, l.stream>>>(args.dk, args.dk_partial, args.seqs,
-                                                                                   args.head_splits, keys_per_cta);
+                                                                                   args.head_splits, kReduceRows);
       attention_dkv_reduce_kernel<T, Dv><<<reduce_grid, kThreads, 0, l.stream>>>(args.dv, args.dv_partial, args.seqs,
-                                                                                  args.head_splits, keys_per_cta);
+                                                                                  args.head_splits, kReduceRows);
       check_launch("attention_dkv_reduce_kernel");
     }
   }

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "api/branch_backward.h"
 #include "sparseattn/compressed_attention.h"
 #include "sparseattn/flash_attention.h"
 
@@ -16,12 +17,12 @@ bool attention_head_dims_supported(std::int64_t dim_qk, std::int64_t dim_v);
 
 void flash_attention(const FlashAttentionParams& params);
 std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& params);
-// delta: rowsum(d_o * o) in float32 laid out like lse, when the caller has it (the NSA backward: combine_backward
-// writes it); empty: computed into the workspace.
-void flash_attention_backward(const FlashAttentionBackwardParams& params, const TensorView& delta);
+// options: the NSA backward's (api/branch_backward.h); default: as the public function.
+void flash_attention_backward(const FlashAttentionBackwardParams& params, const detail::BranchBackwardOptions& options);
 
 void compressed_attention(const CompressedAttentionParams& params);
 std::size_t compressed_attention_backward_workspace_size(const CompressedAttentionBackwardParams& params);
-void compressed_attention_backward(const CompressedAttentionBackwardParams& params, const TensorView& delta);
+void compressed_attention_backward(const CompressedAttentionBackwardParams& params,
+                                   const detail::BranchBackwardOptions& options);
 
 }  // namespace sparseattn::cuda

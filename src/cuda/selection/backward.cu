@@ -88,6 +88,7 @@ __global__ void delta_kernel(Tokens<const T> o, Tokens<const T> d_o, float* delt
 struct BwdConfig {
   std::int64_t heads_kv, group, chunks, num_idx, block, rows;  // rows: T (batched) or N (packed)
   float scale, scale_log2;
+  bool accumulate_dq;  // dq += the gradient
 };
 
 template <class T, int DQK, int DV>
@@ -221,8 +222,10 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
 #pragma unroll
     for (int nt = 0; nt < kOutCols / 8; ++nt) {
       const int col = warp * kOutCols + nt * 8 + 2 * (lane % 4);
-      dst[col] = from_float<T>(acc[nt][2 * i] * c.scale);
-      dst[col + 1] = from_float<T>(acc[nt][2 * i + 1] * c.scale);
+      auto* pair = reinterpret_cast<std::uint32_t*>(dst + col);
+      float x = acc[nt][2 * i] * c.scale, y = acc[nt][2 * i + 1] * c.scale;
+      if (c.accumulate_dq) add_unpacked<T>(*pair, x, y);
+      *pair = pack2<T>(x, y);
     }
   }
 }
@@ -547,7 +550,9 @@ std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBa
   return plan_of(p).total;
 }
 
-void selected_attention_backward(const SelectedAttentionBackwardParams& p, const TensorView& given_delta) {
+void selected_attention_backward(const SelectedAttentionBackwardParams& p,
+                                 const detail::BranchBackwardOptions& options) {
+  const TensorView& given_delta = options.delta;
   const DeviceGuard device(p.q.device_index);
   const BwdPlan plan = plan_of(p);
   const selection::HostShape& s = plan.shape;
@@ -601,7 +606,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p, const
       // 3. dQ, query-outer (or KV-block-outer after step 4).
       if (!plan.dq_kv) {
         const BwdConfig c{plan.heads_kv, group, chunks, plan.num_idx, plan.block, s.rows,
-                          static_cast<float>(scale), scale_log2};
+                          static_cast<float>(scale), scale_log2, options.accumulate_dq};
         auto kernel = selected_dq_kernel<T, DQK, DV>;
         const std::size_t smem = DqSmem<T, DQK, DV>::kBytes;
         selection::set_smem(kernel, smem);
@@ -671,6 +676,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p, const
         a.cu_seqlens = s.packed ? cu : nullptr;
         a.offsets = offsets;
         a.delta = delta;
+        a.accumulate_dq = options.accumulate_dq;
         a.keys_in = keys_in;
         a.keys_out = keys_out;
         a.values_in = values_in;

@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
 
 struct DqMergeConfig {
   std::int64_t heads_q, group, num_idx, block, rows, batch, row0, row_count;
-  bool packed;
+  bool packed, accumulate_dq;
   float scale;
 };
 
@@ -266,7 +266,11 @@ __global__ void __launch_bounds__(kMergeWarps * 32) dq_kv_merge_kernel(const __h
 #pragma unroll
   for (int x = 0; x < kPairs; ++x) {
     const int col = 2 * (lane + 32 * x);
-    if (col < DQK) *reinterpret_cast<std::uint32_t*>(dst + col) = pack2<T>(acc[x][0] * c.scale, acc[x][1] * c.scale);
+    if (col >= DQK) continue;
+    auto* pair = reinterpret_cast<std::uint32_t*>(dst + col);
+    float lo = acc[x][0] * c.scale, hi = acc[x][1] * c.scale;
+    if (c.accumulate_dq) add_unpacked<T>(*pair, lo, hi);
+    *pair = pack2<T>(lo, hi);
   }
 }
 
@@ -312,7 +316,8 @@ void dq_kv_outer(const SelectedAttentionBackwardParams& p, const DqKvArgs& a) {
               static_cast<__half*>(a.dq_half), a.dq_scale, c);
           check_launch("dq_kv_kernel");
         }
-        const DqMergeConfig mc{a.heads_q, a.group, a.num_idx, a.block, a.rows, a.batch, row0, rows_here, a.packed,
+        const DqMergeConfig mc{a.heads_q, a.group,   a.num_idx, a.block,         a.rows,
+                               a.batch,   row0,      rows_here, a.packed,        a.accumulate_dq,
                                a.scale};
         dq_kv_merge_kernel<T, DQK><<<static_cast<unsigned>(ceil_div(rows_here * a.heads_q, kMergeWarps)),
                                      kMergeWarps * 32, 0, stream>>>(static_cast<const __half*>(a.dq_half),

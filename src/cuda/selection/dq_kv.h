@@ -71,6 +71,7 @@ struct DqKvArgs {
   std::uint32_t blocks_bound, sentinel;
   int end_bit;
   bool packed;
+  bool accumulate_dq;  // dq += the gradient
   float scale, scale_log2;
   const std::int32_t* cu_seqlens;  // packed only
   const std::int32_t* offsets;     // packed: block offsets (already built)

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "api/branch_backward.h"
 #include "sparseattn/select_blocks.h"
 #include "sparseattn/selected_attention.h"
 
@@ -27,8 +28,8 @@ void select_blocks(const SelectBlocksParams& params);
 std::size_t selected_attention_workspace_size(const SelectedAttentionParams& params);
 void selected_attention(const SelectedAttentionParams& params);
 std::size_t selected_attention_backward_workspace_size(const SelectedAttentionBackwardParams& params);
-// delta: rowsum(d_o * o) in float32 laid out like lse, when the caller has it (the NSA backward: combine_backward
-// writes it); empty: computed into the workspace.
-void selected_attention_backward(const SelectedAttentionBackwardParams& params, const TensorView& delta);
+// options: the NSA backward's (api/branch_backward.h); default: as the public function.
+void selected_attention_backward(const SelectedAttentionBackwardParams& params,
+                                 const detail::BranchBackwardOptions& options);
 
 }  // namespace sparseattn::cuda
