@@ -273,6 +273,24 @@ __device__ __forceinline__ void to_a_fragments(const float (&acc)[N / 8][4], std
   }
 }
 
+// The update of a dK/dV step over kRows query rows: dV += P^T dO and dK += dS^T Q with P^T and dS^T as register
+// A fragments and dO, Q as MN-major tiles (descriptors at their row 0), committed as one MMA group.
+template <class T, int kRows, int Dqk, int Dv>
+__device__ __forceinline__ void issue_dkv_update(float (&dk)[Dqk / 8][4], float (&dv)[Dv / 8][4],
+                                                 const std::uint32_t (&p)[kRows / 16][4],
+                                                 const std::uint32_t (&ds)[kRows / 16][4], std::uint64_t q_mn,
+                                                 std::uint64_t do_mn) {
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    mma_rs<T, Dv, 1>(flat<Dv>(dv), p[kk], advance(do_mn, operand_offset<kRows>(16 * kk, 0)), 1);
+  }
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    mma_rs<T, Dqk, 1>(flat<Dqk>(dk), ds[kk], advance(q_mn, operand_offset<kRows>(16 * kk, 0)), 1);
+  }
+  commit();
+}
+
 // The software pipeline of a loop whose step computes scores (an MMA group), an elementwise part on them, and an
 // accumulator update (a second MMA group) from that part's result: step i (of steps + 1) issues the scores of
 // step i and the update of step i - 1 (whose elementwise part ran one step earlier), then runs step i's

@@ -269,19 +269,8 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     };
     auto issue_update = [&](int step) {  // dV += P^T dO and dK += dS^T Q of step - 1
       const int buf = (step - 1) % kBuffers;
-      const std::uint64_t q_mn_desc = wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2);
-      const std::uint64_t do_mn_desc = wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2);
-#pragma unroll
-      for (int kk = 0; kk < kM / 16; ++kk) {
-        wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(dv), p_a[kk],
-                                wgmma::advance(do_mn_desc, wgmma::operand_offset<kM>(16 * kk, 0)), 1);
-      }
-#pragma unroll
-      for (int kk = 0; kk < kM / 16; ++kk) {
-        wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(dk), ds_a[kk],
-                                 wgmma::advance(q_mn_desc, wgmma::operand_offset<kM>(16 * kk, 0)), 1);
-      }
-      wgmma::commit();
+      wgmma::issue_dkv_update<T, kM, Dqk, Dv>(dk, dv, p_a, ds_a, wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2),
+                                              wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2));
     };
     // P^T and dS^T (without the scale) in place of S^T and dP^T; column n * 8 + 2 (lane % 4) + {0, 1} is a query
     // row, its statistics read from shared memory here rather than held (registers: the update's A fragments

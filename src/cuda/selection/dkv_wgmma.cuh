@@ -188,19 +188,9 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     wgmma::to_a_fragments<T, kRows>(st, p_a);
     wgmma::to_a_fragments<T, kRows>(dpt, ds_a);
     wgmma::fence();
-    const std::uint64_t q_mn_desc = wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2);
-    const std::uint64_t do_mn_desc = wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2);
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) {
-      wgmma::mma_rs<T, DV, 1>(wgmma::flat<DV>(dv_acc), p_a[kk],
-                              wgmma::advance(do_mn_desc, wgmma::operand_offset<kRows>(16 * kk, 0)), 1);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) {
-      wgmma::mma_rs<T, DQK, 1>(wgmma::flat<DQK>(dk_acc), ds_a[kk],
-                               wgmma::advance(q_mn_desc, wgmma::operand_offset<kRows>(16 * kk, 0)), 1);
-    }
-    wgmma::commit();
+    wgmma::issue_dkv_update<T, kRows, DQK, DV>(dk_acc, dv_acc, p_a, ds_a,
+                                               wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2),
+                                               wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2));
     wgmma::wait<0>();
     wgmma::fence_operand(wgmma::flat<DV>(dv_acc));
     wgmma::fence_operand(wgmma::flat<DQK>(dk_acc));
