@@ -31,6 +31,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/pipeline.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SPARSEATTN_WGMMA_ENABLED 1
@@ -95,7 +96,12 @@ __device__ __forceinline__ std::uint64_t mn_major_descriptor(const T* tile, int 
 // A descriptor moved `bytes` (a multiple of 16) further into shared memory: the start address is its low field
 // (address / 16, 14 bits) and shared addresses stay below 2^18, so the sum never carries out of it. With the
 // offsets known at compile time, a k-loop of MMAs costs one integer add per operand instead of a descriptor.
-__device__ __forceinline__ std::uint64_t advance(std::uint64_t desc, std::uint32_t bytes) { return desc + (bytes >> 4); }
+// The add is on the low 32 bits alone: the high half (stride, swizzle) stays a compile-time constant that the
+// compiler keeps in a uniform register, where a 64-bit add would cost an add with carry and a move of both
+// halves into uniform registers per MMA.
+__device__ __forceinline__ std::uint64_t advance(std::uint64_t desc, std::uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<std::uint32_t>(desc) + (bytes >> 4));
+}
 
 // Copies rows [row0, row0 + valid) of head h into a kRows x kDim swizzled tile (the layout above), zero-filling the
 // rest. Eight consecutive threads move the 8 chunks of 16 bytes of one 128-byte row piece: one coalesced
@@ -103,8 +109,9 @@ __device__ __forceinline__ std::uint64_t advance(std::uint64_t desc, std::uint32
 // apart (64 and 128 columns), a thread keeps one chunk column, so its swizzle is the same in every row it
 // copies: one address computation, then one pointer increment per pass, and no predicates when the tile is
 // whole (the common case; these loads are issued by the threads that run the softmax, so their instructions
-// count); otherwise (192 columns) each chunk is placed on its own.
-template <int kRows, int kDim, int kThreadCount, class T, class G>  // G: T or const T
+// count); otherwise (192 columns) each chunk is placed on its own. kUnroll: passes unrolled (a producer
+// warpgroup with few registers unrolls less: each unrolled pass holds a 64-bit address).
+template <int kRows, int kDim, int kThreadCount, int kUnroll = kRows, class T, class G>  // G: T or const T
 __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<G>& g, std::int64_t b, std::int64_t row0,
                                                    std::int64_t valid, std::int64_t h) {
   static_assert(kDim % 64 == 0, "swizzled tiles: whole 128-byte panels");
@@ -116,10 +123,10 @@ __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<G>& g, 
     const std::int64_t pass_stride = kRowStep * g.row_stride;
     T* dst = smem + swizzled_offset<kRows>(r0, c * 8);
     if (rows == kRows) {
-#pragma unroll
+#pragma unroll(kUnroll)
       for (int i = 0; i < kRows / kRowStep; ++i, src += pass_stride) cp_async_16(dst + i * kRowStep * 64, src, 16);
     } else {
-#pragma unroll
+#pragma unroll(kUnroll)
       for (int i = 0; i < kRows / kRowStep; ++i, src += pass_stride) {
         const bool ok = r0 + i * kRowStep < rows;
         cp_async_16(dst + i * kRowStep * 64, ok ? src : g.data, ok ? 16 : 0);
@@ -298,25 +305,34 @@ __device__ __forceinline__ void issue_dkv_update(float (&dk)[Dqk / 8][4], float 
 // the dK/dV query loops. The first and last steps are peeled so that every MMA is issued on a path without
 // branches, which ptxas needs to keep them asynchronous.
 //  begin(i): the step's barrier and loads; issue_scores(i), issue_update(i): the MMAs (update: of step i - 1);
-//  elementwise(i): on step i's landed scores; land(i): wait for every MMA, then what needs the accumulator.
-template <class Begin, class IssueScores, class IssueUpdate, class Elementwise, class Land>
+//  elementwise(i): on step i's landed scores; land(i): wait for every MMA, then what needs the accumulator;
+//  turns: taken before a step's MMAs are issued and passed after (pipeline::Turns: two warpgroups alternate).
+template <class Begin, class IssueScores, class IssueUpdate, class Elementwise, class Land,
+          class Turns = pipeline::NoTurns>
 __device__ __forceinline__ void overlapped_steps(int steps, Begin&& begin, IssueScores&& issue_scores,
-                                                 IssueUpdate&& issue_update, Elementwise&& elementwise, Land&& land) {
+                                                 IssueUpdate&& issue_update, Elementwise&& elementwise, Land&& land,
+                                                 const Turns& turns = Turns{}) {
   begin(0);
+  turns.take();
   issue_scores(0);
+  turns.pass();
   wait<0>();
   elementwise(0);
   land(0);
   for (int step = 1; step < steps; ++step) {
     begin(step);
+    turns.take();
     issue_scores(step);
     issue_update(step);
+    turns.pass();
     wait<1>();
     elementwise(step);
     land(step);
   }
   begin(steps);
+  turns.take();
   issue_update(steps);
+  turns.pass();
   land(steps);
 }
 

@@ -155,6 +155,7 @@ Launch launch_of(const TensorView& q, const TensorView& k, const Sequences& seqs
   l.kv_heads = k.shape[k.rank - 2];
   l.rows_q = packed ? q.shape[0] : q.shape[1];
   l.batch_rows = packed ? 1 : q.shape[0];
+  l.multiprocessors = multiprocessors(q.device_index);
   l.stream = static_cast<cudaStream_t>(stream);
   return l;
 }

@@ -285,9 +285,14 @@ struct QueryWork {
   i64 t0, h, hk, rows, tile_begin, tile_end;
 
   template <class T, class Mask, class Seq>
-  __device__ __forceinline__ QueryWork(const AttnArgs<T>& a, const Mask& mask, const Seq& seq, int kM, int kN) {
-    t0 = query_tile() * kM;
-    h = blockIdx.x;
+  __device__ __forceinline__ QueryWork(const AttnArgs<T>& a, const Mask& mask, const Seq& seq, int kM, int kN)
+      : QueryWork(a, mask, seq, kM, kN, blockIdx.x, query_tile()) {}
+
+  template <class T, class Mask, class Seq>
+  __device__ __forceinline__ QueryWork(const AttnArgs<T>& a, const Mask& mask, const Seq& seq, int kM, int kN,
+                                       i64 head, i64 tile) {
+    t0 = tile * kM;
+    h = head;
     hk = h / a.group;
     rows = seq.T - t0 < kM ? seq.T - t0 : kM;
     tile_begin = tile_end = 0;
@@ -295,6 +300,20 @@ struct QueryWork {
     const i64 k_lo = mask.lo(t0), k_hi = mask.hi(t0 + rows - 1);
     tile_begin = k_lo / kN;
     tile_end = k_hi >= k_lo ? k_hi / kN + 1 : tile_begin;
+  }
+};
+
+// The query tiles of a persistent kernel (grid: one CTA per SM; CTA c takes tiles c, c + gridDim.x, ...) in
+// the order of the query-tile grid: heads fastest, then query tiles heaviest first, then sequences.
+struct QueryTileOrder {
+  i64 heads, tiles, count;  // tiles per sequence; count = heads x tiles x sequences
+
+  struct Tile {
+    i64 head, tile, sequence;
+  };
+  __device__ __forceinline__ Tile operator[](i64 index) const {
+    const i64 rest = index / heads;
+    return {index % heads, tiles - 1 - rest % tiles, rest / tiles};
   }
 };
 

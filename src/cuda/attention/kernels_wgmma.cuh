@@ -1,20 +1,12 @@
-// The attention kernels on Hopper (sm_90a): the forward, dQ and dK/dV mainloops of kernels.cuh with their
-// products on warpgroup MMAs (wgmma.cuh). On H100 the mma.sync loops are bound by shared-memory bandwidth
-// (ldmatrix feeding the tensor cores); wgmma reads its shared-memory operands directly. Without warp
-// specialisation these loops are bound by instruction issue (Nsight Compute: about 0.3 instructions per cycle
-// and scheduler, the tensor pipe mostly idle), so the per-step instruction count is kept small: descriptors
-// are built once and advanced by compile-time offsets, each thread computes one global address per tile load,
-// and masks are per-row bounds computed once (no divisions per element).
+// The attention backward kernels on Hopper (sm_90a): the dQ and dK/dV mainloops of kernels.cuh with their
+// products on warpgroup MMAs (wgmma.cuh); the forward is in forward_wgmma.cuh. On H100 the mma.sync loops are
+// bound by shared-memory bandwidth (ldmatrix feeding the tensor cores); wgmma reads its shared-memory operands
+// directly. Without warp specialisation these loops are bound by instruction issue (Nsight Compute: about 0.3
+// instructions per cycle and scheduler, the tensor pipe mostly idle), so the per-step instruction count is
+// kept small: descriptors are built once and advanced by compile-time offsets, each thread computes one global
+// address per tile load, and masks are per-row bounds computed once (no divisions per element).
 //
-// Forward: a CTA of two warpgroups owns kM = 128 queries of one query head (64 rows per warpgroup, 16 per warp, the
-// accumulator layout of wgmma.cuh). Q stays in shared memory; K/V tiles of kN = 128 keys are double-buffered
-// with cp.async into swizzled tiles. Per key tile, each warpgroup computes S = Q K^T (A and B from shared
-// memory, K-major), the online softmax in registers exactly as the mma.sync kernel (fp32, exp2 on log2e-
-// prescaled scores, per-row visible-column bounds), then O += P V with P as the register A operand and V as
-// an MN-major B operand. Registers: O 64 + S 64 + P 32 fp32/b32 per thread at Dv = 128 (one CTA of 256
-// threads per SM).
-//
-// dQ: tiled like the forward (two warpgroups, 64 queries each, Q and dO resident), over key tiles of kN = 64:
+// dQ: a CTA of two warpgroups owns kM = 128 queries of one query head (64 each; Q and dO resident), over key tiles of kN = 64:
 // S = Q K^T and dP = dO V^T from shared memory, P and dS = P (dP - delta) in registers, dQ += dS K with dS as the
 // register A operand and K as an MN-major operand. Registers: dQ 64 + S 32 + dP 32 + dS 16 at 128/128.
 //
@@ -27,25 +19,13 @@
 // A fragments 32 at D = 128; Dqk = Dv in {64, 128} only (192/128 and 256/256 keep the two-pass mma.sync kernel).
 #pragma once
 
+#include "cuda/attention/forward_wgmma.cuh"
 #include "cuda/attention/kernels.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace sparseattn::cuda::attention {
 
 using wgmma::load_swizzled_tile;  // shared with the selection kernels
-
-template <int Dqk, int Dv>
-struct WgmmaFwdTile {
-  // wgmma N is 64 or 128 here (O's N = Dv); tiles are whole 64-column panels.
-  static constexpr bool kSupported = (Dv == 64 || Dv == 128) && Dqk % 64 == 0 && Dqk <= 192;
-  static constexpr int kWarpgroups = 2;
-  static constexpr int kThreads = 128 * kWarpgroups;
-  static constexpr int kM = 64 * kWarpgroups;
-  static constexpr int kN = 128;
-  static constexpr int kQ = kM * Dqk, kK = kN * Dqk, kV = kN * Dv;  // elements (no padding)
-  // Q, 2 x K, 2 x V (2-byte elements), plus room to align the start to a swizzle atom.
-  static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV) + wgmma::kTileAlignment;
-};
 
 // The two score products of a backward step, committed as one MMA group: s = A_s B_s^T over Dqk columns and
 // dp = A_p B_p^T over Dv (every operand K-major, its descriptor at column 0; A tiles of kRowsA rows, B tiles of
@@ -65,113 +45,6 @@ __device__ __forceinline__ void issue_scores(float (&s)[kN / 8][4], float (&dp)[
                             wgmma::advance(b_p, wgmma::operand_offset<kRowsB>(0, k0)), k0 > 0);
   }
   wgmma::commit();
-}
-
-template <class T, int Dqk, int Dv, class Mask>
-__global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
-    attention_forward_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
-#if SPARSEATTN_WGMMA_ENABLED
-  using Tile = WgmmaFwdTile<Dqk, Dv>;
-  constexpr int kM = Tile::kM, kN = Tile::kN, kThreadCount = Tile::kThreads;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
-  T* sK = sQ + Tile::kQ;
-  T* sV = sK + 2 * Tile::kK;
-
-  const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
-  const QueryWork w(a, mask, seq, kM, kN);
-  if (w.rows <= 0) return;
-  const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
-  const int warp = threadIdx.x / 32;
-  const int warpgroup_row0 = (warp / 4) * 64, warp_row0 = warp * 16;
-
-  float acc[Dv / 8][4];
-  zero(acc);
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-  auto load_k = [&](i64 tile, int buf) {
-    const i64 j0 = tile * kN;
-    load_swizzled_tile<kN, Dqk, kThreadCount>(sK + buf * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-  };
-  auto load_v = [&](i64 tile, int buf) {
-    const i64 j0 = tile * kN;
-    load_swizzled_tile<kN, Dv, kThreadCount>(sV + buf * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-  };
-
-  // Descriptors of this warpgroup's Q rows and of buffer 0's K and V; the k-loops add compile-time offsets.
-  const std::uint64_t q_desc = wgmma::k_major_descriptor<kM>(sQ, warpgroup_row0, 0);
-  const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kN>(sK, 0, 0);
-  const std::uint64_t v_desc0 = wgmma::mn_major_descriptor<kN>(sV, 0, 0);
-
-  if (tile_end > tile_begin) {
-    load_swizzled_tile<kM, Dqk, kThreadCount>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
-    load_k(tile_begin, 0);
-    cp_async_commit();
-    float s[kN / 8][4];
-    std::uint32_t p[kN / 16][4];
-    // Step i (key tile tile_begin + i) computes the scores of its tile while O += P V of the tile before (its
-    // softmax done one step earlier) is in flight, so the softmax overlaps an MMA; a last step adds the last
-    // tile's P V. Step i loads K of the next tile and V of its own tile into double buffers: each buffer's last
-    // reader was waited for before the step's barrier.
-    auto begin_step = [&](int step) {
-      const i64 it = tile_begin + step;
-      cp_async_wait<0>();
-      wgmma::fence_shared_for_async();
-      __syncthreads();
-      if (it + 1 < tile_end) load_k(it + 1, (step + 1) & 1);
-      if (it < tile_end) load_v(it, step & 1);
-      cp_async_commit();
-      wgmma::fence();
-    };
-    auto issue_scores = [&](int step) {
-      const std::uint64_t k_desc = wgmma::advance(k_desc0, (step & 1) * Tile::kK * 2);
-#pragma unroll
-      for (int k0 = 0; k0 < Dqk; k0 += 16) {
-        wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)),
-                                wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)), k0 > 0);
-      }
-      wgmma::commit();
-    };
-    auto issue_pv = [&](int step) {  // P V of the tile of step - 1
-      const std::uint64_t v_desc = wgmma::advance(v_desc0, ((step - 1) & 1) * Tile::kV * 2);
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(acc), p[kk],
-                                wgmma::advance(v_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
-      }
-      wgmma::commit();
-    };
-    auto softmax = [&](int step, float (&correction)[2]) {
-      wgmma::fence_operand(wgmma::flat<kN>(s));
-      const i64 j0 = (tile_begin + step) * kN;
-      with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
-        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-        if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
-        softmax_probabilities<kN, decltype(masked)::value>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
-      });
-    };
-    auto wait_all = [&] {
-      wgmma::wait<0>();
-      wgmma::fence_operand(wgmma::flat<Dv>(acc));
-      wgmma::fence_operand(p);
-    };
-
-    float correction[2] = {1.f, 1.f};
-    wgmma::overlapped_steps(
-        static_cast<int>(tile_end - tile_begin), begin_step, issue_scores, issue_pv,
-        [&](int step) { softmax(step, correction); },
-        [&](int step) {
-          wait_all();
-          if (step < tile_end - tile_begin) {
-            rescale_rows<Dv>(acc, correction);
-            wgmma::to_a_fragments<T, kN>(s, p);
-          }
-        });
-  }
-
-  store_forward_rows<Dv>(acc, m, l, a, seq, t0 + warp_row0, h);
-#endif
 }
 
 // ------------------------------------------------------------------------------------------------ dK/dV

@@ -2,6 +2,8 @@
 // mma.sync kernels (kernels.cuh; sm_80 and later) and the wgmma kernels (kernels_wgmma.cuh; sm_90a).
 #pragma once
 
+#include <algorithm>
+
 #include "cuda/attention/kernels_wgmma.cuh"
 #include "cuda/attention/kernels.cuh"
 
@@ -15,6 +17,7 @@ struct Launch {
   i64 rows_q;      // rows of the q tensor's token dim per batch (T, or N packed), for the delta kernel
   i64 batch_rows;  // leading batch dim of the q tensor (B, or 1 packed)
   bool delta_given;  // backward: AttnArgs::delta holds the caller's rowsum(dO * O), no delta kernel
+  int multiprocessors;  // of the device: the grid of the persistent kernels
   cudaStream_t stream;
 };
 
@@ -45,8 +48,10 @@ bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& 
     auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask>;
     if (!wgmma::kernel_runs(kernel)) return false;
     prepare(kernel, Tile::kSmemBytes);
-    const dim3 grid = query_grid(l, Tile::kM);
-    kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    const i64 tiles = ceil_div(l.max_q, Tile::kM);
+    const QueryTileOrder order{l.q_heads, tiles, l.q_heads * tiles * l.batch};
+    const i64 ctas = std::min<i64>(order.count, l.multiprocessors);
+    kernel<<<static_cast<unsigned>(ctas), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, order);
     check_launch("attention_forward_wgmma_kernel");
     return true;
   }
