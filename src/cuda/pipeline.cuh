@@ -53,6 +53,38 @@ __device__ __forceinline__ void wait(std::uint64_t* barrier, int parity) {
   } while (done == 0);
 }
 
+// A ring of kSlots shared-memory slots (pipeline stages or buffers), each with a full and an empty barrier,
+// addressed by use: the n-th use of the ring is slot n % kSlots, for the (n / kSlots)-th time.
+template <int kSlots>
+class Ring {
+ public:
+  static constexpr int kBarriers = 2 * kSlots;
+
+  // Takes its barriers from `barriers` (kBarriers of them).
+  __device__ __forceinline__ explicit Ring(std::uint64_t* barriers) : full_(barriers), empty_(barriers + kSlots) {}
+
+  // By one thread, before the CTA's barriers are published (fence_init, then a CTA-wide barrier).
+  __device__ __forceinline__ void init(int producer_threads, int consumer_threads) const {
+    for (int i = 0; i < kSlots; ++i) {
+      pipeline::init(full_ + i, producer_threads);
+      pipeline::init(empty_ + i, consumer_threads);
+    }
+  }
+  __device__ __forceinline__ static int slot(unsigned use) { return static_cast<int>(use % kSlots); }
+
+  // Producer: wait until the slot of this use is empty; then, after issuing its copies, commit them.
+  __device__ __forceinline__ void acquire(unsigned use) const { wait(empty_ + slot(use), parity(use) ^ 1); }
+  __device__ __forceinline__ void commit(unsigned use) const { arrive_on_copies(full_ + slot(use)); }
+  // Consumer: wait until the slot of this use is full; release it once nothing reads it any more.
+  __device__ __forceinline__ void wait_full(unsigned use) const { wait(full_ + slot(use), parity(use)); }
+  __device__ __forceinline__ void release(unsigned use) const { arrive(empty_ + slot(use)); }
+
+ private:
+  __device__ __forceinline__ static int parity(unsigned use) { return static_cast<int>((use / kSlots) & 1u); }
+  std::uint64_t* full_;
+  std::uint64_t* empty_;
+};
+
 // Register reallocation between warpgroups (sm_90a): the producer gives registers back, the consumers take them.
 template <int kRegisters>
 __device__ __forceinline__ void release_registers() {

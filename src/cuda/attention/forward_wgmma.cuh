@@ -41,8 +41,7 @@ struct WgmmaFwdTile {
   // 16 key tiles per query tile on average at T = 64K); 192/128 has no room for it.
   static constexpr int kQBuffers = Dqk <= 128 ? 2 : 1;
   static constexpr int kQ = kM * Dqk, kK = kN * Dqk, kV = kN * Dv;  // elements (no padding)
-  // Barriers: full and empty per Q buffer, then per stage for K and for V.
-  static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
+  static constexpr int kBarriers = pipeline::Ring<kQBuffers>::kBarriers + 2 * pipeline::Ring<kStages>::kBarriers;
   // The Q buffers and the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, plus
   // room to align the start to a swizzle atom. 192 KB at 128/128, 208 KB at 192/128.
   static constexpr std::size_t kSmemBytes =
@@ -59,59 +58,43 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   T* sQ = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
   T* sK = sQ + kQBuffers * Tile::kQ;
   T* sV = sK + kStages * Tile::kK;
-  std::uint64_t* q_full = reinterpret_cast<std::uint64_t*>(sV + kStages * Tile::kV);
-  std::uint64_t* q_empty = q_full + kQBuffers;
-  std::uint64_t* k_full = q_empty + kQBuffers;
-  std::uint64_t* k_empty = k_full + kStages;
-  std::uint64_t* v_full = k_empty + kStages;
-  std::uint64_t* v_empty = v_full + kStages;
+  auto* barriers = reinterpret_cast<std::uint64_t*>(sV + kStages * Tile::kV);
+  // Both roles walk the same tiles and, within each, the same key tiles: the CTA's n-th key tile is use n of the
+  // K and V rings, its n-th query tile with keys to see use n of the Q ring.
+  const pipeline::Ring<kQBuffers> q_ring(barriers);
+  const pipeline::Ring<kStages> k_ring(barriers + q_ring.kBarriers);
+  const pipeline::Ring<kStages> v_ring(barriers + q_ring.kBarriers + k_ring.kBarriers);
   if (threadIdx.x == 0) {
-    for (int b = 0; b < kQBuffers; ++b) {
-      pipeline::init(q_full + b, Tile::kProducerThreads);
-      pipeline::init(q_empty + b, Tile::kConsumerThreads);
-    }
-    for (int s = 0; s < kStages; ++s) {
-      pipeline::init(k_full + s, Tile::kProducerThreads);
-      pipeline::init(k_empty + s, Tile::kConsumerThreads);
-      pipeline::init(v_full + s, Tile::kProducerThreads);
-      pipeline::init(v_empty + s, Tile::kConsumerThreads);
-    }
+    q_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
+    k_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
+    v_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
     pipeline::fence_init();
   }
   __syncthreads();
 
-  // Both roles walk the same tiles and, within each, the same key tiles; the CTA's n-th key tile uses stage
-  // n % kStages for the (n / kStages)-th time, its n-th query tile (with keys to see) Q buffer n % kQBuffers.
   if (threadIdx.x < Tile::kProducerThreads) {
     pipeline::release_registers<Tile::kProducerRegisters>();
+    constexpr int kCopiers = Tile::kProducerThreads, kUnroll = Tile::kProducerUnroll;
     unsigned key_tiles = 0, query_tiles = 0;
-    for (i64 index = blockIdx.x; index < order.count; index += gridDim.x) {
-      const auto tile = order[index];
-      const auto seq = a.seqs[tile.sequence];
-      const Mask mask{mc, seq.T, seq.S};
-      const QueryWork w(a, mask, seq, kM, kN, tile.head, tile.tile);
-      if (w.rows <= 0) continue;
+    for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
       for (i64 it = w.tile_begin; it < w.tile_end; ++it, ++key_tiles) {
-        const int stage = key_tiles % kStages, parity = (key_tiles / kStages) & 1u;
         const i64 j0 = it * kN;
-        pipeline::wait(k_empty + stage, parity ^ 1);
-        wgmma::load_swizzled_tile<kN, Dqk, Tile::kProducerThreads, Tile::kProducerUnroll>(
-            sK + stage * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0, w.hk);
-        pipeline::arrive_on_copies(k_full + stage);
+        k_ring.acquire(key_tiles);
+        wgmma::load_swizzled_tile<kN, Dqk, kCopiers, kUnroll>(sK + k_ring.slot(key_tiles) * Tile::kK, a.k, seq.batch,
+                                                              seq.k_begin + j0, seq.S - j0, w.hk);
+        k_ring.commit(key_tiles);
         if (it == w.tile_begin) {  // Q after the first K: that K's stage frees up earlier than Q does
-          const int buffer = query_tiles % kQBuffers;
-          pipeline::wait(q_empty + buffer, ((query_tiles / kQBuffers) & 1u) ^ 1);
-          wgmma::load_swizzled_tile<kM, Dqk, Tile::kProducerThreads, Tile::kProducerUnroll>(
-              sQ + buffer * Tile::kQ, a.q, seq.batch, seq.q_begin + w.t0, w.rows, w.h);
-          pipeline::arrive_on_copies(q_full + buffer);
-          ++query_tiles;
+          q_ring.acquire(query_tiles);
+          wgmma::load_swizzled_tile<kM, Dqk, kCopiers, kUnroll>(sQ + q_ring.slot(query_tiles) * Tile::kQ, a.q,
+                                                                seq.batch, seq.q_begin + w.t0, w.rows, w.h);
+          q_ring.commit(query_tiles++);
         }
-        pipeline::wait(v_empty + stage, parity ^ 1);
-        wgmma::load_swizzled_tile<kN, Dv, Tile::kProducerThreads, Tile::kProducerUnroll>(
-            sV + stage * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, w.hk);
-        pipeline::arrive_on_copies(v_full + stage);
+        v_ring.acquire(key_tiles);
+        wgmma::load_swizzled_tile<kN, Dv, kCopiers, kUnroll>(sV + v_ring.slot(key_tiles) * Tile::kV, a.v, seq.batch,
+                                                             seq.k_begin + j0, seq.S - j0, w.hk);
+        v_ring.commit(key_tiles);
       }
-    }
+    });
     cp_async_wait<0>();
     return;
   }
@@ -127,40 +110,32 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kN>(sK, 0, 0);
   const std::uint64_t v_desc0 = wgmma::mn_major_descriptor<kN>(sV, 0, 0);
   const pipeline::Turns turns(consumer);
-  unsigned key_tiles = 0, query_tiles = 0;  // unsigned: stage and parity are a mask and a shift
+  unsigned key_tiles = 0, query_tiles = 0;
 
-  for (i64 index = blockIdx.x; index < order.count; index += gridDim.x) {
-    const auto tile = order[index];
-    const auto seq = a.seqs[tile.sequence];
-    const Mask mask{mc, seq.T, seq.S};
-    const QueryWork w(a, mask, seq, kM, kN, tile.head, tile.tile);
-    if (w.rows <= 0) continue;
+  for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
     const i64 t0 = w.t0, tile_begin = w.tile_begin;
     const int steps = static_cast<int>(w.tile_end - w.tile_begin);
-
     float acc[Dv / 8][4];
     zero(acc);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     if (steps > 0) {
-      auto stage = [&](int step) { return static_cast<int>((key_tiles + step) % kStages); };
-      auto parity = [&](int step) { return static_cast<int>(((key_tiles + step) / kStages) & 1u); };
-      const int q_buffer = query_tiles % kQBuffers;
-      const std::uint64_t q_desc = wgmma::advance(q_desc0, q_buffer * Tile::kQ * 2);
+      const unsigned q_use = query_tiles++;
+      const std::uint64_t q_desc = wgmma::advance(q_desc0, q_ring.slot(q_use) * Tile::kQ * 2);
       float s[kN / 8][4];
       std::uint32_t p[kN / 16][4];
       float correction[2] = {1.f, 1.f};
       // Step i (key tile tile_begin + i) computes the scores of its tile while O += P V of the tile before
-      // (its softmax done one step earlier) is in flight; a last step adds the last tile's P V. A stage of K
-      // is released once its scores have landed, one of V once its P V has.
+      // (its softmax done one step earlier) is in flight; a last step adds the last tile's P V. A K stage is
+      // released once its scores have landed, a V stage once its P V has, Q after the last scores.
       auto begin_step = [&](int step) {
-        if (step == 0) pipeline::wait(q_full + q_buffer, (query_tiles / kQBuffers) & 1u);
-        if (step < steps) pipeline::wait(k_full + stage(step), parity(step));
-        if (step > 0) pipeline::wait(v_full + stage(step - 1), parity(step - 1));
+        if (step == 0) q_ring.wait_full(q_use);
+        if (step < steps) k_ring.wait_full(key_tiles + step);
+        if (step > 0) v_ring.wait_full(key_tiles + step - 1);
         wgmma::fence_shared_for_async();
         wgmma::fence();
       };
       auto issue_scores = [&](int step) {
-        const std::uint64_t k_desc = wgmma::advance(k_desc0, stage(step) * Tile::kK * 2);
+        const std::uint64_t k_desc = wgmma::advance(k_desc0, k_ring.slot(key_tiles + step) * Tile::kK * 2);
 #pragma unroll
         for (int k0 = 0; k0 < Dqk; k0 += 16) {
           wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)),
@@ -169,7 +144,7 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
         wgmma::commit();
       };
       auto issue_pv = [&](int step) {  // P V of the tile of step - 1
-        const std::uint64_t v_desc = wgmma::advance(v_desc0, stage(step - 1) * Tile::kV * 2);
+        const std::uint64_t v_desc = wgmma::advance(v_desc0, v_ring.slot(key_tiles + step - 1) * Tile::kV * 2);
 #pragma unroll
         for (int kk = 0; kk < kN / 16; ++kk) {
           wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(acc), p[kk],
@@ -179,8 +154,8 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       };
       auto softmax = [&](int step) {
         wgmma::fence_operand(wgmma::flat<kN>(s));
-        pipeline::arrive(k_empty + stage(step));
-        if (step == steps - 1) pipeline::arrive(q_empty + q_buffer);
+        k_ring.release(key_tiles + step);
+        if (step == steps - 1) q_ring.release(q_use);
         const i64 j0 = (tile_begin + step) * kN;
         with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
           int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
@@ -192,7 +167,7 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
         wgmma::wait<0>();
         wgmma::fence_operand(wgmma::flat<Dv>(acc));
         wgmma::fence_operand(p);
-        if (step > 0) pipeline::arrive(v_empty + stage(step - 1));
+        if (step > 0) v_ring.release(key_tiles + step - 1);
         if (step < steps) {
           rescale_rows<Dv>(acc, correction);
           wgmma::to_a_fragments<T, kN>(s, p);
@@ -200,10 +175,9 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       };
       wgmma::overlapped_steps(steps, begin_step, issue_scores, issue_pv, softmax, land, turns);
       key_tiles += steps;
-      ++query_tiles;
     }
     store_forward_rows<Dv>(acc, m, l, a, seq, t0 + warp_row0, w.h);
-  }
+  });
   turns.finish();
 #endif
 }

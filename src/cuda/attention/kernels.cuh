@@ -317,6 +317,20 @@ struct QueryTileOrder {
   }
 };
 
+// Calls body(seq, mask, work) for each query tile of this CTA of a persistent kernel that lies inside its
+// sequence: the producer and the consumers of a warp-specialised kernel walk the same tiles this way.
+template <class Mask, int kM, int kN, class T, class Body>
+__device__ __forceinline__ void for_each_query_tile(const AttnArgs<T>& a, const typename Mask::Config& mc,
+                                                    const QueryTileOrder& order, Body&& body) {
+  for (i64 index = blockIdx.x; index < order.count; index += gridDim.x) {
+    const auto tile = order[index];
+    const auto seq = a.seqs[tile.sequence];
+    const Mask mask{mc, seq.T, seq.S};
+    const QueryWork w(a, mask, seq, kM, kN, tile.head, tile.tile);
+    if (w.rows > 0) body(seq, mask, w);
+  }
+}
+
 // What a dK/dV CTA covers: keys [j0, j0 + keys) of KV head hk (grid x: KV head x head split; y: key blocks of
 // kN; z: sequence) and, for its share of the group's query heads, the query tiles of kM rows that can see
 // them; its steps run over (query head, query tile) pairs.

@@ -6,9 +6,11 @@
 // kept small: descriptors are built once and advanced by compile-time offsets, each thread computes one global
 // address per tile load, and masks are per-row bounds computed once (no divisions per element).
 //
-// dQ: a CTA of two warpgroups owns kM = 128 queries of one query head (64 each; Q and dO resident), over key tiles of kN = 64:
-// S = Q K^T and dP = dO V^T from shared memory, P and dS = P (dP - delta) in registers, dQ += dS K with dS as the
-// register A operand and K as an MN-major operand. Registers: dQ 64 + S 32 + dP 32 + dS 16 at 128/128.
+// dQ: warp-specialised and persistent like the forward (forward_wgmma.cuh): a producer warpgroup copies Q, dO
+// and the K/V tiles of kN = 64 keys into mbarrier stages; two consumer warpgroups of 64 queries each take turns
+// to issue S = Q K^T and dP = dO V^T (shared-memory operands), compute P and dS = P (dP - delta) in registers,
+// and dQ += dS K with dS as the register A operand and K as an MN-major operand. Registers: dQ 64 + S 32 +
+// dP 32 + dS 16 at 128/128.
 //
 // dK/dV: a CTA of two warpgroups owns kN = 128 keys of one KV head (64 per warpgroup) and loops over query
 // tiles of kM = 64 rows of its share of the group's heads (head splits as the mma.sync kernel), with Q, dO, lse
@@ -198,131 +200,163 @@ template <int Dqk, int Dv>
 struct WgmmaDqTile {
   // dQ accumulates with wgmma N = Dqk (64 or 128 here); dO V^T reads Dv in whole 64-column panels.
   static constexpr bool kSupported = (Dqk == 64 || Dqk == 128) && (Dv == 64 || Dv == 128);
-  static constexpr int kWarpgroups = 2;
-  static constexpr int kThreads = 128 * kWarpgroups;
-  static constexpr int kM = 64 * kWarpgroups;  // queries per CTA
-  static constexpr int kN = 64;                // keys per step
+  static constexpr int kConsumers = 2;
+  static constexpr int kProducerThreads = 128, kConsumerThreads = 128 * kConsumers;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  // 40 x 128 + 232 x 256 <= 64K registers of an SM; the producer's copy loops fit 40 unrolled 4 times.
+  static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232, kProducerUnroll = 4;
+  static constexpr int kM = 64 * kConsumers;  // queries per tile
+  static constexpr int kN = 64;               // keys per step
+  // A stage holds K and V of one key tile. It is released when dQ += dS K of that tile, issued one step after
+  // its scores, has landed: four stages keep the producer two tiles ahead.
+  static constexpr int kStages = 4;
   static constexpr int kQ = kM * Dqk, kDO = kM * Dv, kK = kN * Dqk, kV = kN * Dv;  // elements
-  // K is read by the scores of one step and by dQ += dS K of the next, so it has three buffers, V two.
-  static constexpr int kKBuffers = 3, kVBuffers = 2;
-  // Q, dO, the K and V buffers (2-byte elements), plus room to align the start to a swizzle atom.
+  static constexpr int kBarriers = pipeline::Ring<1>::kBarriers + pipeline::Ring<kStages>::kBarriers;
+  // Q, dO, the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, plus room to
+  // align the start to a swizzle atom: 192 KB at 128/128.
   static constexpr std::size_t kSmemBytes =
-      2 * (kQ + kDO + kKBuffers * kK + kVBuffers * kV) + wgmma::kTileAlignment;
+      2 * (kQ + kDO + kStages * (kK + kV)) + sizeof(std::uint64_t) * kBarriers + wgmma::kTileAlignment;
 };
 
 template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
-    attention_dq_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
+    attention_dq_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc, QueryTileOrder order) {
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = WgmmaDqTile<Dqk, Dv>;
-  constexpr int kM = Tile::kM, kN = Tile::kN, kThreadCount = Tile::kThreads;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kStages = Tile::kStages;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
   T* sDO = sQ + Tile::kQ;
   T* sK = sDO + Tile::kDO;
-  T* sV = sK + Tile::kKBuffers * Tile::kK;
+  T* sV = sK + kStages * Tile::kK;
+  auto* barriers = reinterpret_cast<std::uint64_t*>(sV + kStages * Tile::kV);
+  // Both roles walk the same tiles and, within each, the same key tiles: the CTA's n-th key tile is use n of the
+  // K/V ring, its n-th query tile with keys to see use n of the Q/dO ring.
+  const pipeline::Ring<1> q_ring(barriers);
+  const pipeline::Ring<kStages> kv_ring(barriers + q_ring.kBarriers);
+  if (threadIdx.x == 0) {
+    q_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
+    kv_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
+    pipeline::fence_init();
+  }
+  __syncthreads();
 
-  const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
-  const QueryWork w(a, mask, seq, kM, kN);
-  if (w.rows <= 0) return;
-  const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warpgroup_row0 = (warp / 4) * 64, warp_row0 = warp * 16;
+  if (threadIdx.x < Tile::kProducerThreads) {
+    pipeline::release_registers<Tile::kProducerRegisters>();
+    constexpr int kCopiers = Tile::kProducerThreads, kUnroll = Tile::kProducerUnroll;
+    unsigned key_tiles = 0, query_tiles = 0;
+    for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
+      for (i64 it = w.tile_begin; it < w.tile_end; ++it, ++key_tiles) {
+        const i64 j0 = it * kN;
+        const int stage = kv_ring.slot(key_tiles);
+        kv_ring.acquire(key_tiles);
+        wgmma::load_swizzled_tile<kN, Dqk, kCopiers, kUnroll>(sK + stage * Tile::kK, a.k, seq.batch,
+                                                              seq.k_begin + j0, seq.S - j0, w.hk);
+        wgmma::load_swizzled_tile<kN, Dv, kCopiers, kUnroll>(sV + stage * Tile::kV, a.v, seq.batch,
+                                                             seq.k_begin + j0, seq.S - j0, w.hk);
+        kv_ring.commit(key_tiles);
+        if (it == w.tile_begin) {  // Q and dO after the first K/V: that stage frees up earlier than Q does
+          q_ring.acquire(query_tiles);
+          wgmma::load_swizzled_tile<kM, Dqk, kCopiers, kUnroll>(sQ, a.q, seq.batch, seq.q_begin + w.t0, w.rows, w.h);
+          wgmma::load_swizzled_tile<kM, Dv, kCopiers, kUnroll>(sDO, a.d_o, seq.batch, seq.q_begin + w.t0, w.rows,
+                                                               w.h);
+          q_ring.commit(query_tiles++);
+        }
+      }
+    });
+    cp_async_wait<0>();
+    return;
+  }
 
-  // Descriptors of this warpgroup's Q and dO rows and of buffer 0's K (read K-major by S = Q K^T, MN-major by
+  pipeline::claim_registers<Tile::kConsumerRegisters>();
+  // The warpgroup index through a shuffle is uniform to the compiler: descriptors in uniform registers.
+  const int consumer = wgmma::warpgroup_index() - 1;
+  const int warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;  // warp among the consumers' 8
+  const int warpgroup_row0 = consumer * 64, warp_row0 = warp * 16;
+  // Descriptors of this warpgroup's Q and dO rows and of stage 0's K (read K-major by S = Q K^T, MN-major by
   // dQ += dS K) and V; the loops add compile-time offsets.
   const std::uint64_t q_desc = wgmma::k_major_descriptor<kM>(sQ, warpgroup_row0, 0);
   const std::uint64_t do_desc = wgmma::k_major_descriptor<kM>(sDO, warpgroup_row0, 0);
   const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kN>(sK, 0, 0);
   const std::uint64_t k_mn_desc0 = wgmma::mn_major_descriptor<kN>(sK, 0, 0);
   const std::uint64_t v_desc0 = wgmma::k_major_descriptor<kN>(sV, 0, 0);
+  const pipeline::Turns turns(consumer);
+  unsigned key_tiles = 0, query_tiles = 0;
 
-  float acc[Dqk / 8][4];
-  zero(acc);
-  auto load_kv = [&](i64 tile, int k_buf, int v_buf) {
-    const i64 j0 = tile * kN;
-    load_swizzled_tile<kN, Dqk, kThreadCount>(sK + k_buf * Tile::kK, a.k, seq.batch, seq.k_begin + j0, seq.S - j0,
-                                              hk);
-    load_swizzled_tile<kN, Dv, kThreadCount>(sV + v_buf * Tile::kV, a.v, seq.batch, seq.k_begin + j0, seq.S - j0, hk);
-  };
-
-  if (tile_end > tile_begin) {
-    float lse2[2], delta[2];
+  for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
+    const i64 t0 = w.t0, tile_begin = w.tile_begin;
+    const int steps = static_cast<int>(w.tile_end - w.tile_begin);
+    float acc[Dqk / 8][4];
+    zero(acc);
+    if (steps > 0) {
+      const unsigned q_use = query_tiles++;
+      float lse2[2], delta[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      row_stats(a, seq, h, t0 + warp_row0 + lane / 4 + half * 8, lse2[half], delta[half]);
-    }
-    load_swizzled_tile<kM, Dqk, kThreadCount>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
-    load_swizzled_tile<kM, Dv, kThreadCount>(sDO, a.d_o, seq.batch, seq.q_begin + t0, rows, h);
-    load_kv(tile_begin, 0, 0);
-    cp_async_commit();
-
-    float s[kN / 8][4], dp[kN / 8][4];
-    std::uint32_t ds[kN / 16][4];
-    // Step i (key tile tile_begin + i) computes S and dP of its tile while dQ += dS K of the tile before (dS
-    // done one step earlier) is in flight, so the dS arithmetic overlaps an MMA; a last step adds the last
-    // tile's dS K. Step i loads K and V of the next tile (K: three buffers, V: two; each buffer's last reader
-    // was waited for before the step's barrier).
-    auto begin_step = [&](int step) {
-      const i64 it = tile_begin + step;
-      cp_async_wait<0>();
-      wgmma::fence_shared_for_async();
-      __syncthreads();
-      if (it + 1 < tile_end) load_kv(it + 1, (step + 1) % Tile::kKBuffers, (step + 1) % Tile::kVBuffers);
-      cp_async_commit();
-      wgmma::fence();
-    };
-    auto issue_step_scores = [&](int step) {
-      const std::uint64_t k_desc = wgmma::advance(k_desc0, (step % Tile::kKBuffers) * Tile::kK * 2);
-      const std::uint64_t v_desc = wgmma::advance(v_desc0, (step % Tile::kVBuffers) * Tile::kV * 2);
-      issue_scores<T, kN, Dqk, Dv, kM, kN>(s, dp, q_desc, k_desc, do_desc, v_desc);
-    };
-    auto issue_dq = [&](int step) {  // dQ += dS K of the tile of step - 1
-      const std::uint64_t k_mn_desc = wgmma::advance(k_mn_desc0, ((step - 1) % Tile::kKBuffers) * Tile::kK * 2);
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(acc), ds[kk],
-                                 wgmma::advance(k_mn_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
+      for (int half = 0; half < 2; ++half) {
+        row_stats(a, seq, w.h, t0 + warp_row0 + lane / 4 + half * 8, lse2[half], delta[half]);
       }
-      wgmma::commit();
-    };
-    auto make_ds = [&](int step) {  // dS (without the scale) into s
-      wgmma::fence_operand(wgmma::flat<kN>(s));
-      wgmma::fence_operand(wgmma::flat<kN>(dp));
-      const i64 j0 = (tile_begin + step) * kN;
-      const bool full = tile_full(mask, t0, kM, j0, kN);
-      with_mask(!full, [&](auto masked) {
-        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-        if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+      float s[kN / 8][4], dp[kN / 8][4];
+      std::uint32_t ds[kN / 16][4];
+      // Step i (key tile tile_begin + i) computes S and dP of its tile while dQ += dS K of the tile before (dS
+      // done one step earlier) is in flight, so the dS arithmetic overlaps an MMA; a last step adds the last
+      // tile's dS K. A K/V stage is released once that dS K has landed, Q and dO after the last scores.
+      auto begin_step = [&](int step) {
+        if (step == 0) q_ring.wait_full(q_use);
+        if (step < steps) kv_ring.wait_full(key_tiles + step);
+        wgmma::fence_shared_for_async();
+        wgmma::fence();
+      };
+      auto issue_step_scores = [&](int step) {
+        const int stage = kv_ring.slot(key_tiles + step);
+        issue_scores<T, kN, Dqk, Dv, kM, kN>(s, dp, q_desc, wgmma::advance(k_desc0, stage * Tile::kK * 2), do_desc,
+                                             wgmma::advance(v_desc0, stage * Tile::kV * 2));
+      };
+      auto issue_dq = [&](int step) {  // dQ += dS K of the tile of step - 1
+        const std::uint64_t k_mn_desc =
+            wgmma::advance(k_mn_desc0, kv_ring.slot(key_tiles + step - 1) * Tile::kK * 2);
 #pragma unroll
-        for (int n = 0; n < kN / 8; ++n) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -lse2[i / 2]));
-            if constexpr (decltype(masked)::value) {
-              if (col < col_lo[i / 2] || col > col_hi[i / 2]) p = 0.f;
-            }
-            s[n][i] = p * (dp[n][i] - delta[i / 2]);
-          }
+        for (int kk = 0; kk < kN / 16; ++kk) {
+          wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(acc), ds[kk],
+                                   wgmma::advance(k_mn_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
         }
-      });
-    };
-    auto wait_all = [&] {
-      wgmma::wait<0>();
-      wgmma::fence_operand(wgmma::flat<Dqk>(acc));
-      wgmma::fence_operand(ds);
-    };
-
-    wgmma::overlapped_steps(static_cast<int>(tile_end - tile_begin), begin_step, issue_step_scores, issue_dq, make_ds,
-                         [&](int step) {
-                           wait_all();
-                           if (step < tile_end - tile_begin) wgmma::to_a_fragments<T, kN>(s, ds);
-                         });
-  }
-  store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0), h,
-                  a.accumulate_dq);
+        wgmma::commit();
+      };
+      auto make_ds = [&](int step) {  // dS (without the scale) into s
+        wgmma::fence_operand(wgmma::flat<kN>(s));
+        wgmma::fence_operand(wgmma::flat<kN>(dp));
+        if (step == steps - 1) q_ring.release(q_use);
+        const i64 j0 = (tile_begin + step) * kN;
+        with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
+          int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+          if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+#pragma unroll
+          for (int n = 0; n < kN / 8; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+              float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -lse2[i / 2]));
+              if constexpr (decltype(masked)::value) {
+                if (col < col_lo[i / 2] || col > col_hi[i / 2]) p = 0.f;
+              }
+              s[n][i] = p * (dp[n][i] - delta[i / 2]);
+            }
+          }
+        });
+      };
+      auto land = [&](int step) {
+        wgmma::wait<0>();
+        wgmma::fence_operand(wgmma::flat<Dqk>(acc));
+        wgmma::fence_operand(ds);
+        if (step > 0) kv_ring.release(key_tiles + step - 1);
+        if (step < steps) wgmma::to_a_fragments<T, kN>(s, ds);
+      };
+      wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_dq, make_ds, land, turns);
+      key_tiles += steps;
+    }
+    store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0),
+                    w.h, a.accumulate_dq);
+  });
+  turns.finish();
 #endif
 }
 

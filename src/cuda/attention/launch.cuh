@@ -33,6 +33,15 @@ inline dim3 key_grid(const Launch& l, int keys_per_cta, int head_splits) {
               static_cast<unsigned>(l.batch));
 }
 
+// The query tiles of the persistent kernels, and their grid: one CTA per SM (fewer when the tiles are fewer).
+inline QueryTileOrder query_tile_order(const Launch& l, int rows_per_cta) {
+  const i64 tiles = ceil_div(l.max_q, rows_per_cta);
+  return {l.q_heads, tiles, l.q_heads * tiles * l.batch};
+}
+inline unsigned persistent_ctas(const Launch& l, const QueryTileOrder& order) {
+  return static_cast<unsigned>(std::min<i64>(order.count, l.multiprocessors));
+}
+
 template <class Kernel>
 void prepare(Kernel kernel, std::size_t smem) {
   if (smem > 48 * 1024) {
@@ -48,10 +57,8 @@ bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& 
     auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask>;
     if (!wgmma::kernel_runs(kernel)) return false;
     prepare(kernel, Tile::kSmemBytes);
-    const i64 tiles = ceil_div(l.max_q, Tile::kM);
-    const QueryTileOrder order{l.q_heads, tiles, l.q_heads * tiles * l.batch};
-    const i64 ctas = std::min<i64>(order.count, l.multiprocessors);
-    kernel<<<static_cast<unsigned>(ctas), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, order);
+    const QueryTileOrder order = query_tile_order(l, Tile::kM);
+    kernel<<<persistent_ctas(l, order), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, order);
     check_launch("attention_forward_wgmma_kernel");
     return true;
   }
@@ -66,7 +73,8 @@ bool launch_dq_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, c
     auto kernel = attention_dq_wgmma_kernel<T, Dqk, Dv, Mask>;
     if (!wgmma::kernel_runs(kernel)) return false;
     prepare(kernel, Tile::kSmemBytes);
-    kernel<<<query_grid(l, Tile::kM), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    const QueryTileOrder order = query_tile_order(l, Tile::kM);
+    kernel<<<persistent_ctas(l, order), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, order);
     check_launch("attention_dq_wgmma_kernel");
     return true;
   }
