@@ -156,8 +156,9 @@ __device__ __forceinline__ void gather_swizzled_rows(T* smem, RowPointer&& row_p
 
 // This thread's warpgroup (threadIdx.x / 128) through a shuffle, so that the compiler knows it is warp-uniform
 // and keeps the descriptors computed from it in uniform registers (otherwise every wgmma moves its descriptor
-// into one: an R2UR per operand; select_blocks: 256 -> 104 of them, 3.5% faster at 64/4). The attention
-// kernels measured 2% slower with it (ptxas allocated their registers differently), so they keep warp / 4.
+// into one: an R2UR per operand; select_blocks: 256 -> 104 of them, 3.5% faster at 64/4; the attention forward
+// and dQ 3-7%). The dK/dV kernel measured 2.5% slower with it (ptxas allocated its registers differently), so it
+// keeps warp / 4.
 __device__ __forceinline__ int warpgroup_index() {
   return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
 }

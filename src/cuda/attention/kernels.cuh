@@ -278,8 +278,8 @@ __device__ __forceinline__ void advance_pipeline(bool has_next, LoadNext&& load_
 // key tiles from the first): the last wave holds the lightest CTAs instead of a few long ones.
 __device__ __forceinline__ i64 query_tile() { return i64{gridDim.y} - 1 - blockIdx.y; }
 
-// What a query-tiled CTA (forward, dQ) covers: queries [t0, t0 + rows) of query head h (grid x: query head; y:
-// query tiles of kM, heaviest first; z: sequence) against the key tiles [tile_begin, tile_end) of kN keys that
+// What a query tile (forward, dQ) covers: queries [t0, t0 + rows) of query head h (from the grid, x: query head;
+// y: query tiles of kM, heaviest first; z: sequence; or from a QueryTileOrder) against the key tiles [tile_begin, tile_end) of kN keys that
 // hold visible keys of KV head hk. rows <= 0: the tile lies past the sequence.
 struct QueryWork {
   i64 t0, h, hk, rows, tile_begin, tile_end;
