@@ -85,6 +85,27 @@ class Ring {
   std::uint64_t* empty_;
 };
 
+// The roles of a warp-specialised CTA: warpgroup 0 produces (copies tiles), warpgroups 1 and 2 consume.
+struct ProducerConsumers {
+  static constexpr int kConsumers = 2;
+  static constexpr int kProducerThreads = 128, kConsumerThreads = 128 * kConsumers;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  // 40 x 128 + 232 x 256 <= 64K registers of an SM; the producer's copy loops fit its 40 unrolled 4 times (each
+  // unrolled pass holds a 64-bit address).
+  static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232, kProducerUnroll = 4;
+};
+
+// By the whole CTA at its start: thread 0 initialises the rings' barriers (arrivals: one per producer thread on
+// full, one per consumer thread on empty), which every thread sees after the CTA barrier.
+template <class... Rings>
+__device__ __forceinline__ void init_rings(const Rings&... rings) {
+  if (threadIdx.x == 0) {
+    (rings.init(ProducerConsumers::kProducerThreads, ProducerConsumers::kConsumerThreads), ...);
+    fence_init();
+  }
+  __syncthreads();
+}
+
 // Register reallocation between warpgroups (sm_90a): the producer gives registers back, the consumers take them.
 template <int kRegisters>
 __device__ __forceinline__ void release_registers() {

@@ -25,15 +25,9 @@
 namespace sparseattn::cuda::attention {
 
 template <int Dqk, int Dv>
-struct WgmmaFwdTile {
+struct WgmmaFwdTile : pipeline::ProducerConsumers {
   // wgmma N is 64 or 128 here (O's N = Dv); tiles are whole 64-column panels.
   static constexpr bool kSupported = (Dv == 64 || Dv == 128) && Dqk % 64 == 0 && Dqk <= 192;
-  static constexpr int kConsumers = 2;
-  static constexpr int kProducerThreads = 128, kConsumerThreads = 128 * kConsumers;
-  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // 40 x 128 + 232 x 256 <= 64K registers of an SM.
-  static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
-  static constexpr int kProducerUnroll = 4;  // copy passes unrolled: the producer's loops fit its 40 registers
   static constexpr int kM = 64 * kConsumers;
   static constexpr int kN = 128;
   static constexpr int kStages = 2;
@@ -64,13 +58,7 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   const pipeline::Ring<kQBuffers> q_ring(barriers);
   const pipeline::Ring<kStages> k_ring(barriers + q_ring.kBarriers);
   const pipeline::Ring<kStages> v_ring(barriers + q_ring.kBarriers + k_ring.kBarriers);
-  if (threadIdx.x == 0) {
-    q_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
-    k_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
-    v_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
-    pipeline::fence_init();
-  }
-  __syncthreads();
+  pipeline::init_rings(q_ring, k_ring, v_ring);
 
   if (threadIdx.x < Tile::kProducerThreads) {
     pipeline::release_registers<Tile::kProducerRegisters>();

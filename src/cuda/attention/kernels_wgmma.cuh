@@ -197,14 +197,9 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
 // -------------------------------------------------------------------------------------------------- dQ
 
 template <int Dqk, int Dv>
-struct WgmmaDqTile {
+struct WgmmaDqTile : pipeline::ProducerConsumers {
   // dQ accumulates with wgmma N = Dqk (64 or 128 here); dO V^T reads Dv in whole 64-column panels.
   static constexpr bool kSupported = (Dqk == 64 || Dqk == 128) && (Dv == 64 || Dv == 128);
-  static constexpr int kConsumers = 2;
-  static constexpr int kProducerThreads = 128, kConsumerThreads = 128 * kConsumers;
-  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // 40 x 128 + 232 x 256 <= 64K registers of an SM; the producer's copy loops fit 40 unrolled 4 times.
-  static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232, kProducerUnroll = 4;
   static constexpr int kM = 64 * kConsumers;  // queries per tile
   static constexpr int kN = 64;               // keys per step
   // A stage holds K and V of one key tile. It is released when dQ += dS K of that tile, issued one step after
@@ -234,12 +229,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
   // K/V ring, its n-th query tile with keys to see use n of the Q/dO ring.
   const pipeline::Ring<1> q_ring(barriers);
   const pipeline::Ring<kStages> kv_ring(barriers + q_ring.kBarriers);
-  if (threadIdx.x == 0) {
-    q_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
-    kv_ring.init(Tile::kProducerThreads, Tile::kConsumerThreads);
-    pipeline::fence_init();
-  }
-  __syncthreads();
+  pipeline::init_rings(q_ring, kv_ring);
 
   if (threadIdx.x < Tile::kProducerThreads) {
     pipeline::release_registers<Tile::kProducerRegisters>();
