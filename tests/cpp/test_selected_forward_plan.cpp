@@ -47,17 +47,17 @@ TEST(SelectedForwardPlan, BlockAndSharedMemoryLimits) {
 }
 
 TEST(SelectedForwardPlan, OverrideSwitch) {
-  EXPECT_EQ(parse_forward_choice(nullptr), ForwardChoice::automatic);
-  EXPECT_EQ(parse_forward_choice("query"), ForwardChoice::query_outer);
-  EXPECT_EQ(parse_forward_choice("kv"), ForwardChoice::kv_outer);
-  EXPECT_EQ(parse_forward_choice("auto"), ForwardChoice::automatic);
-  EXPECT_EQ(parse_forward_choice("KV "), ForwardChoice::automatic);
+  EXPECT_EQ(parse_path_choice(nullptr), PathChoice::automatic);
+  EXPECT_EQ(parse_path_choice("query"), PathChoice::query_outer);
+  EXPECT_EQ(parse_path_choice("kv"), PathChoice::kv_outer);
+  EXPECT_EQ(parse_path_choice("auto"), PathChoice::automatic);
+  EXPECT_EQ(parse_path_choice("KV "), PathChoice::automatic);
   // Forced kv runs any group and length it supports; forced query always wins; automatic is the heuristic.
-  EXPECT_TRUE(choose_kv_outer(ForwardChoice::kv_outer, 32, 256, 256, 1, 16, 64, kH100));
-  EXPECT_FALSE(choose_kv_outer(ForwardChoice::kv_outer, 1, 128, 128, 65536, 16, 256, kH100));
-  EXPECT_FALSE(choose_kv_outer(ForwardChoice::kv_outer, 1, 128, 128, 0, 16, 64, kH100));
-  EXPECT_FALSE(choose_kv_outer(ForwardChoice::query_outer, 1, 128, 128, 65536, 16, 64, kH100));
-  EXPECT_EQ(choose_kv_outer(ForwardChoice::automatic, 2, 128, 128, 65536, 16, 64, kH100),
+  EXPECT_TRUE(choose_kv_outer(PathChoice::kv_outer, 32, 256, 256, 1, 16, 64, kH100));
+  EXPECT_FALSE(choose_kv_outer(PathChoice::kv_outer, 1, 128, 128, 65536, 16, 256, kH100));
+  EXPECT_FALSE(choose_kv_outer(PathChoice::kv_outer, 1, 128, 128, 0, 16, 64, kH100));
+  EXPECT_FALSE(choose_kv_outer(PathChoice::query_outer, 1, 128, 128, 65536, 16, 64, kH100));
+  EXPECT_EQ(choose_kv_outer(PathChoice::automatic, 2, 128, 128, 65536, 16, 64, kH100),
             use_kv_outer_forward(2, 128, 128, 65536, 16, 64, kH100));
 }
 

@@ -267,7 +267,7 @@ def test_selected_attention(forward, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, b
     _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
 
 
-# The two CUDA dQ paths of the backward (src/cuda/selection/dq_kv.h): query-outer or KV-block-outer, read on the
+# The two CUDA dQ paths of the backward (src/cuda/selection/backward_plan.h): query-outer or KV-block-outer, read on the
 # host like the forward switch; the KV-block-outer one on wgmma where it can (attention_mma "auto") and on
 # mma.sync ("sync").
 DQ_ENV = "SPARSEATTN_SELECTED_DQ"

@@ -1,6 +1,6 @@
 // selected_attention backward on tensor cores (mma.sync m16n8k16, fp32 accumulation).
 //
-// dQ has two paths, picked on the host from shapes by selection::use_kv_outer_dq (dq_kv.h):
+// dQ has two paths, picked on the host from shapes by selection::use_kv_outer_dq (backward_plan.h):
 //  - query-outer (here): one CTA (4 warps) per (token t, KV head h, chunk of 16 query heads of the group),
 //    like the query-outer forward (forward_query.cu): warp w computes scores for keys [16w, 16w+16) of a
 //    64-key tile and accumulates dQ columns [w*Dqk/4, (w+1)*Dqk/4). The G heads of a token are its 16 mma
@@ -11,21 +11,20 @@
 //    merge): G = 1 (Hq/Hkv 32/32) 225.9 -> 40.2 ms, G = 2 (16/8) 56.2 -> 13.7, G = 4 (16/4) 28.7 -> 11.9,
 //    G = 8 (32/4) 28.9 -> 23.1, G = 16 (64/4) 29.3 -> 44.9 (slower). With swizzled tiles (tile.cuh) the
 //    query-outer dQ got 1.4x faster; on wgmma (dq_kv_wgmma.cuh, sm_90a) the KV-block-outer one wins up to
-//    G = 8 (dq_kv.h) and runs there.
+//    G = 8 (backward_plan.h) and runs there.
 //
-// dK/dV are KV-block-outer (the FSA idea): an inverse index (for each sequence, KV head and selection
-// block, the ascending tokens whose index row lists it; inverse_index.h) is built in the workspace by a
-// stable radix sort. Its segments are cut into chunks of at most C tokens (chunks.cuh, dkv_chunk_tokens):
-// block 0, which NSA forces into every row, is selected by every token, and one CTA walking it alone set the
-// kernel time (H100, 64/4 as above: 144.7 ms before, 33.6 ms chunked; 32/32: 29.7 -> 20.9 ms). One CTA per
-// (chunk, 64-key tile of the block, Dqk/Dv half for head dims > 128) gathers its tokens' query rows (all G
-// heads, 32 (token, head) rows at a time) and accumulates dK and dV in registers: warp w owns keys
-// [16w, 16w+16) of the tile and computes S^T = K Q^T and dP^T = V dO^T directly in key-major form, so no
-// reduction across warps is needed. On sm_90a with Dqk = Dv <= 128 the same task runs on warpgroup MMAs with
-// 64-row gathers (dkv_wgmma.cuh; H100, 64/4, T = 64K: 27.2 -> 16.3 ms, 32/32: 17.2 -> 12.4 ms); the two
-// kernels share the task and the epilogue (dkv.cuh). A segment that fits one chunk writes dK/dV directly; the chunks of a
-// longer one write fp32 partials to their own workspace slots and dkv_reduce_kernel sums them in chunk
-// order. No float atomics anywhere: the backward is deterministic.
+// dK/dV are KV-block-outer (the FSA idea): an inverse index (for each sequence, KV head and selection block, the
+// ascending tokens whose index row lists it; inverse_index.h) is built in the workspace by a stable radix sort. Its
+// segments are cut into chunks of at most C tokens (chunks.cuh; C is dkv_chunk_tokens of backward_plan.h): block 0,
+// which NSA forces into every row, is selected by every token, and one CTA walking it alone set the kernel time (H100,
+// 64/4 as above: 144.7 ms before, 33.6 ms chunked; 32/32: 29.7 -> 20.9 ms). One CTA per (chunk, 64-key tile of the
+// block, Dqk/Dv half for head dims > 128) gathers its tokens' query rows (all G heads, 32 (token, head) rows at a time)
+// and accumulates dK and dV in registers: warp w owns keys [16w, 16w+16) of the tile and computes S^T = K Q^T and dP^T
+// = V dO^T directly in key-major form, so no reduction across warps is needed. On sm_90a with Dqk = Dv <= 128 the same
+// task runs on warpgroup MMAs with 64-row gathers (dkv_wgmma.cuh; H100, 64/4, T = 64K: 27.2 -> 16.3 ms, 32/32: 17.2 ->
+// 12.4 ms); the two kernels share the task and the epilogue (dkv.cuh). A segment that fits one chunk writes dK/dV
+// directly; the chunks of a longer one write fp32 partials to their own workspace slots and dkv_reduce_kernel sums them
+// in chunk order. No float atomics anywhere: the backward is deterministic.
 //
 // Workspace (shapes only): delta, the inverse index (4 x 4 bytes per (token, KV head, slot) entry + the
 // radix sort's scratch), the chunk table (16 bytes per (KV head, block)), the dK/dV partials (at most
@@ -452,27 +451,6 @@ std::size_t smem_optin(int device) {
   return static_cast<std::size_t>(bytes);
 }
 
-// The dK/dV chunk length in tokens (a multiple of 32, so that chunks hold whole 32-row gathers for any G):
-//  - at least kDkvMinChunkRows query rows and twice the mean segment length (n * block tokens: a block is
-//    selected by about n * block tokens on average), so that only the long segments (block 0, the local
-//    blocks of long sequences) are split and the partial traffic stays small;
-//  - large enough that the partial slots fit kDkvPartialCap: a segment of L > C tokens makes ceil(L / C) <
-//    2 L / C partials, and the segments hold at most `entries` tokens in all, so there are fewer than
-//    2 * entries / C slots of block * (Dqk + Dv) * 4 bytes each. E.g. T = 64K, n = 16, block 64, D = 128:
-//    C = 2048 tokens at Hkv = 4 and 16384 at Hkv = 32 (a 64K-token block 0 becomes 32 or 4 chunks).
-constexpr std::int64_t kDkvMinChunkRows = 256;
-constexpr std::size_t kDkvPartialCap = std::size_t{256} << 20;
-
-std::int64_t dkv_chunk_tokens(std::int64_t entries, std::int64_t group, std::int64_t num_idx, std::int64_t block,
-                              std::int64_t dqk, std::int64_t dv) {
-  const std::int64_t slot_bytes = block * (dqk + dv) * 4;
-  const std::int64_t max_slots = std::max<std::int64_t>(1, static_cast<std::int64_t>(kDkvPartialCap) / slot_bytes);
-  std::int64_t c = std::max<std::int64_t>(ceil_div(kDkvMinChunkRows, std::max<std::int64_t>(1, group)),
-                                          2 * num_idx * block);
-  c = std::max(c, ceil_div(2 * entries, max_slots));
-  return std::max<std::int64_t>(32, ceil_div(c, 32) * 32);
-}
-
 BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
   BwdPlan plan{};
   plan.shape = selection::host_shape(p.q, p.seqs);
@@ -512,7 +490,7 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
   plan.temp = take(plan.temp_bytes);
   const std::int64_t dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
   plan.keys = keys;
-  plan.chunk_tokens = dkv_chunk_tokens(plan.entries, plan.heads_q / std::max<std::int64_t>(1, plan.heads_kv),
+  plan.chunk_tokens = selection::dkv_chunk_tokens(plan.entries, plan.heads_q / std::max<std::int64_t>(1, plan.heads_kv),
                                        plan.num_idx, plan.block, dqk, dv);
   plan.slots = 2 * plan.entries / plan.chunk_tokens;
   plan.grid = plan.slots + keys;
@@ -531,8 +509,8 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
       const DeviceGuard device(p.q.device_index);
       limit = smem_optin(p.q.device_index);
     }
-    plan.dq_kv = selection::use_kv_outer_dq(std::getenv(selection::kDqEnv), group, dqk, dv, plan.total_rows,
-                                            plan.num_idx, plan.block, limit);
+    plan.dq_kv = selection::choose_kv_outer_dq(selection::parse_path_choice(std::getenv(selection::kDqEnv)), group,
+                                               dqk, dv, plan.total_rows, plan.num_idx, plan.block, limit);
     if (plan.dq_kv) {
       plan.dq_chunk_rows = selection::dq_kv_chunk_rows(plan.total_rows, plan.heads_q, plan.num_idx, dqk);
       const std::size_t partials = static_cast<std::size_t>(plan.dq_chunk_rows * plan.heads_q * plan.num_idx);

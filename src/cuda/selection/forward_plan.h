@@ -79,27 +79,28 @@ inline bool use_kv_outer_forward(std::int64_t group, std::int64_t dim_qk, std::i
   return group <= kKvMaxGroup && tokens >= kKvMinTokens;
 }
 
-// Internal switch for tests and measurements: the environment variable SPARSEATTN_SELECTED_FORWARD, read on
-// the host by the CUDA entry points (size query and launch alike, so both agree): "query" or "kv" force a
-// forward ("kv" only where kv_forward_supported; otherwise the query-outer one runs), anything else (or
-// unset) leaves the choice to use_kv_outer_forward.
-enum class ForwardChoice { automatic, query_outer, kv_outer };
+// Internal switches for tests and measurements: an environment variable, read on the host by the CUDA entry
+// points (size query and launch alike, so both agree), forces one of two paths: "query" or "kv" ("kv" only
+// where that path is supported); anything else (or unset) leaves the choice to the heuristic. The forward's is
+// SPARSEATTN_SELECTED_FORWARD (choose_kv_outer), the backward's dQ has SPARSEATTN_SELECTED_DQ (backward_plan.h).
+enum class PathChoice { automatic, query_outer, kv_outer };
 inline constexpr const char* kForwardEnv = "SPARSEATTN_SELECTED_FORWARD";
 
-inline ForwardChoice parse_forward_choice(const char* value) {
-  if (value == nullptr) return ForwardChoice::automatic;
-  if (std::strcmp(value, "query") == 0) return ForwardChoice::query_outer;
-  if (std::strcmp(value, "kv") == 0) return ForwardChoice::kv_outer;
-  return ForwardChoice::automatic;
+inline PathChoice parse_path_choice(const char* value) {
+  if (value == nullptr) return PathChoice::automatic;
+  if (std::strcmp(value, "query") == 0) return PathChoice::query_outer;
+  if (std::strcmp(value, "kv") == 0) return PathChoice::kv_outer;
+  return PathChoice::automatic;
 }
 
-inline bool choose_kv_outer(ForwardChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
+// Whether the KV-block-outer forward runs: as `choice` forces it, else as use_kv_outer_forward decides.
+inline bool choose_kv_outer(PathChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
                             std::int64_t tokens, std::int64_t num_idx, std::int64_t block, std::size_t smem_limit) {
   if (group < 1 || num_idx < 1 || tokens < 1) return false;
   switch (choice) {
-    case ForwardChoice::query_outer: return false;
-    case ForwardChoice::kv_outer: return kv_forward_supported(dim_qk, dim_v, block, smem_limit);
-    case ForwardChoice::automatic: break;
+    case PathChoice::query_outer: return false;
+    case PathChoice::kv_outer: return kv_forward_supported(dim_qk, dim_v, block, smem_limit);
+    case PathChoice::automatic: break;
   }
   return use_kv_outer_forward(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit);
 }

@@ -34,7 +34,7 @@ bool kv_outer(const SelectedAttentionParams& p) {
   const std::int64_t tokens = s.packed ? s.rows : s.batch * s.rows;
   const std::int64_t blocks_bound = s.packed ? s.rows / p.block + s.batch : s.batch * ((s.rows + p.block - 1) / p.block);
   if (tokens <= 0 || heads_kv * blocks_bound >= (std::int64_t{1} << 31) - 1) return false;
-  const auto choice = selection::parse_forward_choice(std::getenv(selection::kForwardEnv));
+  const auto choice = selection::parse_path_choice(std::getenv(selection::kForwardEnv));
   return selection::choose_kv_outer(choice, heads_q / heads_kv, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1],
                                     tokens, p.indices.shape[p.indices.rank - 1], p.block,
                                     smem_optin(p.q.device_index));

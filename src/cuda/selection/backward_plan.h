@@ -1,0 +1,124 @@
+// Host-only planning of the selected-attention backward on CUDA: which dQ runs, the shared memory and the
+// partial chunks of the KV-block-outer dQ, and the token chunks of the dK/dV. Plain C++ (no CUDA headers) so
+// that tests/cpp checks it on machines without a GPU.
+//
+// The two dQ paths (see backward.cu):
+//  - query-outer: one CTA per (token, KV head, 16 query heads of the group), like the query-outer forward;
+//  - KV-block-outer (dq_kv.cu, the FSA forward's design): per selected block, gathered query rows of many
+//    tokens, a compact partial dQ per (token, query head, slot), merged in slot order.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/selection/forward_plan.h"
+
+namespace sparseattn::cuda::selection {
+
+// --------------------------------------------------------------------------------- KV-block-outer dQ shape
+
+inline constexpr int kDqKvWarps = 4;
+inline constexpr int kDqKvTile = 16;
+inline constexpr int kDqKvCtaRows = 256;  // query rows per CTA (entries per CTA = 256 / G)
+inline constexpr int kDqKvMaxBlock = 128;
+inline constexpr int kDqKvBuffers = 2;
+// Partials (fp16 dQ row scaled by its max magnitude + that fp32 scale per (token, query head, slot)) are
+// bounded by cutting the tokens into chunks whose partials stay near this many bytes.
+inline constexpr std::size_t kDqKvPartialCap = std::size_t{256} << 20;
+
+// Dynamic shared memory of the mma.sync kernel for 16-bit inputs: sorted keys and values of its entries, per
+// row slot its q, dO and partial pointers and statistics, the per-warp Q and dO tiles, the block's K and V.
+inline std::size_t dq_kv_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block) {
+  const std::size_t key_rows = static_cast<std::size_t>((std::min<std::int64_t>(block, kDqKvMaxBlock) + 15) / 16 * 16);
+  const std::size_t lists = 2 * sizeof(std::int32_t) * kDqKvCtaRows;
+  const std::size_t slots = std::size_t{kDqKvBuffers} * kDqKvWarps * kDqKvTile;
+  const std::size_t rows = slots * (8 + 8 + 8 + 4 + 4 + 4);
+  const std::size_t q = slots * (dim_qk + dim_v) * 2;
+  const std::size_t kv = key_rows * (dim_qk + dim_v) * 2;
+  return lists + rows + q + kv;
+}
+
+// Whether the KV-block-outer dQ can run these shapes on a device granting `smem_limit` bytes of shared memory
+// per CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+inline bool dq_kv_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block, std::size_t smem_limit) {
+  return block > 0 && block <= kDqKvMaxBlock && dq_kv_smem_bytes(dim_qk, dim_v, block) <= smem_limit;
+}
+
+// ------------------------------------------------------------------------------------------- the heuristic
+
+// Measured (H100, bf16, D = 128, n = 16, block 64, Hkv = 4, indices from select_blocks), time of the selected
+// backward with the query-outer dQ / with this one on wgmma (dq_kv_wgmma.cuh), T = 16K and 64K: G = 1
+// 3.65-4.02x, G = 4 1.62-1.66x, G = 6 1.24x, G = 8 1.04-1.05x, G = 12 0.84x, G = 16 0.73x (with the mma.sync
+// kernel it was G = 6 1.02-1.04x, G = 7 0.94-0.96x: the limit was 6). Short sequences: the forward's limit.
+inline constexpr std::int64_t kDqKvMaxGroup = 8;
+inline constexpr std::int64_t kDqKvMinTokens = 1024;
+inline constexpr std::int64_t kDqKvMaxDimQk = 192;  // Dqk = 256: its tiles spill
+
+// The pure heuristic: use the KV-block-outer dQ for group size `group`, head dims, `tokens` token rows (B*T,
+// or N packed), n = `num_idx` slots and selection block `block`, on a device granting `smem_limit` bytes.
+inline bool use_kv_outer_dq(std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v, std::int64_t tokens,
+                            std::int64_t num_idx, std::int64_t block, std::size_t smem_limit) {
+  if (!dq_kv_supported(dim_qk, dim_v, block, smem_limit)) return false;
+  if (group < 1 || num_idx < 1) return false;
+  return group <= kDqKvMaxGroup && tokens >= kDqKvMinTokens && dim_qk <= kDqKvMaxDimQk;
+}
+
+// Internal switch for tests and measurements, read on the host like the forward's (forward_plan.h):
+// SPARSEATTN_SELECTED_DQ = "query" or "kv" forces a dQ ("kv" only where dq_kv_supported), anything else (or
+// unset) leaves the choice to use_kv_outer_dq.
+inline constexpr const char* kDqEnv = "SPARSEATTN_SELECTED_DQ";
+
+inline bool choose_kv_outer_dq(PathChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
+                               std::int64_t tokens, std::int64_t num_idx, std::int64_t block, std::size_t smem_limit) {
+  if (group < 1 || num_idx < 1 || tokens < 1) return false;
+  switch (choice) {
+    case PathChoice::query_outer: return false;
+    case PathChoice::kv_outer: return dq_kv_supported(dim_qk, dim_v, block, smem_limit);
+    case PathChoice::automatic: break;
+  }
+  return use_kv_outer_dq(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit);
+}
+
+// ------------------------------------------------------------------------------------ KV-block-outer chunks
+
+// Partial bytes per token row of a chunk: an fp16 dQ row and its fp32 scale per (query head, slot).
+inline std::size_t dq_kv_bytes_per_row(std::int64_t heads_q, std::int64_t num_idx, std::int64_t dim_qk) {
+  return static_cast<std::size_t>(heads_q * num_idx) * (dim_qk * 2 + 4);
+}
+
+// Token rows per chunk: as many as fit kDqKvPartialCap (at least 1), evened out over the chunks.
+inline std::int64_t dq_kv_chunk_rows(std::int64_t total_rows, std::int64_t heads_q, std::int64_t num_idx,
+                                     std::int64_t dim_qk) {
+  if (total_rows <= 0) return 0;
+  const std::size_t per_row = std::max<std::size_t>(1, dq_kv_bytes_per_row(heads_q, num_idx, dim_qk));
+  const std::int64_t fit = std::max<std::int64_t>(1, static_cast<std::int64_t>(kDqKvPartialCap / per_row));
+  const std::int64_t chunks = (total_rows + fit - 1) / fit;
+  return (total_rows + chunks - 1) / chunks;
+}
+
+// ------------------------------------------------------------------------------------------ dK/dV chunks
+
+// The dK/dV chunk length in tokens (a multiple of 32, so that chunks hold whole 32-row gathers for any G):
+//  - at least kDkvMinChunkRows query rows and twice the mean segment length (n * block tokens: a block is
+//    selected by about n * block tokens on average), so that only the long segments (block 0, the local
+//    blocks of long sequences) are split and the partial traffic stays small;
+//  - large enough that the partial slots fit kDkvPartialCap: a segment of L > C tokens makes ceil(L / C) <
+//    2 L / C partials, and the segments hold at most `entries` tokens in all, so there are fewer than
+//    2 * entries / C slots of block * (Dqk + Dv) * 4 bytes each. E.g. T = 64K, n = 16, block 64, D = 128:
+//    C = 2048 tokens at Hkv = 4 and 16384 at Hkv = 32 (a 64K-token block 0 becomes 32 or 4 chunks).
+inline constexpr std::int64_t kDkvMinChunkRows = 256;
+inline constexpr std::size_t kDkvPartialCap = std::size_t{256} << 20;
+
+inline std::int64_t dkv_chunk_tokens(std::int64_t entries, std::int64_t group, std::int64_t num_idx,
+                                     std::int64_t block, std::int64_t dim_qk, std::int64_t dim_v) {
+  const auto ceil_div = [](std::int64_t a, std::int64_t b) { return (a + b - 1) / b; };
+  const std::int64_t slot_bytes = block * (dim_qk + dim_v) * 4;
+  const std::int64_t max_slots = std::max<std::int64_t>(1, static_cast<std::int64_t>(kDkvPartialCap) / slot_bytes);
+  std::int64_t c = std::max<std::int64_t>(ceil_div(kDkvMinChunkRows, std::max<std::int64_t>(1, group)),
+                                          2 * num_idx * block);
+  c = std::max(c, ceil_div(2 * entries, max_slots));
+  return std::max<std::int64_t>(32, ceil_div(c, 32) * 32);
+}
+
+}  // namespace sparseattn::cuda::selection
