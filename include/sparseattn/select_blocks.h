@@ -34,9 +34,9 @@ struct SelectBlocksParams {
   Stream stream = nullptr;
 };
 
-// Bytes of device scratch select_blocks needs (0 on the CPU): a fixed number of tiles of pooled scores,
-// so it grows with T (one row of scores per tile row), never with T^2. Depends on shapes, config and
-// device only (views may have no data).
+// Bytes of device scratch select_blocks needs (0 on the CPU): pooled scores of a bounded number of tiles,
+// one row of scores per tile row, so it grows with T up to 256 MB and then stays there (fewer tiles in
+// flight), never with T^2. Depends on shapes, config and device only (views may have no data).
 std::size_t select_blocks_workspace_size(const SelectBlocksParams& params);
 void select_blocks(const SelectBlocksParams& params);
 

@@ -24,6 +24,7 @@
 #include "cuda/common.cuh"
 #include "cuda/selection/common.cuh"
 #include "cuda/selection/ops.h"
+#include "cuda/selection/select_plan.h"
 #include "cuda/selection/tile.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -35,16 +36,16 @@ using i64 = std::int64_t;
 using selection::LseView;
 using selection::SeqTable;
 
-constexpr int kWarps = 8;
+using Config = selection::SelectConfig;
+
+constexpr int kWarps = selection::kSelectWarps;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 16 * kWarps;          // MMA rows per tile: (token, group head) pairs
-static_assert(kRows == kSelectMaxGroup, "a tile holds at least one token of the largest group");
-constexpr int kCols = kSelectColumns;       // compressed blocks per column tile
+constexpr int kRows = selection::kSelectRows;  // MMA rows per tile: (token, group head) pairs
+constexpr int kCols = kSelectColumns;          // compressed blocks per column tile
 constexpr int kSumPitch = kCols + 8;        // fp32 pitch of the group sums: 64-bit stores hit distinct banks
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kUnrolledTaps = 8;           // pooling: stencils up to this many taps go without a loop
 constexpr int kListCap = 64;               // top-n: blocks ranked in the usual path (two per lane)
-constexpr std::size_t kWorkspaceCap = std::size_t{256} << 20;  // pooled-score slots of all CTAs
 
 template <int D>
 struct Layout {
@@ -55,27 +56,6 @@ struct Layout {
   static constexpr std::size_t kSums = sizeof(float) * kRows * kSumPitch;
   static constexpr std::size_t kBytes =
       kQ + kStages * kK + kSums + sizeof(std::uint64_t) * kWarps * kListCap + wgmma::kTileAlignment;
-};
-
-// Positions within a sequence (and block numbers) fit int32 (cu_seqlens is int32); the per-element and
-// pooling arithmetic uses int32 without divisions, which matters at small groups (128 tokens per tile).
-struct Config {
-  i64 heads_kv, group, tokens_per_tile;
-  int rows_per_token;   // Gp: the group rounded up to a power of two
-  int tokens_per_warp;  // max(1, 16 / Gp)
-  int warps_per_token;  // max(1, Gp / 16)
-  i64 cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local;
-  int cols_per_block;   // sel_block / cmp_stride
-  int border;           // cmp_block / cmp_stride - 1: compressed blocks reaching into the previous selection block
-  int stencil;          // cols_per_block + border: compressed blocks overlapping one selection block
-  // Weight of compressed block j = b * cols_per_block - border + s in selection block b: its overlap / stride.
-  // In the kernel parameters, so that the unrolled pooling takes them as constant operands, not registers.
-  float taps[kCols];
-  int blocks_per_tile;  // selection blocks pooled per column tile
-  i64 slot_blocks;      // row length of a slot: selection blocks of the longest sequence, rounded up to 4 (16 bytes)
-  i64 position_tiles;   // token tiles of the longest sequence
-  i64 batch;
-  float scale_log2;
 };
 
 // First compressed block overlapping selection block b: (b*sel_block - cmp_block) / stride + 1 for b >= 1
@@ -472,11 +452,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 }
 
 struct LaunchPlan {
-  Config config;
   selection::HostShape shape;
+  selection::SelectPlan select;
   i64 dim = 0;
-  int ctas = 0;  // 0: nothing to do
-  std::size_t slot_bytes = 0;
 };
 
 int multiprocessors(int device_index) {
@@ -488,49 +466,15 @@ int multiprocessors(int device_index) {
   return std::max(count, 1);
 }
 
-// Everything from shapes, config and the device's SM count: the workspace size query and the launch agree.
+// Everything from shapes, config and the device's SM count (select_plan.h): the workspace size query and the
+// launch agree.
 LaunchPlan plan_of(const SelectBlocksParams& p) {
   LaunchPlan plan;
   plan.shape = selection::host_shape(p.q, p.seqs);
-  const selection::HostShape& s = plan.shape;
-  const i64 heads_q = p.q.shape[p.q.rank - 2];
-  const i64 heads_kv = p.k_cmp.shape[p.k_cmp.rank - 2];
   plan.dim = p.q.shape[p.q.rank - 1];
-  if (s.batch <= 0 || s.max_len <= 0 || heads_kv <= 0 || heads_q % heads_kv != 0 || heads_q / heads_kv > kRows ||
-      p.cmp_stride <= 0 || p.sel_block <= 0 || !select_blocks_config_supported(p.cmp_block, p.cmp_stride, p.sel_block)) {
-    return plan;
-  }
-  Config& c = plan.config;
-  c.heads_kv = heads_kv;
-  c.group = heads_q / heads_kv;
-  c.rows_per_token = 1;
-  while (c.rows_per_token < c.group) c.rows_per_token *= 2;
-  c.tokens_per_warp = std::max(1, 16 / c.rows_per_token);
-  c.warps_per_token = std::max(1, c.rows_per_token / 16);
-  c.tokens_per_tile = kRows / c.rows_per_token;
-  c.cmp_block = p.cmp_block;
-  c.cmp_stride = p.cmp_stride;
-  c.sel_block = p.sel_block;
-  c.num_selected = p.num_selected;
-  c.num_init = p.num_init;
-  c.num_local = p.num_local;
-  c.cols_per_block = static_cast<int>(p.sel_block / p.cmp_stride);
-  c.border = static_cast<int>(p.cmp_block / p.cmp_stride - 1);
-  c.stencil = c.cols_per_block + c.border;
-  for (int s = 0; s < c.stencil; ++s) {
-    const i64 start = (s - c.border) * p.cmp_stride;
-    const i64 overlap = std::min<i64>(start + p.cmp_block, p.sel_block) - std::max<i64>(start, 0);
-    c.taps[s] = static_cast<float>(overlap) / static_cast<float>(p.cmp_stride);
-  }
-  c.blocks_per_tile = (kCols - c.border) / c.cols_per_block;
-  c.slot_blocks = ceil_div(ceil_div(s.max_len, p.sel_block), i64{4}) * 4;
-  c.position_tiles = ceil_div(s.max_len, c.tokens_per_tile);
-  c.batch = s.batch;
-  c.scale_log2 = static_cast<float>(softmax_scale(p.scale, plan.dim) * 1.4426950408889634);
-  plan.slot_bytes = static_cast<std::size_t>(c.tokens_per_tile * c.slot_blocks) * sizeof(float);
-  const i64 tiles = c.position_tiles * c.batch * c.heads_kv;
-  const i64 by_cap = std::max<i64>(1, static_cast<i64>(kWorkspaceCap / plan.slot_bytes));
-  plan.ctas = static_cast<int>(std::min({tiles, i64{2} * multiprocessors(p.q.device_index), by_cap}));
+  plan.select =
+      selection::plan_select_blocks(p, plan.shape.batch, plan.shape.max_len, multiprocessors(p.q.device_index));
+  plan.select.config.scale_log2 = static_cast<float>(softmax_scale(p.scale, plan.dim) * 1.4426950408889634);
   return plan;
 }
 
@@ -540,10 +484,10 @@ void launch(const SelectBlocksParams& p, const LaunchPlan& plan) {
                                                                      : select_blocks_kernel<T, D, false>;
   constexpr std::size_t smem = Layout<D>::kBytes;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  kernel<<<plan.ctas, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
+  kernel<<<plan.select.ctas, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
       tokens_of<const T>(p.q), tokens_of<const T>(p.k_cmp), selection::lse_of<const float>(p.lse_cmp),
       tokens_of<std::int32_t>(p.indices), selection::seq_table(plan.shape, p.seqs),
-      static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), plan.config, static_cast<float*>(p.workspace));
+      static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), plan.select.config, static_cast<float*>(p.workspace));
   check_launch("select_blocks_kernel");
 }
 
@@ -551,13 +495,13 @@ void launch(const SelectBlocksParams& p, const LaunchPlan& plan) {
 
 std::size_t select_blocks_workspace_size(const SelectBlocksParams& p) {
   const LaunchPlan plan = plan_of(p);
-  return static_cast<std::size_t>(plan.ctas) * plan.slot_bytes;
+  return plan.select.workspace_bytes();
 }
 
 void select_blocks(const SelectBlocksParams& p) {
   const DeviceGuard device(p.q.device_index);
   const LaunchPlan plan = plan_of(p);
-  if (plan.ctas == 0) return;
+  if (plan.select.ctas == 0) return;
   const auto run = [&](auto tag) {
     using T = typename decltype(tag)::type;
     switch (plan.dim) {
