@@ -72,12 +72,8 @@ inline constexpr const char* kDqEnv = "SPARSEATTN_SELECTED_DQ";
 inline bool choose_kv_outer_dq(PathChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
                                std::int64_t tokens, std::int64_t num_idx, std::int64_t block, std::size_t smem_limit) {
   if (group < 1 || num_idx < 1 || tokens < 1) return false;
-  switch (choice) {
-    case PathChoice::query_outer: return false;
-    case PathChoice::kv_outer: return dq_kv_supported(dim_qk, dim_v, block, smem_limit);
-    case PathChoice::automatic: break;
-  }
-  return use_kv_outer_dq(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit);
+  return kv_outer_by_choice(choice, dq_kv_supported(dim_qk, dim_v, block, smem_limit),
+                            use_kv_outer_dq(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit));
 }
 
 // ------------------------------------------------------------------------------------ KV-block-outer chunks
@@ -87,14 +83,10 @@ inline std::size_t dq_kv_bytes_per_row(std::int64_t heads_q, std::int64_t num_id
   return static_cast<std::size_t>(heads_q * num_idx) * (dim_qk * 2 + 4);
 }
 
-// Token rows per chunk: as many as fit kDqKvPartialCap (at least 1), evened out over the chunks.
+// Token rows per chunk: as many as fit kDqKvPartialCap, evened out (rows_per_chunk, forward_plan.h).
 inline std::int64_t dq_kv_chunk_rows(std::int64_t total_rows, std::int64_t heads_q, std::int64_t num_idx,
                                      std::int64_t dim_qk) {
-  if (total_rows <= 0) return 0;
-  const std::size_t per_row = std::max<std::size_t>(1, dq_kv_bytes_per_row(heads_q, num_idx, dim_qk));
-  const std::int64_t fit = std::max<std::int64_t>(1, static_cast<std::int64_t>(kDqKvPartialCap / per_row));
-  const std::int64_t chunks = (total_rows + fit - 1) / fit;
-  return (total_rows + chunks - 1) / chunks;
+  return rows_per_chunk(total_rows, dq_kv_bytes_per_row(heads_q, num_idx, dim_qk), kDqKvPartialCap);
 }
 
 // ------------------------------------------------------------------------------------------ dK/dV chunks

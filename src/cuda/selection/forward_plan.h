@@ -93,16 +93,23 @@ inline PathChoice parse_path_choice(const char* value) {
   return PathChoice::automatic;
 }
 
+// Whether a KV-block-outer path runs under `choice`: never when the query-outer one is forced, wherever it is
+// `supported` when forced, else where the heuristic `prefers` it. Shared by the forward and the dQ.
+inline bool kv_outer_by_choice(PathChoice choice, bool supported, bool prefers) {
+  switch (choice) {
+    case PathChoice::query_outer: return false;
+    case PathChoice::kv_outer: return supported;
+    case PathChoice::automatic: break;
+  }
+  return prefers;
+}
+
 // Whether the KV-block-outer forward runs: as `choice` forces it, else as use_kv_outer_forward decides.
 inline bool choose_kv_outer(PathChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
                             std::int64_t tokens, std::int64_t num_idx, std::int64_t block, std::size_t smem_limit) {
   if (group < 1 || num_idx < 1 || tokens < 1) return false;
-  switch (choice) {
-    case PathChoice::query_outer: return false;
-    case PathChoice::kv_outer: return kv_forward_supported(dim_qk, dim_v, block, smem_limit);
-    case PathChoice::automatic: break;
-  }
-  return use_kv_outer_forward(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit);
+  return kv_outer_by_choice(choice, kv_forward_supported(dim_qk, dim_v, block, smem_limit),
+                            use_kv_outer_forward(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit));
 }
 
 // --------------------------------------------------------------------------------------- workspace chunks
@@ -117,15 +124,19 @@ inline std::size_t kv_bytes_per_row(std::int64_t heads_q, std::int64_t heads_kv,
   return partial + index;
 }
 
-// Token rows per chunk: as many as fit kKvWorkspaceCap (at least 1), then evened out over the chunks so
-// that the last chunk is not a sliver. Depends on shapes only.
-inline std::int64_t kv_chunk_rows(std::int64_t total_rows, std::int64_t heads_q, std::int64_t heads_kv,
-                                  std::int64_t num_idx, std::int64_t dim_v) {
+// Token rows per chunk: as many as fit `cap` bytes at `bytes_per_row` (at least 1), then evened out over the
+// chunks so that the last chunk is not a sliver. Shared by the KV-block-outer forward and dQ.
+inline std::int64_t rows_per_chunk(std::int64_t total_rows, std::size_t bytes_per_row, std::size_t cap) {
   if (total_rows <= 0) return 0;
-  const std::size_t per_row = std::max<std::size_t>(1, kv_bytes_per_row(heads_q, heads_kv, num_idx, dim_v));
-  const std::int64_t fit = std::max<std::int64_t>(1, static_cast<std::int64_t>(kKvWorkspaceCap / per_row));
+  const std::int64_t fit = std::max<std::int64_t>(1, static_cast<std::int64_t>(cap / std::max<std::size_t>(1, bytes_per_row)));
   const std::int64_t chunks = (total_rows + fit - 1) / fit;
   return (total_rows + chunks - 1) / chunks;
+}
+
+// The forward's token rows per chunk (kKvWorkspaceCap). Depends on shapes only.
+inline std::int64_t kv_chunk_rows(std::int64_t total_rows, std::int64_t heads_q, std::int64_t heads_kv,
+                                  std::int64_t num_idx, std::int64_t dim_v) {
+  return rows_per_chunk(total_rows, kv_bytes_per_row(heads_q, heads_kv, num_idx, dim_v), kKvWorkspaceCap);
 }
 
 }  // namespace sparseattn::cuda::selection
