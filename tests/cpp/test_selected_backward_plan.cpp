@@ -6,14 +6,12 @@
 #include <cstdint>
 
 #include "cuda/selection/backward_plan.h"
+#include "test_util.h"
 
 namespace sparseattn::test {
 namespace {
 
 using namespace sparseattn::cuda::selection;
-
-constexpr std::size_t kH100 = 227 * 1024;  // cudaDevAttrMaxSharedMemoryPerBlockOptin
-constexpr std::size_t kA100 = 163 * 1024;
 
 TEST(SelectedBackwardPlan, SmallGroupsOfLongSequencesRunKvOuterDq) {
   for (std::int64_t g : {1, 2, 3, 4, 7, 8}) {

@@ -4,15 +4,13 @@
 
 #include <cstdint>
 
+#include "test_util.h"
 #include "cuda/selection/forward_plan.h"
 
 namespace sparseattn::test {
 namespace {
 
 using namespace sparseattn::cuda::selection;
-
-constexpr std::size_t kH100 = 227 * 1024;  // cudaDevAttrMaxSharedMemoryPerBlockOptin
-constexpr std::size_t kA100 = 163 * 1024;
 
 TEST(SelectedForwardPlan, SmallGroupsOfLongSequencesRunKvOuter) {
   for (std::int64_t g : {1, 2, 3, 4, 7, 8}) {

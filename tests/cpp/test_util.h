@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -11,6 +12,10 @@
 #include "sparseattn/tensor.h"
 
 namespace sparseattn::test {
+
+// Shared memory a CTA may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin), for the CUDA plans' tests.
+inline constexpr std::size_t kH100 = 227 * 1024;
+inline constexpr std::size_t kA100 = 163 * 1024;
 
 // A float64 (or int32/bool) host tensor that owns its memory; view() hands it to the API.
 template <class T>

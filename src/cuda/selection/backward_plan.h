@@ -30,7 +30,7 @@ inline constexpr std::size_t kDqKvPartialCap = std::size_t{256} << 20;
 // Dynamic shared memory of the mma.sync kernel for 16-bit inputs: sorted keys and values of its entries, per
 // row slot its q, dO and partial pointers and statistics, the per-warp Q and dO tiles, the block's K and V.
 inline std::size_t dq_kv_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block) {
-  const std::size_t key_rows = static_cast<std::size_t>((std::min<std::int64_t>(block, kDqKvMaxBlock) + 15) / 16 * 16);
+  const std::size_t key_rows = static_cast<std::size_t>(round_up16(std::min<std::int64_t>(block, kDqKvMaxBlock)));
   const std::size_t lists = 2 * sizeof(std::int32_t) * kDqKvCtaRows;
   const std::size_t slots = std::size_t{kDqKvBuffers} * kDqKvWarps * kDqKvTile;
   const std::size_t rows = slots * (8 + 8 + 8 + 4 + 4 + 4);
