@@ -285,12 +285,15 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int row_token[2] = {token_of(warp, lane / 4), token_of(warp, lane / 4 + 8)};
   const int row_head[2] = {head_of(warp, lane / 4), head_of(warp, lane / 4 + 8)};
   // Pooling: Gp <= 16, each warp pools its own tokens; Gp > 16, the CTA pools all tokens after a barrier.
-  // A pooling thread keeps one token and takes every block_step-th selection block of a column tile.
-  const int pool_tokens = wpt == 1 ? tpw : static_cast<int>(M);
+  // A pooling thread takes a token and every block_lanes-th selection block of a column tile, then the next token
+  // token_lanes on. block_lanes is at least 8 so that a warp's stores cover 32-byte pieces of its tokens' rows
+  // (with one token per thread, a store at G = 1 touched 16 rows); otherwise every token has its own thread.
   const int pool_thread = wpt == 1 ? lane : tid, pool_threads = wpt == 1 ? 32 : kThreads;
-  const int pool_token = (wpt == 1 ? warp * tpw : 0) + pool_thread % pool_tokens;
-  const int pool_block = pool_thread / pool_tokens, block_step = pool_threads / pool_tokens;
-  const float* const pool_sums = sums + pool_token * wpt * kSumPitch;  // its token's group sums (wpt rows)
+  const int pool_tokens = wpt == 1 ? tpw : static_cast<int>(M);
+  const int block_lanes = max(pool_threads / pool_tokens, 8), token_lanes = pool_threads / block_lanes;
+  const int pool_block = pool_thread / token_lanes;                                 // this thread's first block
+  const int pool_first = (wpt == 1 ? warp * tpw : 0) + pool_thread % token_lanes;  // this thread's first token
+  const int pool_end = wpt == 1 ? (warp + 1) * tpw : static_cast<int>(M);          // past the pooled tokens
 
   // wgmma descriptors of this warpgroup's 64 Q rows and of K stage 0 (the loops add offsets).
   const std::uint64_t q_desc = wgmma::k_major_descriptor<kRows>(q_tile, 64 * wgmma::warpgroup_index(), 0);
@@ -308,9 +311,6 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const i64 cmp_begin = cu_seqlens_cmp != nullptr ? cu_seqlens_cmp[sq] : 0;
     const int cmp_count =
         seq.length >= c.cmp_block ? static_cast<int>((seq.length - c.cmp_block) / c.cmp_stride + 1) : 0;
-    // The pooling thread's last candidate block (-1: no token) and its token's pooled row.
-    const int last_block = pool_token < tokens ? static_cast<int>((t0 + pool_token) / c.sel_block) : -1;
-    float* const pooled = slot + pool_token * c.slot_blocks;
 
     __syncthreads();  // the previous tile is done with shared memory
     wgmma::gather_swizzled_rows<kRows, D, kThreads>(
@@ -403,21 +403,25 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       } else {
         __syncthreads();
       }
-      // Pool: selection block b gets sum_s w[s] * P[b * cols_per_block - border + s] (blocks j >= 0). Tile 0
-      // starts at compressed block 0 rather than at block 0's first border block.
+      // Pool: selection block b gets sum_s w[s] * P[b * cols_per_block - border + s] (blocks j >= 0), for the
+      // blocks that start at or before the token. Tile 0 starts at compressed block 0 rather than at block 0's
+      // first border block.
       const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), shift = k == 0 ? c.border : 0;
+      const int last_token = min(pool_end, tokens);
       const auto pool = [&](auto column) {  // column(x, s): the token's group sum x[s]
-#pragma unroll 2  // two blocks' loads in flight (the loop is bound by shared-memory latency)
-        for (int bb = pool_block; bb < nb && b0 + bb <= last_block; bb += block_step) {
-          const float* x = pool_sums + bb * c.cols_per_block - shift;  // x[s]: the block's s-th compressed block
-          const int s0 = b0 + bb == 0 ? c.border : 0;                 // block 0 has no border blocks before it
-          float score = 0.f;
+        for (int m = pool_first; m < last_token; m += token_lanes) {
+          const float* const row = sums + m * wpt * kSumPitch - shift;  // the token's group sums (wpt rows)
+          for (int bb = pool_block; bb < nb && static_cast<i64>(b0 + bb) * c.sel_block <= t0 + m; bb += block_lanes) {
+            const float* x = row + bb * c.cols_per_block;  // x[s]: the block's s-th compressed block
+            const int s0 = b0 + bb == 0 ? c.border : 0;    // block 0 has no border blocks before it
+            float score = 0.f;
 #pragma unroll
-          for (int s = 0; s < kUnrolledTaps; ++s) {
-            if (s >= s0 && s < c.stencil) score = fmaf(c.taps[s], column(x, s), score);
+            for (int s = 0; s < kUnrolledTaps; ++s) {
+              if (s >= s0 && s < c.stencil) score = fmaf(c.taps[s], column(x, s), score);
+            }
+            for (int s = kUnrolledTaps; s < c.stencil; ++s) score = fmaf(c.taps[s], column(x, s), score);
+            slot[m * c.slot_blocks + b0 + bb] = score;
           }
-          for (int s = kUnrolledTaps; s < c.stencil; ++s) score = fmaf(c.taps[s], column(x, s), score);
-          pooled[b0 + bb] = score;
         }
       };
       if (wpt == 1) {
