@@ -62,21 +62,21 @@ TEST(SelectedBackwardPlan, OverrideSwitch) {
 }
 
 TEST(SelectedBackwardPlan, DqChunksBoundThePartials) {
-  EXPECT_EQ(dq_kv_chunk_rows(0, 8, 16, 128), 0);
-  EXPECT_EQ(dq_kv_chunk_rows(1000, 8, 16, 128), 1000);  // small inputs: one chunk
+  EXPECT_EQ(dq_kv_chunk_pairs(0, 8, 16, 128), 0);
+  EXPECT_EQ(dq_kv_chunk_pairs(1000, 8, 16, 128), 1000);  // small inputs: one chunk
   struct Case {
-    std::int64_t rows, hq, n, dqk;
+    std::int64_t pairs, group, n, dqk;
   };
-  for (const Case& c : {Case{65536, 32, 16, 128}, Case{262144, 64, 16, 128}, Case{131072, 16, 32, 192},
+  for (const Case& c : {Case{65536 * 32, 1, 16, 128}, Case{262144 * 8, 8, 16, 128}, Case{131072, 16, 32, 192},
                         Case{12345, 1, 16, 64}, Case{1 << 20, 2, 16, 128}}) {
-    const std::int64_t rows = dq_kv_chunk_rows(c.rows, c.hq, c.n, c.dqk);
-    ASSERT_GE(rows, 1);
-    EXPECT_LE(rows, c.rows);
-    EXPECT_LE(static_cast<std::size_t>(rows) * dq_kv_bytes_per_row(c.hq, c.n, c.dqk), kDqKvPartialCap);
-    const std::int64_t chunks = (c.rows + rows - 1) / rows;
-    EXPECT_GT(rows * chunks, c.rows - rows);  // evened out: the last chunk is not a sliver
+    const std::int64_t pairs = dq_kv_chunk_pairs(c.pairs, c.group, c.n, c.dqk);
+    ASSERT_GE(pairs, 1);
+    EXPECT_LE(pairs, c.pairs);
+    EXPECT_LE(static_cast<std::size_t>(pairs) * dq_kv_bytes_per_pair(c.group, c.n, c.dqk), kDqKvPartialCap);
+    const std::int64_t chunks = (c.pairs + pairs - 1) / pairs;
+    EXPECT_GT(pairs * chunks, c.pairs - pairs);  // evened out: the last chunk is not a sliver
   }
-  EXPECT_EQ(dq_kv_chunk_rows(10, 1 << 14, 1024, 256), 1);  // huge heads: one row per chunk, over the cap
+  EXPECT_EQ(dq_kv_chunk_pairs(10, 1 << 14, 1024, 256), 1);  // huge groups: one pair per chunk, over the cap
 }
 
 TEST(SelectedBackwardPlan, DkvChunksSplitOnlyLongSegmentsAndBoundThePartials) {

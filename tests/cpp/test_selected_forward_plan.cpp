@@ -60,23 +60,25 @@ TEST(SelectedForwardPlan, OverrideSwitch) {
 }
 
 TEST(SelectedForwardPlan, ChunksBoundTheWorkspace) {
-  EXPECT_EQ(kv_chunk_rows(0, 8, 1, 16, 128), 0);
-  EXPECT_EQ(kv_chunk_rows(1000, 8, 1, 16, 128), 1000);  // small inputs: one chunk
+  EXPECT_EQ(kv_chunk_pairs(0, 8, 16, 128), 0);
+  EXPECT_EQ(kv_chunk_pairs(1000, 8, 16, 128), 1000);  // small inputs: one chunk
   struct Case {
-    std::int64_t rows, hq, hkv, n, dv;
+    std::int64_t pairs, group, n, dv;
   };
-  for (const Case& c : {Case{65536, 4, 4, 16, 128}, Case{4 * 65536, 64, 8, 16, 128}, Case{131072, 16, 1, 32, 256},
-                        Case{12345, 1, 1, 16, 64}, Case{1 << 20, 2, 1, 16, 128}}) {
-    const std::int64_t rows = kv_chunk_rows(c.rows, c.hq, c.hkv, c.n, c.dv);
-    ASSERT_GE(rows, 1);
-    EXPECT_LE(rows, c.rows);
-    EXPECT_LE(static_cast<std::size_t>(rows) * kv_bytes_per_row(c.hq, c.hkv, c.n, c.dv), kKvWorkspaceCap);
-    const std::int64_t chunks = (c.rows + rows - 1) / rows;
-    EXPECT_GT(rows * chunks, c.rows - rows);  // evened out: the last chunk is not a sliver
-    EXPECT_LE(rows * (chunks - 1), c.rows);
+  for (const Case& c : {Case{65536, 1, 16, 128}, Case{4 * 65536 * 8, 8, 16, 128}, Case{131072, 16, 32, 256},
+                        Case{12345, 1, 16, 64}, Case{1 << 20, 2, 16, 128}, Case{32 * 65536, 1, 16, 128}}) {
+    const std::int64_t pairs = kv_chunk_pairs(c.pairs, c.group, c.n, c.dv);
+    ASSERT_GE(pairs, 1);
+    EXPECT_LE(pairs, c.pairs);
+    EXPECT_LE(static_cast<std::size_t>(pairs) * kv_bytes_per_pair(c.group, c.n, c.dv), kKvWorkspaceCap);
+    const std::int64_t chunks = (c.pairs + pairs - 1) / pairs;
+    EXPECT_GT(pairs * chunks, c.pairs - pairs);  // evened out: the last chunk is not a sliver
+    EXPECT_LE(pairs * (chunks - 1), c.pairs);
   }
-  // Huge heads: one row per chunk, over the cap rather than no progress.
-  EXPECT_EQ(kv_chunk_rows(10, 1 << 14, 1, 1024, 256), 1);
+  // 32/32, T = 64K: a chunk holds at most 65536 pairs, so it spans at most two heads' K/V (forward_plan.h).
+  EXPECT_LE(kv_chunk_pairs(32 * 65536, 1, 16, 128), 65536);
+  // Huge groups: one pair per chunk, over the cap rather than no progress.
+  EXPECT_EQ(kv_chunk_pairs(10, 1 << 14, 1024, 256), 1);
   EXPECT_EQ(kv_entries_per_cta(1), kKvCtaRows);
   EXPECT_EQ(kv_entries_per_cta(3), kKvCtaRows / 3);
   EXPECT_EQ(kv_entries_per_cta(1000), 1);

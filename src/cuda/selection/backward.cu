@@ -29,7 +29,8 @@
 // Workspace (shapes only): delta, the inverse index (4 x 4 bytes per (token, KV head, slot) entry + the
 // radix sort's scratch), the chunk table (16 bytes per (KV head, block)), the dK/dV partials (at most
 // kDkvPartialCap = 256 MB, see dkv_chunk_tokens) and, on the KV-block-outer dQ path, its partials (at most
-// about kDqKvPartialCap = 256 MB: tokens go in chunks, dq_kv_chunk_rows; a chunk holds at least one token).
+// about kDqKvPartialCap = 256 MB: (KV head, token) pairs go in chunks, dq_kv_chunk_pairs; a chunk holds at
+// least one pair).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -438,7 +439,7 @@ struct BwdPlan {
   std::size_t delta, offsets, keys_in, keys_out, values_in, values_out, seg_begin, seg_end, temp, temp_bytes,
       counts, scan, scan_temp, scan_temp_bytes, partials, total;
   bool dq_kv;                  // KV-block-outer dQ (dq_kv.h) instead of the query-outer one
-  std::int64_t dq_chunk_rows;  // its token rows per chunk
+  std::int64_t dq_chunk_pairs; // its (KV head, token row) pairs per chunk
   std::size_t dq_half, dq_scale;
 };
 
@@ -512,8 +513,8 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
     plan.dq_kv = selection::choose_kv_outer_dq(selection::parse_path_choice(std::getenv(selection::kDqEnv)), group,
                                                dqk, dv, plan.total_rows, plan.num_idx, plan.block, limit);
     if (plan.dq_kv) {
-      plan.dq_chunk_rows = selection::dq_kv_chunk_rows(plan.total_rows, plan.heads_q, plan.num_idx, dqk);
-      const std::size_t partials = static_cast<std::size_t>(plan.dq_chunk_rows * plan.heads_q * plan.num_idx);
+      plan.dq_chunk_pairs = selection::dq_kv_chunk_pairs(plan.total_rows * plan.heads_kv, group, plan.num_idx, dqk);
+      const std::size_t partials = static_cast<std::size_t>(plan.dq_chunk_pairs * group * plan.num_idx);
       plan.dq_half = take(sizeof(std::uint16_t) * partials * dqk);
       plan.dq_scale = take(sizeof(float) * partials);
     }
@@ -572,9 +573,10 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
     }
     // 2. Inverse index: block offsets (packed), keys, stable sort, segments.
     if (s.packed) selection::launch_block_offsets(cu, s.batch, plan.block, offsets, stream);
-    const selection::KeyConfig kc{plan.heads_kv, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
-                                  /*row0=*/0, plan.total_rows, static_cast<std::uint32_t>(plan.blocks_bound),
-                                  plan.sentinel, s.packed, /*value_is_entry=*/false};
+    const selection::KeyConfig kc{plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq, plan.total_rows,
+                                  /*pair0=*/0, plan.total_rows * plan.heads_kv,
+                                  static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel, s.packed,
+                                  /*value_is_entry=*/false};
     selection::launch_make_keys(selection::index_of(p.indices), cu, offsets, kc, keys_in, values_in, stream);
     selection::radix_sort_pairs(ws + plan.temp, plan.temp_bytes, keys_in, keys_out, values_in, values_out,
                                 plan.entries, plan.end_bit, stream);
@@ -644,7 +646,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
         a.batch = s.batch;
         a.blocks_per_seq = plan.blocks_per_seq;
         a.total_rows = plan.total_rows;
-        a.chunk_rows = plan.dq_chunk_rows;
+        a.chunk_pairs = plan.dq_chunk_pairs;
         a.blocks_bound = static_cast<std::uint32_t>(plan.blocks_bound);
         a.sentinel = plan.sentinel;
         a.end_bit = plan.end_bit;

@@ -24,7 +24,7 @@ inline constexpr int kDqKvCtaRows = 256;  // query rows per CTA (entries per CTA
 inline constexpr int kDqKvMaxBlock = 128;
 inline constexpr int kDqKvBuffers = 2;
 // Partials (fp16 dQ row scaled by its max magnitude + that fp32 scale per (token, query head, slot)) are
-// bounded by cutting the tokens into chunks whose partials stay near this many bytes.
+// bounded by cutting the (KV head, token row) pairs into chunks whose partials stay near this many bytes.
 inline constexpr std::size_t kDqKvPartialCap = std::size_t{256} << 20;
 
 // Dynamic shared memory of the mma.sync kernel for 16-bit inputs: sorted keys and values of its entries, per
@@ -78,15 +78,16 @@ inline bool choose_kv_outer_dq(PathChoice choice, std::int64_t group, std::int64
 
 // ------------------------------------------------------------------------------------ KV-block-outer chunks
 
-// Partial bytes per token row of a chunk: an fp16 dQ row and its fp32 scale per (query head, slot).
-inline std::size_t dq_kv_bytes_per_row(std::int64_t heads_q, std::int64_t num_idx, std::int64_t dim_qk) {
-  return static_cast<std::size_t>(heads_q * num_idx) * (dim_qk * 2 + 4);
+// Partial bytes per (KV head, token row) pair of a chunk: an fp16 dQ row and its fp32 scale per (group head,
+// slot). Chunks are runs of pairs in head-major order, as in the forward (forward_plan.h).
+inline std::size_t dq_kv_bytes_per_pair(std::int64_t group, std::int64_t num_idx, std::int64_t dim_qk) {
+  return static_cast<std::size_t>(group * num_idx) * (dim_qk * 2 + 4);
 }
 
-// Token rows per chunk: as many as fit kDqKvPartialCap, evened out (rows_per_chunk, forward_plan.h).
-inline std::int64_t dq_kv_chunk_rows(std::int64_t total_rows, std::int64_t heads_q, std::int64_t num_idx,
-                                     std::int64_t dim_qk) {
-  return rows_per_chunk(total_rows, dq_kv_bytes_per_row(heads_q, num_idx, dim_qk), kDqKvPartialCap);
+// Pairs per chunk of total_pairs = Hkv * (B*T or N): as many as fit kDqKvPartialCap, evened out.
+inline std::int64_t dq_kv_chunk_pairs(std::int64_t total_pairs, std::int64_t group, std::int64_t num_idx,
+                                      std::int64_t dim_qk) {
+  return chunk_length(total_pairs, dq_kv_bytes_per_pair(group, num_idx, dim_qk), kDqKvPartialCap);
 }
 
 // ------------------------------------------------------------------------------------------ dK/dV chunks

@@ -1,14 +1,14 @@
 // KV-block-outer dQ of selected_attention (see dq_kv.h), mirroring the KV-block-outer forward
-// (forward_kv.cu). For each chunk of token rows:
+// (forward_kv.cu). For each chunk of (KV head, token row) pairs, head-major (backward_plan.h):
 //  1. make_keys with value = entry index, a stable radix sort by (KV head, block): the entries of one block
 //     form a run in ascending token order;
 //  2. dq_kv_kernel: CTA c takes the sorted entries [c*P, (c+1)*P), P = 256 / G; per run it loads the block's
 //     K and V (<= 128 keys) once, and its 4 warps take the run's query rows ((token, group head) token-major,
 //     16 per tile, double-buffered Q and dO tiles). A warp owns whole rows: S = Q K^T and dP = dO V^T 64 keys
 //     at a time, P = exp2(S scale log2e - lse) (causal per row), dS = P (dP - delta), dQ_j += dS K in
-//     registers; the partial of (token, query head, slot j) is written in compact form: fp16 of dQ_j /
+//     registers; the partial of (pair, group head, slot j) is written in compact form: fp16 of dQ_j /
 //     max|dQ_j| and that fp32 scale;
-//  3. dq_kv_merge_kernel: one warp per (token, query head) sums its valid slots in slot order (fp32), scales
+//  3. dq_kv_merge_kernel: one warp per (pair, group head), i.e. (token, query head), sums its valid slots in slot order (fp32), scales
 //     by the softmax scale and writes dq (zeros for a row without a valid slot). Rows of a packed batch
 //     outside every sequence are left untouched.
 // Deterministic: each partial is computed by one warp in a fixed order and merged in slot order; no atomics.
@@ -218,12 +218,12 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
 }
 
 struct DqMergeConfig {
-  std::int64_t heads_q, group, num_idx, block, rows, batch, row0, row_count;
+  std::int64_t group, num_idx, block, rows, batch, total_rows, pair0, pair_count;
   bool packed, accumulate_dq;
   float scale;
 };
 
-// One warp per (token row, query head): dq = scale * sum_j scale_j * (fp16 row j), valid slots in order.
+// One warp per (pair, group head) of the chunk: dq = scale * sum_j scale_j * (fp16 row j), valid slots in order.
 template <class T, int DQK>
 __global__ void __launch_bounds__(kMergeWarps * 32) dq_kv_merge_kernel(const __half* dq_part, const float* scale_part,
                                                                        IndexView indices,
@@ -231,10 +231,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32) dq_kv_merge_kernel(const __h
                                                                        DqMergeConfig c) {
   constexpr int kPairs = (DQK + 63) / 64;  // half2 pairs per lane (DQK = 64: 1, 128: 2, 192: 3, 256: 4)
   const std::int64_t item = std::int64_t{blockIdx.x} * kMergeWarps + threadIdx.x / 32;
-  if (item >= c.row_count * c.heads_q) return;
+  if (item >= c.pair_count * c.group) return;
   const int lane = threadIdx.x % 32;
-  const std::int64_t row_local = item / c.heads_q, hq = item % c.heads_q, h = hq / c.group;
-  const std::int64_t row_g = c.row0 + row_local;
+  const std::int64_t pair = c.pair0 + item / c.group, h = pair / c.total_rows, hq = h * c.group + item % c.group;
+  const std::int64_t row_g = pair % c.total_rows;
   std::int64_t batch = 0, row = row_g, t = 0;
   if (c.packed) {
     if (c.batch <= 0 || row < cu_seqlens[0] || row >= cu_seqlens[c.batch]) return;
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) dq_kv_merge_kernel(const __h
     row = t = row_g % c.rows;
   }
   const std::int32_t* idx = indices.row(batch, row, h);
-  const std::int64_t base = (row_local * c.heads_q + hq) * c.num_idx;
+  const std::int64_t base = item * c.num_idx;
   float acc[kPairs][2] = {};
   for (std::int64_t j = 0; j < c.num_idx; ++j) {
     const std::int64_t b = idx[j];
@@ -297,16 +297,17 @@ void dq_kv_outer(const SelectedAttentionBackwardParams& p, const DqKvArgs& a) {
         }
       }
       set_smem(kernel, smem);
-      for (std::int64_t row0 = 0; row0 < a.total_rows; row0 += a.chunk_rows) {
-        const std::int64_t rows_here = std::min(a.chunk_rows, a.total_rows - row0);
-        const std::int64_t entries = rows_here * a.heads_kv * a.num_idx;
-        const KeyConfig kc{a.heads_kv, a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, row0, rows_here,
+      const std::int64_t total_pairs = a.total_rows * a.heads_kv;
+      for (std::int64_t pair0 = 0; pair0 < total_pairs; pair0 += a.chunk_pairs) {
+        const std::int64_t pairs = std::min(a.chunk_pairs, total_pairs - pair0);
+        const std::int64_t entries = pairs * a.num_idx;
+        const KeyConfig kc{a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, a.total_rows, pair0, pairs,
                            a.blocks_bound, a.sentinel, a.packed, /*value_is_entry=*/true};
         launch_make_keys(index_of(p.indices), a.cu_seqlens, a.offsets, kc, a.keys_in, a.values_in, stream);
         radix_sort_pairs(a.temp, a.temp_bytes, a.keys_in, a.keys_out, a.values_in, a.values_out, entries, a.end_bit,
                          stream);
         if (entries > 0) {
-          const KvConfig c{a.heads_kv, a.group, a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, row0,
+          const KvConfig c{a.group, a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, a.total_rows, pair0,
                              entries, per_cta, a.blocks_bound, a.sentinel,
                              static_cast<int>((std::min<std::int64_t>(a.block, kDqKvMaxBlock) + 15) / 16 * 16),
                              a.packed, a.scale_log2};
@@ -316,10 +317,9 @@ void dq_kv_outer(const SelectedAttentionBackwardParams& p, const DqKvArgs& a) {
               static_cast<__half*>(a.dq_half), a.dq_scale, c);
           check_launch("dq_kv_kernel");
         }
-        const DqMergeConfig mc{a.heads_q, a.group,   a.num_idx, a.block,         a.rows,
-                               a.batch,   row0,      rows_here, a.packed,        a.accumulate_dq,
-                               a.scale};
-        dq_kv_merge_kernel<T, DQK><<<static_cast<unsigned>(ceil_div(rows_here * a.heads_q, kMergeWarps)),
+        const DqMergeConfig mc{a.group, a.num_idx, a.block, a.rows, a.batch, a.total_rows, pair0, pairs, a.packed,
+                               a.accumulate_dq, a.scale};
+        dq_kv_merge_kernel<T, DQK><<<static_cast<unsigned>(ceil_div(pairs * a.group, kMergeWarps)),
                                      kMergeWarps * 32, 0, stream>>>(static_cast<const __half*>(a.dq_half),
                                                                     a.dq_scale, index_of(p.indices), a.cu_seqlens,
                                                                     tokens_of<T>(p.dq), mc);

@@ -15,7 +15,8 @@
 namespace sparseattn::cuda::selection {
 
 struct DqKvArgs {
-  std::int64_t heads_q, heads_kv, group, num_idx, block, rows, batch, blocks_per_seq, total_rows, chunk_rows;
+  std::int64_t heads_q, heads_kv, group, num_idx, block, rows, batch, blocks_per_seq, total_rows;
+  std::int64_t chunk_pairs;  // (KV head, token row) pairs per chunk, head-major (dq_kv_chunk_pairs)
   std::uint32_t blocks_bound, sentinel;
   int end_bit;
   bool packed;
@@ -28,8 +29,8 @@ struct DqKvArgs {
   std::int32_t *values_in, *values_out;
   void* temp;
   std::size_t temp_bytes;
-  void* dq_half;     // chunk_rows * Hq * n * Dqk halves
-  float* dq_scale;   // chunk_rows * Hq * n
+  void* dq_half;     // chunk_pairs * G * n * Dqk halves
+  float* dq_scale;   // chunk_pairs * G * n
 };
 
 // Enqueues the KV-block-outer dQ (p: the backward's params) on p.stream.

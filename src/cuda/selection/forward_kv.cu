@@ -1,8 +1,8 @@
 // KV-block-outer forward of selected_attention (the FSA design) on tensor cores (mma.sync m16n8k16, fp32
-// accumulation). For each chunk of token rows (forward_plan.h bounds the scratch):
-//  1. make_keys (inverse_index.h): each (token, KV head h, slot j) whose block b is visible (b * block <= t,
-//     before the first -1) gets the key (h, global block of b) and the value e = its entry index (token row,
-//     h, j); other entries get the sentinel key and sort last;
+// accumulation). For each chunk of (KV head h, token row) pairs, head-major (forward_plan.h bounds the scratch):
+//  1. make_keys (inverse_index.h): each (pair, slot j) whose block b is visible (b * block <= t, before the
+//     first -1) gets the key (h, global block of b) and the value e = its entry index (pair, j); other entries
+//     get the sentinel key and sort last;
 //  2. a stable radix sort by key: the entries of one (h, block) become a run in ascending token order;
 //  3. kv_forward_kernel: CTA c takes the sorted entries [c*P, (c+1)*P), P = kKvCtaRows / G (about 256 query
 //     rows). For each run of one key in that range it loads the block's K and V (<= 128 keys) into shared
@@ -11,8 +11,8 @@
 //     rows: scores against the block 64 keys at a time (causal per row: keys <= t), online softmax in
 //     registers, P as the A operand straight from the accumulators, O = P V in registers; no shared-memory
 //     reductions, no CTA barrier inside a run. Per-warp Q tiles are double buffered (cp.async). It writes
-//     the partial of each (token, query head, slot): o_j = O / l in compact form (below) and lse_j (log2);
-//  4. kv_merge_kernel: one warp per (token, query head) merges its valid slots in slot order (log-sum-exp)
+//     the partial of each (pair, group head, slot): o_j = O / l in compact form (below) and lse_j (log2);
+//  4. kv_merge_kernel: one warp per (pair, group head), i.e. (token, query head), merges its valid slots in slot order (log-sum-exp)
 //     into o and lse; a row without a valid slot gets o = 0 and lse = -inf. Rows of a packed batch outside
 //     every sequence are left untouched.
 // Deterministic: each partial is computed by one warp in a fixed order (a row's mma results do not depend on
@@ -27,10 +27,11 @@
 //    scale makes the fp16 range safe whatever the magnitude of v (plain fp16 could overflow for bf16 inputs,
 //    plain bf16 would round 8x coarser). On H100 (T = 64K, Hkv = 8, G = 8) it took this path from 47.7 to
 //    37.2 ms (the query-outer forward: 51.5 ms);
-//  - chunks: partials cost Hq * n * (2 Dv + 8) bytes per token (33 KB at Hq = 8, n = 16, Dv = 128), too much
-//    for a long sequence at once, so tokens go in chunks whose scratch stays near kKvWorkspaceCap (256 MB)
-//    whatever T is; the price is re-reading a block's K and V once per chunk that selects it and a few
-//    launches per chunk, both small next to the partials' own traffic.
+//  - chunks: partials cost G * n * (2 Dv + 8) bytes per (KV head, token) pair (4.2 KB at G = 1, n = 16, Dv =
+//    128), too much for a long sequence at once, so the pairs go in chunks whose scratch stays near
+//    kKvWorkspaceCap (256 MB) whatever T is. The chunks take the pairs head-major, so that a chunk re-reads
+//    the K and V blocks of one or two heads only (forward_plan.h; chunks of token rows over all heads re-read
+//    every head's: at 32/32, T = 64K, 18 GB instead of 2, and the forward took 24.6 ms instead of ~17).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -210,11 +211,11 @@ __device__ __forceinline__ void load_halves(std::uint32_t (&raw)[N / 2], const _
 }
 
 struct MergeConfig {
-  std::int64_t heads_q, group, num_idx, block, rows, batch, row0, row_count;
+  std::int64_t group, num_idx, block, rows, batch, total_rows, pair0, pair_count;
   bool packed;
 };
 
-// One warp per (token row, query head) of the chunk: o = sum_j w_j o_j / sum_j w_j, w_j = 2^(lse_j - max),
+// One warp per (pair, group head) of the chunk: o = sum_j w_j o_j / sum_j w_j, w_j = 2^(lse_j - max),
 // o_j = scale_j * (its fp16 row).
 template <class T, int DV>
 __global__ void __launch_bounds__(kMergeWarps * 32) kv_merge_kernel(const __half* o_part, const float* scale_part,
@@ -223,10 +224,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32) kv_merge_kernel(const __half
                                                                     LseView<float> lse, MergeConfig c) {
   constexpr int kVec = DV / 32;  // output columns per lane
   const std::int64_t item = std::int64_t{blockIdx.x} * kMergeWarps + threadIdx.x / 32;
-  if (item >= c.row_count * c.heads_q) return;
+  if (item >= c.pair_count * c.group) return;
   const int lane = threadIdx.x % 32;
-  const std::int64_t row_local = item / c.heads_q, hq = item % c.heads_q, h = hq / c.group;
-  const std::int64_t row_g = c.row0 + row_local;
+  const std::int64_t pair = c.pair0 + item / c.group, h = pair / c.total_rows, hq = h * c.group + item % c.group;
+  const std::int64_t row_g = pair % c.total_rows;
   std::int64_t batch = 0, row = row_g, t = 0;
   if (c.packed) {
     if (c.batch <= 0 || row < cu_seqlens[0] || row >= cu_seqlens[c.batch]) return;  // outside every sequence
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) kv_merge_kernel(const __half
     row = t = row_g % c.rows;
   }
   const std::int32_t* idx = indices.row(batch, row, h);
-  const std::int64_t base = (row_local * c.heads_q + hq) * c.num_idx;
+  const std::int64_t base = item * c.num_idx;
   // The slots that hold a partial follow the rule of make_keys: before the first -1, block starting <= t.
   // Pass 1, a lane per slot: where the list ends and the largest lse of a valid slot.
   std::int64_t end = c.num_idx;
@@ -310,8 +311,9 @@ KvForwardPlan kv_forward_plan(const SelectedAttentionParams& p) {
   }
   plan.sentinel = static_cast<std::uint32_t>(keys);
   plan.end_bit = key_end_bit(plan.sentinel);
-  plan.chunk_rows = kv_chunk_rows(plan.total_rows, plan.heads_q, plan.heads_kv, plan.num_idx, plan.dim_v);
-  plan.chunk_entries = plan.chunk_rows * plan.heads_kv * plan.num_idx;
+  plan.total_pairs = plan.total_rows * plan.heads_kv;
+  plan.chunk_pairs = kv_chunk_pairs(plan.total_pairs, plan.group, plan.num_idx, plan.dim_v);
+  plan.chunk_entries = plan.chunk_pairs * plan.num_idx;
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
     const std::size_t offset = at;
@@ -319,7 +321,7 @@ KvForwardPlan kv_forward_plan(const SelectedAttentionParams& p) {
     return offset;
   };
   const std::size_t entries = static_cast<std::size_t>(plan.chunk_entries);
-  const std::size_t partials = static_cast<std::size_t>(plan.chunk_rows * plan.heads_q * plan.num_idx);
+  const std::size_t partials = static_cast<std::size_t>(plan.chunk_entries * plan.group);
   plan.offsets = take(sizeof(std::int32_t) * (s.batch + 1));
   plan.keys_in = take(sizeof(std::uint32_t) * entries);
   plan.keys_out = take(sizeof(std::uint32_t) * entries);
@@ -372,25 +374,25 @@ void forward_kv_outer(const SelectedAttentionParams& p, const KvForwardPlan& pla
         }
       }
       set_smem(kernel, smem);
-      for (std::int64_t row0 = 0; row0 < plan.total_rows; row0 += plan.chunk_rows) {
-        const std::int64_t rows_here = std::min(plan.chunk_rows, plan.total_rows - row0);
-        const std::int64_t entries = rows_here * plan.heads_kv * plan.num_idx;
-        const KeyConfig kc{plan.heads_kv, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
-                           row0, rows_here, static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel,
-                           s.packed, /*value_is_entry=*/true};
+      for (std::int64_t pair0 = 0; pair0 < plan.total_pairs; pair0 += plan.chunk_pairs) {
+        const std::int64_t pairs = std::min(plan.chunk_pairs, plan.total_pairs - pair0);
+        const std::int64_t entries = pairs * plan.num_idx;
+        const KeyConfig kc{plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq, plan.total_rows, pair0,
+                           pairs, static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel, s.packed,
+                           /*value_is_entry=*/true};
         launch_make_keys(index_of(p.indices), cu, offsets, kc, keys_in, values_in, stream);
         radix_sort_pairs(ws + plan.temp, plan.temp_bytes, keys_in, keys_out, values_in, values_out, entries,
                          plan.end_bit, stream);
-        const KvConfig c{plan.heads_kv, plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
-                         row0, entries, per_cta, static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel,
-                         static_cast<int>(round_up16(plan.block)), s.packed, scale_log2};
+        const KvConfig c{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
+                         plan.total_rows, pair0, entries, per_cta, static_cast<std::uint32_t>(plan.blocks_bound),
+                         plan.sentinel, static_cast<int>(round_up16(plan.block)), s.packed, scale_log2};
         kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
             tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), keys_out, values_out, cu,
             offsets, o_part, scale_part, lse_part, c);
         check_launch("kv_forward_kernel (KV-block-outer selected attention)");
-        const MergeConfig mc{plan.heads_q, plan.group, plan.num_idx, plan.block, s.rows, s.batch, row0, rows_here,
+        const MergeConfig mc{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.total_rows, pair0, pairs,
                              s.packed};
-        kv_merge_kernel<T, DV><<<static_cast<unsigned>(ceil_div(rows_here * plan.heads_q, kMergeWarps)),
+        kv_merge_kernel<T, DV><<<static_cast<unsigned>(ceil_div(pairs * plan.group, kMergeWarps)),
                                  kMergeWarps * 32, 0, stream>>>(o_part, scale_part, lse_part, index_of(p.indices), cu,
                                                                 tokens_of<T>(p.o), lse_of<float>(p.lse), mc);
         check_launch("kv_merge_kernel");

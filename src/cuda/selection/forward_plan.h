@@ -1,5 +1,5 @@
 // Host-only planning of the selected-attention forward on CUDA: which of the two forwards runs, the shared
-// memory the KV-block-outer kernel needs, and how its workspace is cut into token chunks. Plain C++ (no CUDA
+// memory the KV-block-outer kernel needs, and how its workspace is cut into chunks. Plain C++ (no CUDA
 // headers) so that tests/cpp checks it on machines without a GPU.
 //
 // The two forwards (see selected_attention.cu):
@@ -26,8 +26,8 @@ inline constexpr int kKvTileRows = 16;     // gathered query rows per warp tile 
 inline constexpr int kKvCtaRows = 256;     // target query rows per CTA (entries per CTA = kKvCtaRows / G)
 inline constexpr int kKvMaxBlock = 128;    // the whole selection block's K and V sit in shared memory
 inline constexpr int kKvQBuffers = 2;      // per-warp Q tiles (the next tile loads while one is computed)
-// Partial outputs are bounded by cutting the tokens into chunks whose scratch stays below this many bytes
-// (one chunk holds at least one token row, so huge head counts may exceed it).
+// Partial outputs are bounded by cutting the (KV head, token row) pairs into chunks whose scratch stays below
+// this many bytes (one chunk holds at least one pair, so huge groups may exceed it).
 inline constexpr std::size_t kKvWorkspaceCap = std::size_t{256} << 20;
 
 // (token, slot) entries one CTA takes from the sorted list: about kKvCtaRows query rows.
@@ -114,29 +114,33 @@ inline bool choose_kv_outer(PathChoice choice, std::int64_t group, std::int64_t 
 
 // --------------------------------------------------------------------------------------- workspace chunks
 
-// Scratch bytes per token row of a chunk: the partial of every (query head, slot) (fp16 o row, fp32 scale
-// and lse), and the inverse-index entries of every (KV head, slot) (keys and values, in and out of the sort,
-// and about as much again for the radix sort's own buffers).
-inline std::size_t kv_bytes_per_row(std::int64_t heads_q, std::int64_t heads_kv, std::int64_t num_idx,
-                                    std::int64_t dim_v) {
-  const std::size_t partial = static_cast<std::size_t>(heads_q * num_idx) * (dim_v * 2 + 8);
-  const std::size_t index = static_cast<std::size_t>(heads_kv * num_idx) * 6 * sizeof(std::int32_t);
+// The partials are cut into chunks of (KV head, token row) pairs taken in head-major order (pair = h * total
+// rows + row, inverse_index.h), not of token rows across all heads: every chunk then re-reads the K/V blocks of
+// one or two heads, where a chunk of token rows re-read those of every head. H100, T = 64K, 32/32: 36 chunks
+// of 1826 token rows read about 18 GB of K/V blocks; as pairs, about 2 GB.
+
+// Scratch bytes per pair of a chunk: the partial of every (group head, slot) (fp16 o row, fp32 scale and lse),
+// and the inverse-index entries of every slot (keys and values, in and out of the sort, and about as much
+// again for the radix sort's own buffers).
+inline std::size_t kv_bytes_per_pair(std::int64_t group, std::int64_t num_idx, std::int64_t dim_v) {
+  const std::size_t partial = static_cast<std::size_t>(group * num_idx) * (dim_v * 2 + 8);
+  const std::size_t index = static_cast<std::size_t>(num_idx) * 6 * sizeof(std::int32_t);
   return partial + index;
 }
 
-// Token rows per chunk: as many as fit `cap` bytes at `bytes_per_row` (at least 1), then evened out over the
+// Items per chunk: as many as fit `cap` bytes at `bytes_per_item` (at least 1), then evened out over the
 // chunks so that the last chunk is not a sliver. Shared by the KV-block-outer forward and dQ.
-inline std::int64_t rows_per_chunk(std::int64_t total_rows, std::size_t bytes_per_row, std::size_t cap) {
-  if (total_rows <= 0) return 0;
-  const std::int64_t fit = std::max<std::int64_t>(1, static_cast<std::int64_t>(cap / std::max<std::size_t>(1, bytes_per_row)));
-  const std::int64_t chunks = (total_rows + fit - 1) / fit;
-  return (total_rows + chunks - 1) / chunks;
+inline std::int64_t chunk_length(std::int64_t total_items, std::size_t bytes_per_item, std::size_t cap) {
+  if (total_items <= 0) return 0;
+  const std::int64_t fit = std::max<std::int64_t>(1, static_cast<std::int64_t>(cap / std::max<std::size_t>(1, bytes_per_item)));
+  const std::int64_t chunks = (total_items + fit - 1) / fit;
+  return (total_items + chunks - 1) / chunks;
 }
 
-// The forward's token rows per chunk (kKvWorkspaceCap). Depends on shapes only.
-inline std::int64_t kv_chunk_rows(std::int64_t total_rows, std::int64_t heads_q, std::int64_t heads_kv,
-                                  std::int64_t num_idx, std::int64_t dim_v) {
-  return rows_per_chunk(total_rows, kv_bytes_per_row(heads_q, heads_kv, num_idx, dim_v), kKvWorkspaceCap);
+// The forward's pairs per chunk (kKvWorkspaceCap) of total_pairs = Hkv * (B*T or N). Depends on shapes only.
+inline std::int64_t kv_chunk_pairs(std::int64_t total_pairs, std::int64_t group, std::int64_t num_idx,
+                                   std::int64_t dim_v) {
+  return chunk_length(total_pairs, kv_bytes_per_pair(group, num_idx, dim_v), kKvWorkspaceCap);
 }
 
 }  // namespace sparseattn::cuda::selection

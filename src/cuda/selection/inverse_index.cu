@@ -32,45 +32,40 @@ __global__ void block_offsets_kernel(const std::int32_t* cu_seqlens, std::int64_
   }
 }
 
-// One thread per (token row, KV head): key h * blocks_bound + global block for each listed block that
-// starts at or before the token (the sentinel otherwise, and after the first -1).
+// One thread per entry (pair, slot j), so that consecutive threads read and write consecutive slots: the key
+// h * blocks_bound + global block if the slot lists a block that starts at or before the token, the sentinel
+// otherwise and from the first -1 of the row on.
 __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqlens, const std::int32_t* offsets,
                                  KeyConfig c, std::uint32_t* keys, std::int32_t* values) {
-  const std::int64_t item = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (item >= c.row_count * c.heads_kv) return;
-  const std::int64_t row_g = c.row0 + item / c.heads_kv, h = item % c.heads_kv;
-  std::int64_t seq = 0, t = 0, batch = 0, row = 0, block_base = 0;
+  const std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (e >= c.pair_count * c.num_idx) return;
+  const std::int64_t pair = c.pair0 + e / c.num_idx, j = e % c.num_idx;
+  const std::int64_t h = pair / c.total_rows, row_g = pair % c.total_rows;
+  std::int64_t t = 0, batch = 0, row = row_g, block_base = 0;
   bool valid = true;
   if (c.packed) {
-    row = row_g;
     if (c.batch <= 0 || row < cu_seqlens[0] || row >= cu_seqlens[c.batch]) {
       valid = false;
     } else {
-      seq = last_at_most(cu_seqlens, c.batch, row);
+      const std::int64_t seq = last_at_most(cu_seqlens, c.batch, row);
       t = row - cu_seqlens[seq];
       block_base = offsets[seq];
     }
   } else {
-    batch = seq = row_g / c.rows;
+    batch = row_g / c.rows;
     row = t = row_g % c.rows;
-    block_base = seq * c.blocks_per_seq;
+    block_base = batch * c.blocks_per_seq;
   }
-  const std::int64_t e0 = item * c.num_idx;
-  const std::int32_t* idx = indices.row(batch, row, h);
-  bool alive = valid;
-  for (std::int64_t j = 0; j < c.num_idx; ++j) {
-    std::uint32_t key = c.sentinel;
-    if (alive) {
-      const std::int64_t b = idx[j];
-      if (b < 0) {
-        alive = false;
-      } else if (b * c.block <= t) {
-        key = static_cast<std::uint32_t>(h * c.blocks_bound + block_base + b);
-      }
-    }
-    keys[e0 + j] = key;
-    values[e0 + j] = static_cast<std::int32_t>(c.value_is_entry ? e0 + j : t);
+  std::uint32_t key = c.sentinel;
+  if (valid) {
+    const std::int32_t* idx = indices.row(batch, row, h);
+    const std::int64_t b = idx[j];
+    bool listed = b >= 0;
+    for (std::int64_t i = 0; i < j; ++i) listed = listed && idx[i] >= 0;  // L1 hits: the row's earlier slots
+    if (listed && b * c.block <= t) key = static_cast<std::uint32_t>(h * c.blocks_bound + block_base + b);
   }
+  keys[e] = key;
+  values[e] = static_cast<std::int32_t>(c.value_is_entry ? e : t);
 }
 
 __global__ void segments_kernel(const std::uint32_t* keys, std::int64_t count, std::uint32_t sentinel,
@@ -99,10 +94,10 @@ void launch_block_offsets(const std::int32_t* cu_seqlens, std::int64_t batch, st
 
 void launch_make_keys(const IndexView& indices, const std::int32_t* cu_seqlens, const std::int32_t* offsets,
                       const KeyConfig& c, std::uint32_t* keys, std::int32_t* values, cudaStream_t stream) {
-  const std::int64_t items = c.row_count * c.heads_kv;
-  if (items <= 0) return;
-  make_keys_kernel<<<static_cast<unsigned>(ceil_div(items, 256)), 256, 0, stream>>>(indices, cu_seqlens, offsets, c,
-                                                                                   keys, values);
+  const std::int64_t entries = c.pair_count * c.num_idx;
+  if (entries <= 0) return;
+  make_keys_kernel<<<static_cast<unsigned>(ceil_div(entries, 256)), 256, 0, stream>>>(indices, cu_seqlens, offsets,
+                                                                                     c, keys, values);
   check_launch("make_keys_kernel");
 }
 

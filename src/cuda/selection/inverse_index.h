@@ -16,9 +16,12 @@ namespace sparseattn::cuda::selection {
 // Keys number the selection blocks globally: key = h * blocks_bound + block_base(sequence) + b, where
 // block_base is seq * blocks_per_seq (batched) or offsets[seq] (packed, from launch_block_offsets).
 // Entries that list no visible block get the sentinel key (Hkv * blocks_bound) and sort last.
+// A build covers a range of (KV head h, token row) pairs in head-major order, pair = h * total_rows + row (row
+// of B*T, or of N packed): a chunk of them then touches the K/V blocks of one or two heads only.
 struct KeyConfig {
-  std::int64_t heads_kv, num_idx, block, rows, batch, blocks_per_seq;  // rows: T or N; blocks_per_seq: batched
-  std::int64_t row0, row_count;  // the token rows [row0, row0 + row_count) of B*T (or N) this build covers
+  std::int64_t num_idx, block, rows, batch, blocks_per_seq;  // rows: T or N; blocks_per_seq: batched
+  std::int64_t total_rows;          // B*T or N
+  std::int64_t pair0, pair_count;   // the pairs [pair0, pair0 + pair_count) this build covers
   std::uint32_t blocks_bound, sentinel;
   bool packed;
   bool value_is_entry;  // value = entry index within the build (forward) instead of the token position t
@@ -30,8 +33,7 @@ int key_end_bit(std::uint32_t sentinel);
 // offsets[s] = sum_{s' < s} ceil(len_s' / block) from cu_seqlens (packed layout); one CTA, deterministic.
 void launch_block_offsets(const std::int32_t* cu_seqlens, std::int64_t batch, std::int64_t block,
                           std::int32_t* offsets, cudaStream_t stream);
-// keys/values of the row_count * heads_kv * num_idx entries of the rows; entry (row - row0, h, j) sits at
-// ((row - row0) * heads_kv + h) * num_idx + j.
+// keys/values of the pair_count * num_idx entries of the pairs; entry (pair, j) sits at (pair - pair0) * num_idx + j.
 void launch_make_keys(const IndexView& indices, const std::int32_t* cu_seqlens, const std::int32_t* offsets,
                       const KeyConfig& c, std::uint32_t* keys, std::int32_t* values, cudaStream_t stream);
 // cub radix sort scratch for `count` pairs (host-side query, no device work).

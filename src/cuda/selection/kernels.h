@@ -21,8 +21,9 @@ struct KvForwardPlan {
   std::int64_t total_rows = 0;      // B*T or N
   std::int64_t blocks_per_seq = 0;  // batched: ceil(T / block)
   std::int64_t blocks_bound = 0;    // selection blocks of all sequences (per KV head), an upper bound
-  std::int64_t chunk_rows = 0;      // token rows per chunk
-  std::int64_t chunk_entries = 0;   // chunk_rows * Hkv * n
+  std::int64_t total_pairs = 0;     // (KV head, token row) pairs: Hkv * total_rows
+  std::int64_t chunk_pairs = 0;     // pairs per chunk (head-major, forward_plan.h)
+  std::int64_t chunk_entries = 0;   // chunk_pairs * n
   std::uint32_t sentinel = 0;
   int end_bit = 1;
   std::size_t offsets = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, o_part = 0, scale_part = 0, lse_part = 0,

@@ -16,8 +16,9 @@
 namespace sparseattn::cuda::selection {
 
 struct KvConfig {
-  std::int64_t heads_kv, group, num_idx, block, rows, batch, blocks_per_seq;  // rows: T or N; B; batched only
-  std::int64_t row0, entries, per_cta;  // chunk's first token row, its entries, entries per CTA
+  std::int64_t group, num_idx, block, rows, batch, blocks_per_seq;  // rows: T or N; B; batched only
+  std::int64_t total_rows, pair0;  // B*T or N; the chunk's first (KV head, token row) pair (inverse_index.h)
+  std::int64_t entries, per_cta;   // the chunk's entries, entries per CTA
   std::uint32_t blocks_bound, sentinel;
   int key_rows;  // K/V rows in shared memory (the mma.sync kernel: round_up16(block))
   bool packed;
@@ -53,6 +54,13 @@ struct KvRun {
   int keys;
 };
 
+// The token row (of B*T or N) of the chunk's pair `pair` if it is of KV head h (pairs are h * total_rows +
+// row). In 32-bit arithmetic, modulo 2^32: the row itself is below 2^31 (checked by the API).
+__device__ __forceinline__ std::uint32_t pair_row(const KvConfig& c, std::int64_t h, std::uint32_t pair) {
+  return static_cast<std::uint32_t>(c.pair0) - static_cast<std::uint32_t>(h) * static_cast<std::uint32_t>(c.total_rows) +
+         pair;
+}
+
 // key: the run's sort key; first_value: the entry index of its first entry (every entry of the run is in the
 // same sequence).
 __device__ __forceinline__ KvRun decode_run(std::uint32_t key, std::int32_t first_value, const KvConfig& c,
@@ -61,7 +69,7 @@ __device__ __forceinline__ KvRun decode_run(std::uint32_t key, std::int32_t firs
   std::int64_t begin = 0, length = c.rows, b = 0, batch = 0;
   if (c.packed) {
     // The sequence of the run's first token.
-    const std::int64_t seq = last_at_most(cu_seqlens, c.batch, c.row0 + first_value / (c.heads_kv * c.num_idx));
+    const std::int64_t seq = last_at_most(cu_seqlens, c.batch, pair_row(c, h, first_value / c.num_idx));
     begin = cu_seqlens[seq];
     length = cu_seqlens[seq + 1] - begin;
     b = gblock - offsets[seq];
@@ -97,14 +105,15 @@ __device__ __forceinline__ KvRow<T> describe_row(const Tokens<const T>& q, std::
   // 32-bit arithmetic: entries, token rows and run rows stay below 2^31 (checked by the API).
   const auto p32 = static_cast<std::uint32_t>(pidx), group = static_cast<std::uint32_t>(c.group);
   const auto e = static_cast<std::uint32_t>(run_values[p32 / group]);
-  const std::uint32_t row_local = e / static_cast<std::uint32_t>(c.heads_kv * c.num_idx);
-  const std::uint32_t j = e % static_cast<std::uint32_t>(c.num_idx);
-  const auto row_g = static_cast<std::uint32_t>(c.row0) + row_local;
-  const std::int64_t hq = run.h * c.group + p32 % group;
+  const std::uint32_t pair = e / static_cast<std::uint32_t>(c.num_idx), j = e % static_cast<std::uint32_t>(c.num_idx);
+  const std::uint32_t row_g = pair_row(c, run.h, pair);
+  const std::uint32_t g = p32 % group;
+  const std::int64_t hq = run.h * c.group + g;
   const auto rows = static_cast<std::uint32_t>(c.rows);
   const std::int64_t bt = c.packed ? 0 : row_g / rows, row = c.packed ? row_g : row_g % rows;
-  return {q.row(bt, row, hq), (std::int64_t{row_local} * c.heads_kv * c.group + hq) * c.num_idx + j,
-          static_cast<int>(row - run.begin), bt, row, hq};
+  // The chunk's partials are laid out (pair, group head, slot), as the merge kernels read them.
+  return {q.row(bt, row, hq), (std::int64_t{pair} * c.group + g) * c.num_idx + j, static_cast<int>(row - run.begin),
+          bt, row, hq};
 }
 
 // Stores a warp's 16 x D accumulator rows at their slots (slot < 0: a padding row, skipped) as fp16 of row /
