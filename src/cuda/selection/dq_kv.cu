@@ -8,9 +8,9 @@
 //     at a time, P = exp2(S scale log2e - lse) (causal per row), dS = P (dP - delta), dQ_j += dS K in
 //     registers; the partial of (pair, group head, slot j) is written in compact form: fp16 of dQ_j /
 //     max|dQ_j| and that fp32 scale;
-//  3. dq_kv_merge_kernel: one warp per (pair, group head), i.e. (token, query head), sums its valid slots in slot order (fp32), scales
-//     by the softmax scale and writes dq (zeros for a row without a valid slot). Rows of a packed batch
-//     outside every sequence are left untouched.
+//  3. dq_kv_merge_kernel: one warp per (pair, group head), i.e. (token, query head), sums its valid slots in
+//     slot order (fp32), scales by the softmax scale and writes dq (zeros for a row without a valid slot).
+//     Rows of a packed batch outside every sequence are left untouched.
 // Deterministic: each partial is computed by one warp in a fixed order and merged in slot order; no atomics.
 // Compact partial rounding: at most 2^-12 of the slot's largest element (as in the forward's partials).
 #include "cuda/selection/dq_kv.h"

@@ -132,7 +132,8 @@ inline std::size_t kv_bytes_per_pair(std::int64_t group, std::int64_t num_idx, s
 // chunks so that the last chunk is not a sliver. Shared by the KV-block-outer forward and dQ.
 inline std::int64_t chunk_length(std::int64_t total_items, std::size_t bytes_per_item, std::size_t cap) {
   if (total_items <= 0) return 0;
-  const std::int64_t fit = std::max<std::int64_t>(1, static_cast<std::int64_t>(cap / std::max<std::size_t>(1, bytes_per_item)));
+  const auto fitting = static_cast<std::int64_t>(cap / std::max<std::size_t>(1, bytes_per_item));
+  const std::int64_t fit = std::max<std::int64_t>(1, fitting);
   const std::int64_t chunks = (total_items + fit - 1) / fit;
   return (total_items + chunks - 1) / chunks;
 }

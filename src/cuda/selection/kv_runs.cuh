@@ -57,8 +57,8 @@ struct KvRun {
 // The token row (of B*T or N) of the chunk's pair `pair` if it is of KV head h (pairs are h * total_rows +
 // row). In 32-bit arithmetic, modulo 2^32: the row itself is below 2^31 (checked by the API).
 __device__ __forceinline__ std::uint32_t pair_row(const KvConfig& c, std::int64_t h, std::uint32_t pair) {
-  return static_cast<std::uint32_t>(c.pair0) - static_cast<std::uint32_t>(h) * static_cast<std::uint32_t>(c.total_rows) +
-         pair;
+  return static_cast<std::uint32_t>(c.pair0) -
+         static_cast<std::uint32_t>(h) * static_cast<std::uint32_t>(c.total_rows) + pair;
 }
 
 // key: the run's sort key; first_value: the entry index of its first entry (every entry of the run is in the
