@@ -1,6 +1,11 @@
 #include "sparseattn/compress_kv.h"
 
+#include <string>
+#include <vector>
+
+#include "api/accumulate.h"
 #include "api/block_checks.h"
+#include "api/compress_kv_backward.h"
 #include "api/check.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
@@ -51,18 +56,65 @@ void compress_kv(const CompressKvParams& params) {
   }
 }
 
-void compress_kv_backward(const CompressKvBackwardParams& params) {
-  const detail::Check check("compress_kv_backward");
+namespace {
+
+void backward(const detail::Check& check, const CompressKvBackwardParams& params,
+              const detail::CompressBackwardTerms& terms) {
   check_pair(check, params.dk, "dk", params.dv, "dv", params.dk_cmp, "dk_cmp", params.dv_cmp, "dv_cmp", params.seqs,
              params.cu_seqlens_cmp, params.block, params.stride);
+  const auto shape_of = [](const TensorView& t) {
+    return std::vector<std::int64_t>(t.shape.begin(), t.shape.begin() + t.rank);
+  };
+  for (int i = 0; i < detail::kMaxCompressTerms; ++i) {
+    const std::string index = "[" + std::to_string(i) + "]";
+    check.require(terms.dk[i].present() == terms.dv[i].present(), ErrorKind::value, "terms.dv" + index,
+                  "present exactly where terms.dk" + index + " is");
+    if (!terms.dk[i].present()) continue;
+    check.tensor(terms.dk[i], "terms.dk" + index, params.dk.dtype, params.dk, "dk");
+    check.shape(terms.dk[i], "terms.dk" + index, shape_of(params.dk));
+    check.inner_contiguous(terms.dk[i], "terms.dk" + index);
+    check.tensor(terms.dv[i], "terms.dv" + index, params.dk.dtype, params.dk, "dk");
+    check.shape(terms.dv[i], "terms.dv" + index, shape_of(params.dv));
+    check.inner_contiguous(terms.dv[i], "terms.dv" + index);
+  }
   switch (detail::backend(check, params.dk, "dk", detail::kCudaBuilt)) {
-    case detail::Backend::cpu: reference::compress_kv_backward(params); break;
+    case detail::Backend::cpu: {
+      reference::compress_kv_backward(params);
+      detail::AccumulateParams k_sum{.out = params.dk, .terms = {params.dk}, .cu_seqlens = params.seqs.cu_seqlens,
+                                     .stream = params.stream};
+      detail::AccumulateParams v_sum{.out = params.dv, .terms = {params.dv}, .cu_seqlens = params.seqs.cu_seqlens,
+                                     .stream = params.stream};
+      for (int i = 0; i < detail::kMaxCompressTerms; ++i) {
+        if (!terms.dk[i].present()) continue;
+        k_sum.terms.push_back(terms.dk[i]);
+        v_sum.terms.push_back(terms.dv[i]);
+      }
+      if (k_sum.terms.size() > 1) {
+        detail::accumulate(k_sum);
+        detail::accumulate(v_sum);
+      }
+      break;
+    }
 #ifdef SPARSEATTN_WITH_CUDA
-    case detail::Backend::cuda: cuda::compress_kv_backward(params); break;
+    case detail::Backend::cuda: cuda::compress_kv_backward(params, terms); break;
 #else
     case detail::Backend::cuda: break;
 #endif
   }
 }
+
+}  // namespace
+
+void compress_kv_backward(const CompressKvBackwardParams& params) {
+  backward(detail::Check("compress_kv_backward"), params, {});
+}
+
+namespace detail {
+
+void compress_kv_backward_adding(const CompressKvBackwardParams& params, const CompressBackwardTerms& terms) {
+  backward(Check("compress_kv_backward"), params, terms);
+}
+
+}  // namespace detail
 
 }  // namespace sparseattn

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "api/accumulate.h"
+#include "api/compress_kv_backward.h"
 #include "api/branch_backward.h"
 #include "api/check.h"
 #include "api/nsa_plan.h"
@@ -247,14 +248,7 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
     if (plan.layout.packed && params.d_gates[i].present()) {
       sum_into(params.d_gates[i], {scratch.d_gates[i]}, f.seqs.cu_seqlens, f.stream);
     }
-    if (i == 0) {
-      detail::compressed_attention_backward(branches.cmp, options);
-      if (!plan.user_cmp) {
-        compress_kv_backward({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = scratch.dk[0],
-                              .dv = scratch.dv[0], .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
-                              .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream});
-      }
-    }
+    if (i == 0) detail::compressed_attention_backward(branches.cmp, options);
     if (i == 1) detail::selected_attention_backward(branches.slc, options);
     if (i == 2) detail::flash_attention_backward(branches.swa, options);
     options.accumulate_dq = plan.device == DeviceType::cuda;
@@ -269,8 +263,22 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
     dq_terms[kNumBranches - 1] = params.dq;  // the last slot never holds a scratch dq
     sum_into(params.dq, dq_terms, f.seqs.cu_seqlens, f.stream);
   }
-  sum_into(params.dk, scratch.dk, f.seqs.cu_seqlens, f.stream);
-  sum_into(params.dv, scratch.dv, f.seqs.cu_seqlens, f.stream);
+  if (plan.branch[0] && !plan.user_cmp) {
+    // dk = the other branches' dk + the gradient through the pooling of dk_cmp, in one pass (dv alike).
+    static_assert(detail::kMaxCompressTerms == kNumBranches - 1, "a term per branch after the compressed one");
+    detail::CompressBackwardTerms terms;
+    for (int i = 1; i < kNumBranches; ++i) {
+      terms.dk[i - 1] = scratch.dk[i];
+      terms.dv[i - 1] = scratch.dv[i];
+    }
+    detail::compress_kv_backward_adding({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = params.dk,
+                                         .dv = params.dv, .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
+                                         .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream},
+                                        terms);
+  } else {
+    sum_into(params.dk, scratch.dk, f.seqs.cu_seqlens, f.stream);
+    sum_into(params.dv, scratch.dv, f.seqs.cu_seqlens, f.stream);
+  }
 }
 
 }  // namespace sparseattn

@@ -59,8 +59,8 @@ struct NsaScratch {
   TensorView d_o;                                   // the output gradient of the branch running now
   TensorView delta;  // CUDA: float32 like lse, rowsum(d_o * o) of the branch running now (branch_backward.h)
   std::array<TensorView, kNumBranches> dq;          // CPU, per gate but the last: the branch's dq
-  std::array<TensorView, kNumBranches> dk, dv;      // per gate: the branch's contribution (no dk, dv from
-                                                    // the compressed branch when k_cmp/v_cmp are the caller's)
+  std::array<TensorView, kNumBranches> dk, dv;      // per gate but the compressed one: the branch's
+                                                    // contribution (the pooling's goes straight into dk, dv)
   TensorView dk_cmp, dv_cmp;                        // compressed branch with pooled K/V: their gradient
   std::array<TensorView, kNumBranches> d_gates;     // packed layout, per gate: combine_backward's gate
                                                     // gradient, copied to the caller's like `combined`

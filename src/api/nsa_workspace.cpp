@@ -127,7 +127,7 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
     if (i != last && plan.device != DeviceType::cuda) {
       scratch.dq[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_qk));
     }
-    if (i == 0 && !pooled_cmp) continue;
+    if (i == 0) continue;  // the pooling's gradient goes straight into dk/dv (compress_kv_backward_adding)
     scratch.dk[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_qk));
     scratch.dv[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_v));
   }

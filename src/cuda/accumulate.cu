@@ -89,16 +89,6 @@ __global__ void accumulate_kernel(Strided4<T> out, Terms<T> terms, Shape4 shape,
   }
 }
 
-// Whether every row of `t` starts 16-byte aligned and its last dimension splits into whole 16-byte pieces.
-bool vector_rows(const TensorView& t) {
-  const std::int64_t piece = 16 / static_cast<std::int64_t>(element_size(t.dtype));
-  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0 || t.shape[t.rank - 1] % piece != 0) return false;
-  for (int d = 0; d + 1 < t.rank; ++d) {
-    if (t.shape[d] > 1 && t.stride[d] % piece != 0) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 void accumulate(const detail::AccumulateParams& params) {

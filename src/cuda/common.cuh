@@ -102,6 +102,16 @@ void dispatch_float(DType dtype, Body&& body) {
   }
 }
 
+// Whether every row of `t` starts 16-byte aligned and its last dimension splits into whole 16-byte pieces.
+inline bool vector_rows(const TensorView& t) {
+  const std::int64_t piece = 16 / static_cast<std::int64_t>(element_size(t.dtype));
+  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0 || t.shape[t.rank - 1] % piece != 0) return false;
+  for (int d = 0; d + 1 < t.rank; ++d) {
+    if (t.shape[d] > 1 && t.stride[d] % piece != 0) return false;
+  }
+  return true;
+}
+
 __host__ __device__ inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace sparseattn::cuda

@@ -1,6 +1,8 @@
-// compress_kv (mean pooling) forward and backward. Memory-bound and small next to attention: one warp per
-// output row, fp32 accumulation, lanes striding over the head dim (coalesced). The backward gathers
-// (token t sums the blocks covering it) instead of scattering, so it needs no atomics and is deterministic.
+// compress_kv (mean pooling) forward and backward. Memory-bound: one warp per output row (k and v together),
+// fp32 accumulation, each lane a 16-byte piece of the row (a warp access covers 512 bytes; 2-byte accesses
+// per lane took the backward 3.5 ms at 32 KV heads, T = 64K). The backward gathers (token t sums the blocks
+// covering it) instead of scattering, so it needs no atomics and is deterministic; it adds the other
+// gradients of k and v (nsa_attention's branches) in the same pass.
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
 
@@ -34,29 +36,65 @@ __device__ __forceinline__ std::int64_t blocks_of(std::int64_t length, const Con
   return length >= c.block ? (length - c.block) / c.stride + 1 : 0;
 }
 
-template <class T>
-__device__ void mean_rows(const Tokens<T>& in, Tokens<T> out, std::int64_t b, std::int64_t first,
-                          std::int64_t out_b, std::int64_t out_row, std::int64_t h, std::int64_t dim,
-                          std::int64_t block) {
-  T* dst = out.row(out_b, out_row, h);
-  for (std::int64_t d = threadIdx.x % 32; d < dim; d += 32) {
-    float sum = 0.f;
-    for (std::int64_t i = 0; i < block; ++i) sum += to_float(in.row(b, first + i, h)[d]);
-    dst[d] = from_float<T>(sum / static_cast<float>(block));
+// Helpers over pieces of kPiece consecutive elements of a row: 16-byte vectors where every row is 16-byte
+// aligned (vector_rows), single elements otherwise.
+template <class T, int kPiece>
+__device__ __forceinline__ void add_piece(float (&sum)[kPiece], const T* src) {
+  if constexpr (kPiece == 1) {
+    sum[0] += to_float(*src);
+  } else {
+    static_assert(kPiece * sizeof(T) == 16, "a vector piece is 16 bytes");
+    T piece[kPiece];
+    *reinterpret_cast<uint4*>(piece) = *reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int k = 0; k < kPiece; ++k) sum[k] += to_float(piece[k]);
   }
 }
 
-template <class T>
-__global__ void compress_kernel(Tokens<T> k, Tokens<T> v, Tokens<T> k_cmp, Tokens<T> v_cmp, SequenceTable seqs,
-                                Config c, std::int64_t max_blocks) {
+template <class T, int kPiece>
+__device__ __forceinline__ void store_piece(T* dst, const float (&sum)[kPiece], float scale) {
+  T piece[kPiece];
+#pragma unroll
+  for (int k = 0; k < kPiece; ++k) piece[k] = from_float<T>(sum[k] * scale);
+  if constexpr (kPiece == 1) {
+    *dst = piece[0];
+  } else {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(piece);
+  }
+}
+
+// Which of the two tensors of a pair (k or v) piece p of a warp's row falls in, and where: the k row's pieces
+// come first, then the v row's.
+struct PieceOf {
+  bool second;
+  std::int64_t offset;  // element offset within the row
+};
+template <int kPiece>
+__device__ __forceinline__ PieceOf piece_of(int p, const Config& c) {
+  const int pieces_k = static_cast<int>(c.dim_k / kPiece);
+  return p < pieces_k ? PieceOf{false, std::int64_t{p} * kPiece} : PieceOf{true, std::int64_t{p - pieces_k} * kPiece};
+}
+
+template <class T, int kPiece>
+__global__ void compress_kernel(Tokens<const T> k, Tokens<const T> v, Tokens<T> k_cmp, Tokens<T> v_cmp,
+                                SequenceTable seqs, Config c, std::int64_t max_blocks) {
   const std::int64_t item = std::int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   if (item >= max_blocks * c.heads) return;
   const std::int64_t h = item % c.heads, j = item / c.heads;
   const auto seq = seqs[blockIdx.y];
   if (j >= blocks_of(seq.length, c)) return;
   const std::int64_t first = seq.begin + j * c.stride;
-  mean_rows(k, k_cmp, seq.batch, first, seq.batch, seq.cmp_begin + j, h, c.dim_k, c.block);
-  mean_rows(v, v_cmp, seq.batch, first, seq.batch, seq.cmp_begin + j, h, c.dim_v, c.block);
+  const int pieces = static_cast<int>((c.dim_k + c.dim_v) / kPiece);
+  for (int p = threadIdx.x % 32; p < pieces; p += 32) {
+    const PieceOf at = piece_of<kPiece>(p, c);
+    const Tokens<const T> in = at.second ? v : k;
+    float sum[kPiece] = {};
+#pragma unroll 8
+    for (std::int64_t i = 0; i < c.block; ++i) add_piece<T, kPiece>(sum, in.row(seq.batch, first + i, h) + at.offset);
+    const Tokens<T> out = at.second ? v_cmp : k_cmp;
+    T* dst = out.row(seq.batch, seq.cmp_begin + j, h) + at.offset;
+    store_piece<T, kPiece>(dst, sum, 1.f / static_cast<float>(c.block));
+  }
 }
 
 // Packed outputs: rows past cu_seqlens_cmp[B] belong to no sequence and are zeroed.
@@ -71,21 +109,18 @@ __global__ void zero_tail_kernel(Tokens<T> k_cmp, Tokens<T> v_cmp, const std::in
   for (std::int64_t d = threadIdx.x % 32; d < c.dim_v; d += 32) v_cmp.row(0, row, h)[d] = from_float<T>(0.f);
 }
 
+// Gradients of k and v added to the pooling's (at most kMaxCompressTerms of each, like dk and dv).
 template <class T>
-__device__ void gather_rows(const Tokens<T>& d_cmp, Tokens<T> d_in, std::int64_t b, std::int64_t cmp_begin,
-                            std::int64_t j_first, std::int64_t j_last, std::int64_t row, std::int64_t h,
-                            std::int64_t dim, std::int64_t block) {
-  T* dst = d_in.row(b, row, h);
-  for (std::int64_t d = threadIdx.x % 32; d < dim; d += 32) {
-    float sum = 0.f;
-    for (std::int64_t j = j_first; j <= j_last; ++j) sum += to_float(d_cmp.row(b, cmp_begin + j, h)[d]);
-    dst[d] = from_float<T>(sum / static_cast<float>(block));
-  }
-}
+struct Terms {
+  Tokens<const T> k[detail::kMaxCompressTerms], v[detail::kMaxCompressTerms];
+  int count;
+};
 
-template <class T>
-__global__ void compress_backward_kernel(Tokens<T> dk_cmp, Tokens<T> dv_cmp, Tokens<T> dk, Tokens<T> dv,
-                                         SequenceTable seqs, Config c, std::int64_t max_length) {
+// One warp per (token, head) row of dk and dv: dk[t] = sum of the terms' rows + (sum of dk_cmp over the
+// blocks covering t) / block, in fp32, rounded once.
+template <class T, int kPiece>
+__global__ void compress_backward_kernel(Tokens<const T> dk_cmp, Tokens<const T> dv_cmp, Tokens<T> dk, Tokens<T> dv,
+                                         Terms<T> terms, SequenceTable seqs, Config c, std::int64_t max_length) {
   const std::int64_t item = std::int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   if (item >= max_length * c.heads) return;
   const std::int64_t h = item % c.heads, t = item / c.heads;
@@ -94,8 +129,27 @@ __global__ void compress_backward_kernel(Tokens<T> dk_cmp, Tokens<T> dv_cmp, Tok
   // Blocks j with j*stride <= t < j*stride + block, clipped to the sequence's blocks (empty range -> 0).
   const std::int64_t j_first = t >= c.block ? (t - c.block) / c.stride + 1 : 0;
   const std::int64_t j_last = min(t / c.stride, blocks_of(seq.length, c) - 1);
-  gather_rows(dk_cmp, dk, seq.batch, seq.cmp_begin, j_first, j_last, seq.begin + t, h, c.dim_k, c.block);
-  gather_rows(dv_cmp, dv, seq.batch, seq.cmp_begin, j_first, j_last, seq.begin + t, h, c.dim_v, c.block);
+  const int pieces = static_cast<int>((c.dim_k + c.dim_v) / kPiece);
+  for (int p = threadIdx.x % 32; p < pieces; p += 32) {
+    const PieceOf at = piece_of<kPiece>(p, c);
+    const Tokens<const T> d_cmp = at.second ? dv_cmp : dk_cmp;
+    float pooled[kPiece] = {}, sum[kPiece] = {};
+    for (std::int64_t j = j_first; j <= j_last; ++j) {
+      add_piece<T, kPiece>(pooled, d_cmp.row(seq.batch, seq.cmp_begin + j, h) + at.offset);
+    }
+#pragma unroll
+    for (int i = 0; i < detail::kMaxCompressTerms; ++i) {  // unrolled: the terms stay in parameter space
+      if (i < terms.count) {
+        const Tokens<const T> term = at.second ? terms.v[i] : terms.k[i];
+        add_piece<T, kPiece>(sum, term.row(seq.batch, seq.begin + t, h) + at.offset);
+      }
+    }
+    const float inv_block = 1.f / static_cast<float>(c.block);
+#pragma unroll
+    for (int e = 0; e < kPiece; ++e) sum[e] = fmaf(pooled[e], inv_block, sum[e]);
+    const Tokens<T> out = at.second ? dv : dk;
+    store_piece<T, kPiece>(out.row(seq.batch, seq.begin + t, h) + at.offset, sum, 1.f);
+  }
 }
 
 struct Shape {
@@ -127,11 +181,13 @@ void compress_kv(const CompressKvParams& p) {
   const Config c{s.heads, s.dim_k, s.dim_v, p.block, p.stride};
   const std::int64_t max_blocks = (s.length >= p.block) ? (s.length - p.block) / p.stride + 1 : 0;
   const auto stream = static_cast<cudaStream_t>(p.stream);
+  const bool vector = vector_rows(p.k) && vector_rows(p.v) && vector_rows(p.k_cmp) && vector_rows(p.v_cmp);
   dispatch_float(p.k.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (max_blocks > 0 && s.batch > 0) {
-      compress_kernel<T><<<grid_of(max_blocks * s.heads, s.batch), kWarpsPerBlock * 32, 0, stream>>>(
-          tokens_of<T>(p.k), tokens_of<T>(p.v), tokens_of<T>(p.k_cmp), tokens_of<T>(p.v_cmp),
+      auto kernel = vector ? compress_kernel<T, 16 / sizeof(T)> : compress_kernel<T, 1>;
+      kernel<<<grid_of(max_blocks * s.heads, s.batch), kWarpsPerBlock * 32, 0, stream>>>(
+          tokens_of<const T>(p.k), tokens_of<const T>(p.v), tokens_of<T>(p.k_cmp), tokens_of<T>(p.v_cmp),
           table_of(p.seqs, p.cu_seqlens_cmp, s.length), c, max_blocks);
       check_launch("compress_kernel");
     }
@@ -145,16 +201,26 @@ void compress_kv(const CompressKvParams& p) {
   });
 }
 
-void compress_kv_backward(const CompressKvBackwardParams& p) {
+void compress_kv_backward(const CompressKvBackwardParams& p, const detail::CompressBackwardTerms& terms) {
   const DeviceGuard device(p.dk.device_index);
   const Shape s = shape_of(p.dk, p.dv, p.seqs);
   const Config c{s.heads, s.dim_k, s.dim_v, p.block, p.stride};
   if (s.length == 0 || s.batch == 0) return;
+  bool vector = vector_rows(p.dk) && vector_rows(p.dv) && vector_rows(p.dk_cmp) && vector_rows(p.dv_cmp);
+  for (const TensorView& term : terms.dk) vector = vector && (!term.present() || vector_rows(term));
+  for (const TensorView& term : terms.dv) vector = vector && (!term.present() || vector_rows(term));
   dispatch_float(p.dk.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    compress_backward_kernel<T><<<grid_of(s.length * s.heads, s.batch), kWarpsPerBlock * 32, 0,
-                                  static_cast<cudaStream_t>(p.stream)>>>(
-        tokens_of<T>(p.dk_cmp), tokens_of<T>(p.dv_cmp), tokens_of<T>(p.dk), tokens_of<T>(p.dv),
+    Terms<T> added{};
+    for (int i = 0; i < detail::kMaxCompressTerms; ++i) {
+      if (!terms.dk[i].present()) continue;
+      added.k[added.count] = tokens_of<const T>(terms.dk[i]);
+      added.v[added.count] = tokens_of<const T>(terms.dv[i]);
+      ++added.count;
+    }
+    auto kernel = vector ? compress_backward_kernel<T, 16 / sizeof(T)> : compress_backward_kernel<T, 1>;
+    kernel<<<grid_of(s.length * s.heads, s.batch), kWarpsPerBlock * 32, 0, static_cast<cudaStream_t>(p.stream)>>>(
+        tokens_of<const T>(p.dk_cmp), tokens_of<const T>(p.dv_cmp), tokens_of<T>(p.dk), tokens_of<T>(p.dv), added,
         table_of(p.seqs, p.cu_seqlens_cmp, s.length), c, s.length);
     check_launch("compress_backward_kernel");
   });

@@ -3,13 +3,15 @@
 #pragma once
 
 #include "api/accumulate.h"
+#include "api/compress_kv_backward.h"
 #include "sparseattn/combine.h"
 #include "sparseattn/compress_kv.h"
 
 namespace sparseattn::cuda {
 
 void compress_kv(const CompressKvParams& params);
-void compress_kv_backward(const CompressKvBackwardParams& params);
+// dk = terms.dk summed + the gradient through the pooling (dv alike), in one pass.
+void compress_kv_backward(const CompressKvBackwardParams& params, const detail::CompressBackwardTerms& terms);
 void combine(const CombineParams& params);
 // deltas (optional per branch): float32 like lse, filled with sum(d_outputs[i] * outputs[i]) per row (the delta of
 // that branch's attention backward).

@@ -53,6 +53,27 @@ def test_compress_kv_batched(dtype, block, stride):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_compress_kv_unaligned_rows(dtype):
+    """Views one element into their storage: rows not 16-byte aligned take the element-wise kernels."""
+    B, T, H, D = 2, 133, 3, 64
+    k_store = torch.randn(B, T, H, D + 1, dtype=dtype, device="cuda", requires_grad=True)
+    v_store = torch.randn(B, T, H, D + 1, dtype=dtype, device="cuda", requires_grad=True)
+    k, v = k_store[..., 1:], v_store[..., 1:]
+    poison_allocator()
+    k_cmp, v_cmp = sparseattn.compress_kv(k, v, block=32, stride=16)
+    k64, v64 = (x.detach().double().cpu().requires_grad_() for x in (k, v))
+    k_ref, v_ref = sparseattn.compress_kv(k64, v64, block=32, stride=16)
+    assert_close(k_cmp, k_ref.detach(), dtype)
+    assert_close(v_cmp, v_ref.detach(), dtype)
+    grads = tuple(torch.randn(*x.shape[:-1], D + 1, dtype=dtype, device="cuda")[..., 1:] for x in (k_cmp, v_cmp))
+    poison_allocator()
+    dk, dv = torch.autograd.grad((k_cmp, v_cmp), (k_store, v_store), grads)
+    dk_ref, dv_ref = torch.autograd.grad((k_ref, v_ref), (k64, v64), tuple(g.double().cpu() for g in grads))
+    assert_close(dk[..., 1:], dk_ref, dtype)
+    assert_close(dv[..., 1:], dv_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_compress_kv_packed(dtype):
     lengths = [1, 31, 32, 65, 1000, 47]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
