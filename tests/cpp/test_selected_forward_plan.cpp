@@ -13,14 +13,14 @@ namespace {
 using namespace sparseattn::cuda::selection;
 
 TEST(SelectedForwardPlan, SmallGroupsOfLongSequencesRunKvOuter) {
-  for (std::int64_t g : {1, 2, 3, 4, 7, 8}) {
+  for (std::int64_t g : {1, 2, 3, 4, 7, 8, 9}) {
     EXPECT_TRUE(use_kv_outer_forward(g, 128, 128, 16384, 16, 64, kH100)) << "G=" << g;
     EXPECT_TRUE(use_kv_outer_forward(g, 64, 64, 65536, 16, 64, kA100)) << "G=" << g;
   }
 }
 
 TEST(SelectedForwardPlan, FullTilesAndShortInputsRunQueryOuter) {
-  for (std::int64_t g : {9, 12, 16, 32, 64}) EXPECT_FALSE(use_kv_outer_forward(g, 128, 128, 65536, 16, 64, kH100));
+  for (std::int64_t g : {10, 12, 16, 32, 64}) EXPECT_FALSE(use_kv_outer_forward(g, 128, 128, 65536, 16, 64, kH100));
   EXPECT_FALSE(use_kv_outer_forward(1, 128, 128, kKvMinTokens - 1, 16, 64, kH100));
   EXPECT_TRUE(use_kv_outer_forward(1, 128, 128, kKvMinTokens, 16, 64, kH100));
   EXPECT_FALSE(use_kv_outer_forward(0, 128, 128, 65536, 16, 64, kH100));

@@ -50,7 +50,8 @@ inline bool dq_kv_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int64_
 // Measured (H100, bf16, D = 128, n = 16, block 64, Hkv = 4, indices from select_blocks), time of the selected
 // backward with the query-outer dQ / with this one on wgmma (dq_kv_wgmma.cuh), T = 16K and 64K: G = 1
 // 3.65-4.02x, G = 4 1.62-1.66x, G = 6 1.24x, G = 8 1.04-1.05x, G = 12 0.84x, G = 16 0.73x (with the mma.sync
-// kernel it was G = 6 1.02-1.04x, G = 7 0.94-0.96x: the limit was 6). Short sequences: the forward's limit.
+// kernel it was G = 6 1.02-1.04x, G = 7 0.94-0.96x: the limit was 6). After the head-major chunks (dq_kv.cu),
+// the dQ kernels alone: G = 8 1.05-1.06x, G = 9 0.98x, G = 10 0.91-0.92x. Short sequences: the forward's limit.
 inline constexpr std::int64_t kDqKvMaxGroup = 8;
 inline constexpr std::int64_t kDqKvMinTokens = 1024;
 inline constexpr std::int64_t kDqKvMaxDimQk = 192;  // Dqk = 256: its tiles spill

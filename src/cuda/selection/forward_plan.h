@@ -63,8 +63,10 @@ inline bool kv_forward_supported(std::int64_t dim_qk, std::int64_t dim_v, std::i
 // 0.85-0.89x, G = 12 0.72-0.74x, G = 16 0.56-0.58x. Before that: G = 1 9.8-10.2x, G = 2 5.9-6.4x, G = 4 3.5x
 // (the query-outer tiles are full from G = 16 on, and the partials' traffic of the KV-block-outer forward
 // grows with G). Its mma.sync kernel is 7-15% slower than the wgmma one, so the same bound serves sm_80 and
-// SPARSEATTN_ATTENTION_MMA=sync. So the KV-block-outer forward runs up to G = 8.
-inline constexpr std::int64_t kKvMaxGroup = 8;
+// SPARSEATTN_ATTENTION_MMA=sync. Re-measured after the head-major chunks (forward_kv.cu; H100, same script):
+// G = 8 1.06-1.19x, G = 9 1.00-1.07x, G = 10 0.90-0.98x, G = 12 0.75-0.82x. So the KV-block-outer forward runs up
+// to G = 9 (its dQ, measured alike: G = 9 0.98x, up to G = 8; backward_plan.h).
+inline constexpr std::int64_t kKvMaxGroup = 9;
 // Below this many token rows the sort and merge launches cost as much as the padding saves (T = 512:
 // 0.92-0.97x; T = 1024: 1.97x at G = 1, 1.24x at G = 8).
 inline constexpr std::int64_t kKvMinTokens = 1024;
