@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "api/compress_kv_backward.h"
 #include "sparseattn/compress_kv.h"
 #include "sparseattn/error.h"
 #include "test_util.h"
@@ -273,6 +274,54 @@ TEST(CompressKv, BackwardValidation) {
     EXPECT_EQ(e.op(), "compress_kv_backward");
   }
   EXPECT_EQ(dk.data, std::vector<double>(dk.data.size(), 0.0));
+}
+
+// The internal variant nsa_attention_backward uses: dk = the terms + the pooling's gradient (dv alike), packed rows
+// past cu_seqlens[B] untouched; a dk term without its dv term is an error naming it.
+TEST(CompressKv, BackwardAddingSumsTheTerms) {
+  std::mt19937_64 rng(8);
+  const std::int64_t rows = 14, cmp_rows = 5, heads = 2, dim_k = 3, dim_v = 2;
+  Host<std::int32_t> cu({3}), cu_cmp({3});
+  cu.data = {0, 5, 12};  // 5 and 7 tokens (block 4, stride 2: 1 and 2 compressed blocks), 2 rows past the end
+  cu_cmp.data = {0, 1, 3};
+  HostF64 dk_cmp({cmp_rows, heads, dim_k}), dv_cmp({cmp_rows, heads, dim_v});
+  HostF64 t0k({rows, heads, dim_k}), t0v({rows, heads, dim_v}), t1k({rows, heads, dim_k}), t1v({rows, heads, dim_v});
+  for (HostF64* t : {&dk_cmp, &dv_cmp, &t0k, &t0v, &t1k, &t1v}) fill_random(*t, rng);
+  CompressKvBackwardParams back;
+  back.dk_cmp = dk_cmp.view();
+  back.dv_cmp = dv_cmp.view();
+  back.seqs.cu_seqlens = cu.view();
+  back.cu_seqlens_cmp = cu_cmp.view();
+  back.block = 4;
+  back.stride = 2;
+  HostF64 dk_plain({rows, heads, dim_k}, 0), dv_plain({rows, heads, dim_v}, 0);
+  back.dk = dk_plain.view();
+  back.dv = dv_plain.view();
+  compress_kv_backward(back);
+
+  HostF64 dk({rows, heads, dim_k}, -99), dv({rows, heads, dim_v}, -99);
+  back.dk = dk.view();
+  back.dv = dv.view();
+  detail::CompressBackwardTerms terms;
+  terms.dk = {t0k.view(), t1k.view()};
+  terms.dv = {t0v.view(), t1v.view()};
+  detail::compress_kv_backward_adding(back, terms);
+  for (std::int64_t i = 0; i < rows * heads * dim_k; ++i) {
+    const double want = i < cu.data[2] * heads * dim_k ? dk_plain.data[i] + t0k.data[i] + t1k.data[i] : -99;
+    EXPECT_NEAR(dk.data[i], want, 1e-12) << i;
+  }
+  for (std::int64_t i = 0; i < rows * heads * dim_v; ++i) {
+    const double want = i < cu.data[2] * heads * dim_v ? dv_plain.data[i] + t0v.data[i] + t1v.data[i] : -99;
+    EXPECT_NEAR(dv.data[i], want, 1e-12) << i;
+  }
+
+  terms.dv[1] = {};
+  try {
+    detail::compress_kv_backward_adding(back, terms);
+    ADD_FAILURE() << "expected an error naming terms.dv[1]";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "terms.dv[1]") << e.what();
+  }
 }
 
 }  // namespace
