@@ -17,7 +17,7 @@ void accumulate(const AccumulateParams& params) {
   check.present(out, "out");
   check.floating(out, "out");
   check.inner_contiguous(out, "out");
-  const std::vector<std::int64_t> shape(out.shape.begin(), out.shape.begin() + out.rank);
+  const std::vector<std::int64_t> shape = shape_of(out);
   for (std::size_t i = 0; i < params.terms.size(); ++i) {
     const std::string arg = "terms[" + std::to_string(i) + "]";
     check.tensor(params.terms[i], arg, out.dtype, out, "out");

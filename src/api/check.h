@@ -14,6 +14,9 @@
 
 namespace sparseattn::detail {
 
+// The shape of `t` as a vector (for Check::shape against another tensor's).
+inline std::vector<std::int64_t> shape_of(const TensorView& t) { return {t.shape.begin(), t.shape.begin() + t.rank}; }
+
 // Where the tokens of a set of sequences live. Batched: `rows` is T. Packed: `batch` is B from
 // cu_seqlens and `rows` is N, the first dimension of the packed tensors.
 struct TokenLayout {

@@ -1,7 +1,6 @@
 #include "sparseattn/compress_kv.h"
 
 #include <string>
-#include <vector>
 
 #include "api/accumulate.h"
 #include "api/block_checks.h"
@@ -62,37 +61,34 @@ void backward(const detail::Check& check, const CompressKvBackwardParams& params
               const detail::CompressBackwardTerms& terms) {
   check_pair(check, params.dk, "dk", params.dv, "dv", params.dk_cmp, "dk_cmp", params.dv_cmp, "dv_cmp", params.seqs,
              params.cu_seqlens_cmp, params.block, params.stride);
-  const auto shape_of = [](const TensorView& t) {
-    return std::vector<std::int64_t>(t.shape.begin(), t.shape.begin() + t.rank);
+  // Each term like the output it adds to (dtype and device of dk, shape of dk or dv, contiguous last dim).
+  const auto like = [&](const TensorView& term, const std::string& arg, const TensorView& out) {
+    check.tensor(term, arg, params.dk.dtype, params.dk, "dk");
+    check.shape(term, arg, detail::shape_of(out));
+    check.inner_contiguous(term, arg);
   };
   for (int i = 0; i < detail::kMaxCompressTerms; ++i) {
-    const std::string index = "[" + std::to_string(i) + "]";
-    check.require(terms.dk[i].present() == terms.dv[i].present(), ErrorKind::value, "terms.dv" + index,
-                  "present exactly where terms.dk" + index + " is");
+    const std::string k_arg = "terms.dk[" + std::to_string(i) + "]", v_arg = "terms.dv[" + std::to_string(i) + "]";
+    check.require(terms.dk[i].present() == terms.dv[i].present(), ErrorKind::value, v_arg,
+                  "present exactly where " + k_arg + " is");
     if (!terms.dk[i].present()) continue;
-    check.tensor(terms.dk[i], "terms.dk" + index, params.dk.dtype, params.dk, "dk");
-    check.shape(terms.dk[i], "terms.dk" + index, shape_of(params.dk));
-    check.inner_contiguous(terms.dk[i], "terms.dk" + index);
-    check.tensor(terms.dv[i], "terms.dv" + index, params.dk.dtype, params.dk, "dk");
-    check.shape(terms.dv[i], "terms.dv" + index, shape_of(params.dv));
-    check.inner_contiguous(terms.dv[i], "terms.dv" + index);
+    like(terms.dk[i], k_arg, params.dk);
+    like(terms.dv[i], v_arg, params.dv);
   }
   switch (detail::backend(check, params.dk, "dk", detail::kCudaBuilt)) {
     case detail::Backend::cpu: {
       reference::compress_kv_backward(params);
-      detail::AccumulateParams k_sum{.out = params.dk, .terms = {params.dk}, .cu_seqlens = params.seqs.cu_seqlens,
+      // out += the present terms (packed rows past cu_seqlens[B] untouched, as the reference leaves them).
+      const auto add = [&](const TensorView& out, const auto& added) {
+        detail::AccumulateParams sum{.out = out, .terms = {out}, .cu_seqlens = params.seqs.cu_seqlens,
                                      .stream = params.stream};
-      detail::AccumulateParams v_sum{.out = params.dv, .terms = {params.dv}, .cu_seqlens = params.seqs.cu_seqlens,
-                                     .stream = params.stream};
-      for (int i = 0; i < detail::kMaxCompressTerms; ++i) {
-        if (!terms.dk[i].present()) continue;
-        k_sum.terms.push_back(terms.dk[i]);
-        v_sum.terms.push_back(terms.dv[i]);
-      }
-      if (k_sum.terms.size() > 1) {
-        detail::accumulate(k_sum);
-        detail::accumulate(v_sum);
-      }
+        for (const TensorView& term : added) {
+          if (term.present()) sum.terms.push_back(term);
+        }
+        if (sum.terms.size() > 1) detail::accumulate(sum);
+      };
+      add(params.dk, terms.dk);
+      add(params.dv, terms.dv);
       break;
     }
 #ifdef SPARSEATTN_WITH_CUDA

@@ -68,13 +68,12 @@ std::pair<detail::NsaPlan, detail::NsaWorkspace> prepare(const detail::Check& ch
   return {plan, workspace};
 }
 
-std::vector<std::int64_t> shape_of(const TensorView& t) { return {t.shape.begin(), t.shape.begin() + t.rank}; }
 
 void check_gradients(const detail::Check& check, const NsaBackwardParams& params, const detail::NsaPlan& plan) {
   const NsaParams& forward = params.forward;
   const auto like = [&](const TensorView& t, const std::string& arg, const TensorView& model) {
     check.tensor(t, arg, plan.dtype, forward.q, "q");
-    check.shape(t, arg, shape_of(model));
+    check.shape(t, arg, detail::shape_of(model));
   };
   like(params.d_o, "d_o", forward.o);
   like(params.dq, "dq", forward.q);
