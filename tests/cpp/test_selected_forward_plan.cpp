@@ -84,5 +84,34 @@ TEST(SelectedForwardPlan, ChunksBoundTheWorkspace) {
   EXPECT_EQ(kv_entries_per_cta(1000), 1);
 }
 
+TEST(SelectedForwardPlan, SortGroupsShareOneSort) {
+  // 32/32, T = 64K: 36 chunks of 0.93 M entries, 16-bit keys: one sort of all chunks, 6 chunk bits above the key.
+  SortGroup g = sort_group(36, 930000, 16, kKvIndexCap);
+  EXPECT_EQ(g.chunks, 36);
+  EXPECT_EQ(g.end_bit, 22);
+  // The index cap bounds a group: 512 MB at 16 bytes per entry.
+  g = sort_group(1000, 1 << 20, 16, kKvIndexCap);
+  EXPECT_EQ(g.chunks, static_cast<std::int64_t>(kKvIndexCap / (kIndexBytesPerEntry << 20)));
+  EXPECT_EQ(g.end_bit, 16 + 5);
+  // No cap (the backward's dQ reuses buffers of every entry): all chunks, as far as 32-bit keys number them.
+  g = sort_group(1000, 1 << 20, 16);
+  EXPECT_EQ(g.chunks, 1000);
+  EXPECT_EQ(g.end_bit, 26);
+  g = sort_group(1000, 1 << 20, 29);
+  EXPECT_EQ(g.chunks, 8);
+  EXPECT_EQ(g.end_bit, 32);
+  // Keys that take all 32 bits, a single chunk, a chunk larger than the cap: one chunk per sort, plain keys.
+  for (const SortGroup& one :
+       {sort_group(100, 10, 32), sort_group(1, 10, 20), sort_group(5, std::int64_t{1} << 30, 20, kKvIndexCap)}) {
+    EXPECT_EQ(one.chunks, 1);
+  }
+  EXPECT_EQ(sort_group(100, 10, 32).end_bit, 32);
+  EXPECT_EQ(sort_group(1, 10, 20).end_bit, 20);
+  // Chunk index c of a group sits at c << key bits; key_mask strips it.
+  EXPECT_EQ(key_mask(16), 0xffffu);
+  EXPECT_EQ(key_mask(32), 0xffffffffu);
+  EXPECT_EQ((std::uint32_t{35} << 16 | 1234u) & key_mask(16), 1234u);
+}
+
 }  // namespace
 }  // namespace sparseattn::test

@@ -440,6 +440,7 @@ struct BwdPlan {
       counts, scan, scan_temp, scan_temp_bytes, partials, total;
   bool dq_kv;                  // KV-block-outer dQ (dq_kv.h) instead of the query-outer one
   std::int64_t dq_chunk_pairs; // its (KV head, token row) pairs per chunk
+  selection::SortGroup dq_sort; // its chunks per sort (forward_plan.h)
   std::size_t dq_half, dq_scale;
 };
 
@@ -484,12 +485,25 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
   plan.values_out = take(sizeof(std::int32_t) * plan.entries);
   plan.seg_begin = take(sizeof(std::int32_t) * keys);
   plan.seg_end = take(sizeof(std::int32_t) * keys);
+  const std::int64_t dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+  const std::int64_t group = plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 0;
   {
     const DeviceGuard device(p.q.device_index);
+    plan.dq_kv = selection::choose_kv_outer_dq(selection::parse_path_choice(std::getenv(selection::kDqEnv)), group,
+                                               dqk, dv, plan.total_rows, plan.num_idx, plan.block,
+                                               smem_optin(p.q.device_index));
     plan.temp_bytes = selection::radix_sort_temp_bytes(plan.entries, plan.end_bit);
+    if (plan.dq_kv) {
+      // The KV-block-outer dQ sorts groups of its chunks in the dK/dV's index buffers (sized for every entry).
+      const std::int64_t pairs = plan.total_rows * plan.heads_kv;
+      plan.dq_chunk_pairs = selection::dq_kv_chunk_pairs(pairs, group, plan.num_idx, dqk);
+      plan.dq_sort = selection::sort_group(ceil_div(pairs, plan.dq_chunk_pairs), plan.dq_chunk_pairs * plan.num_idx,
+                                           plan.end_bit);
+      plan.temp_bytes =
+          std::max(plan.temp_bytes, selection::radix_sort_temp_bytes(plan.entries, plan.dq_sort.end_bit));
+    }
   }
   plan.temp = take(plan.temp_bytes);
-  const std::int64_t dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
   plan.keys = keys;
   plan.chunk_tokens = selection::dkv_chunk_tokens(plan.entries, plan.heads_q / std::max<std::int64_t>(1, plan.heads_kv),
                                        plan.num_idx, plan.block, dqk, dv);
@@ -503,21 +517,10 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
   }
   plan.scan_temp = take(plan.scan_temp_bytes);
   plan.partials = take(sizeof(float) * plan.slots * plan.block * (dqk + dv));
-  {
-    const std::int64_t group = plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 0;
-    std::size_t limit = 0;
-    {
-      const DeviceGuard device(p.q.device_index);
-      limit = smem_optin(p.q.device_index);
-    }
-    plan.dq_kv = selection::choose_kv_outer_dq(selection::parse_path_choice(std::getenv(selection::kDqEnv)), group,
-                                               dqk, dv, plan.total_rows, plan.num_idx, plan.block, limit);
-    if (plan.dq_kv) {
-      plan.dq_chunk_pairs = selection::dq_kv_chunk_pairs(plan.total_rows * plan.heads_kv, group, plan.num_idx, dqk);
-      const std::size_t partials = static_cast<std::size_t>(plan.dq_chunk_pairs * group * plan.num_idx);
-      plan.dq_half = take(sizeof(std::uint16_t) * partials * dqk);
-      plan.dq_scale = take(sizeof(float) * partials);
-    }
+  if (plan.dq_kv) {
+    const std::size_t partials = static_cast<std::size_t>(plan.dq_chunk_pairs * group * plan.num_idx);
+    plan.dq_half = take(sizeof(std::uint16_t) * partials * dqk);
+    plan.dq_scale = take(sizeof(float) * partials);
   }
   plan.total = at + 256;  // slack: the base is only promised 16-byte aligned
   return plan;
@@ -575,6 +578,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
     if (s.packed) selection::launch_block_offsets(cu, s.batch, plan.block, offsets, stream);
     const selection::KeyConfig kc{plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq, plan.total_rows,
                                   /*pair0=*/0, plan.total_rows * plan.heads_kv,
+                                  /*chunk_pairs=*/plan.total_rows * plan.heads_kv, /*chunk_shift=*/0,
                                   static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel, s.packed,
                                   /*value_is_entry=*/false};
     selection::launch_make_keys(selection::index_of(p.indices), cu, offsets, kc, keys_in, values_in, stream);
@@ -650,6 +654,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
         a.blocks_bound = static_cast<std::uint32_t>(plan.blocks_bound);
         a.sentinel = plan.sentinel;
         a.end_bit = plan.end_bit;
+        a.sort = plan.dq_sort;
         a.packed = s.packed;
         a.scale = static_cast<float>(scale);
         a.scale_log2 = scale_log2;

@@ -18,7 +18,8 @@ struct DqKvArgs {
   std::int64_t heads_q, heads_kv, group, num_idx, block, rows, batch, blocks_per_seq, total_rows;
   std::int64_t chunk_pairs;  // (KV head, token row) pairs per chunk, head-major (dq_kv_chunk_pairs)
   std::uint32_t blocks_bound, sentinel;
-  int end_bit;
+  int end_bit;     // bits of a plain (KV head, block) key
+  SortGroup sort;  // chunks per sort and that sort's key bits (forward_plan.h)
   bool packed;
   bool accumulate_dq;  // dq += the gradient
   float scale, scale_log2;

@@ -3,7 +3,8 @@
 //  1. make_keys (inverse_index.h): each (pair, slot j) whose block b is visible (b * block <= t, before the
 //     first -1) gets the key (h, global block of b) and the value e = its entry index (pair, j); other entries
 //     get the sentinel key and sort last;
-//  2. a stable radix sort by key: the entries of one (h, block) become a run in ascending token order;
+//  2. a stable radix sort by key: the entries of one (h, block) become a run in ascending token order (one sort
+//     serves a group of chunks, the chunk index above the key bits: forward_plan.h's sort groups);
 //  3. kv_forward_kernel: CTA c takes the sorted entries [c*P, (c+1)*P), P = kKvCtaRows / G (about 256 query
 //     rows). For each run of one key in that range it loads the block's K and V (<= 128 keys) into shared
 //     memory once; its 4 warps take the run's query rows, (token, group head) token-major, 16 at a time, so
@@ -314,13 +315,15 @@ KvForwardPlan kv_forward_plan(const SelectedAttentionParams& p) {
   plan.total_pairs = plan.total_rows * plan.heads_kv;
   plan.chunk_pairs = kv_chunk_pairs(plan.total_pairs, plan.group, plan.num_idx, plan.dim_v);
   plan.chunk_entries = plan.chunk_pairs * plan.num_idx;
+  plan.sort = sort_group(ceil_div(plan.total_pairs, std::max<std::int64_t>(1, plan.chunk_pairs)), plan.chunk_entries,
+                         plan.end_bit, kKvIndexCap);
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
     const std::size_t offset = at;
     at = align_up(at + bytes);
     return offset;
   };
-  const std::size_t entries = static_cast<std::size_t>(plan.chunk_entries);
+  const std::size_t entries = static_cast<std::size_t>(plan.chunk_entries * plan.sort.chunks);
   const std::size_t partials = static_cast<std::size_t>(plan.chunk_entries * plan.group);
   plan.offsets = take(sizeof(std::int32_t) * (s.batch + 1));
   plan.keys_in = take(sizeof(std::uint32_t) * entries);
@@ -332,7 +335,7 @@ KvForwardPlan kv_forward_plan(const SelectedAttentionParams& p) {
   plan.lse_part = take(sizeof(float) * partials);
   {
     const DeviceGuard device(p.q.device_index);
-    plan.temp_bytes = radix_sort_temp_bytes(plan.chunk_entries, plan.end_bit);
+    plan.temp_bytes = radix_sort_temp_bytes(static_cast<std::int64_t>(entries), plan.sort.end_bit);
   }
   plan.temp = take(plan.temp_bytes);
   plan.total = at + 256;  // slack: the base is only promised 16-byte aligned
@@ -374,28 +377,34 @@ void forward_kv_outer(const SelectedAttentionParams& p, const KvForwardPlan& pla
         }
       }
       set_smem(kernel, smem);
-      for (std::int64_t pair0 = 0; pair0 < plan.total_pairs; pair0 += plan.chunk_pairs) {
-        const std::int64_t pairs = std::min(plan.chunk_pairs, plan.total_pairs - pair0);
-        const std::int64_t entries = pairs * plan.num_idx;
-        const KeyConfig kc{plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq, plan.total_rows, pair0,
-                           pairs, static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel, s.packed,
-                           /*value_is_entry=*/true};
+      const std::int64_t group_pairs = plan.chunk_pairs * plan.sort.chunks;
+      for (std::int64_t group0 = 0; group0 < plan.total_pairs; group0 += group_pairs) {
+        // One sort for a group of chunks; chunk c of the group is then entries [c * chunk_entries, ...).
+        const std::int64_t sorted_pairs = std::min(group_pairs, plan.total_pairs - group0);
+        const KeyConfig kc{plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq, plan.total_rows, group0,
+                           sorted_pairs, plan.chunk_pairs, plan.end_bit, static_cast<std::uint32_t>(plan.blocks_bound),
+                           plan.sentinel, s.packed, /*value_is_entry=*/true};
         launch_make_keys(index_of(p.indices), cu, offsets, kc, keys_in, values_in, stream);
-        radix_sort_pairs(ws + plan.temp, plan.temp_bytes, keys_in, keys_out, values_in, values_out, entries,
-                         plan.end_bit, stream);
-        const KvConfig c{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
-                         plan.total_rows, pair0, entries, per_cta, static_cast<std::uint32_t>(plan.blocks_bound),
-                         plan.sentinel, static_cast<int>(round_up16(plan.block)), s.packed, scale_log2};
-        kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
-            tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), keys_out, values_out, cu,
-            offsets, o_part, scale_part, lse_part, c);
-        check_launch("kv_forward_kernel (KV-block-outer selected attention)");
-        const MergeConfig mc{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.total_rows, pair0, pairs,
-                             s.packed};
-        kv_merge_kernel<T, DV><<<static_cast<unsigned>(ceil_div(pairs * plan.group, kMergeWarps)),
-                                 kMergeWarps * 32, 0, stream>>>(o_part, scale_part, lse_part, index_of(p.indices), cu,
-                                                                tokens_of<T>(p.o), lse_of<float>(p.lse), mc);
-        check_launch("kv_merge_kernel");
+        radix_sort_pairs(ws + plan.temp, plan.temp_bytes, keys_in, keys_out, values_in, values_out,
+                         sorted_pairs * plan.num_idx, plan.sort.end_bit, stream);
+        for (std::int64_t pair0 = group0; pair0 < group0 + sorted_pairs; pair0 += plan.chunk_pairs) {
+          const std::int64_t pairs = std::min(plan.chunk_pairs, group0 + sorted_pairs - pair0);
+          const std::int64_t entries = pairs * plan.num_idx, first = (pair0 - group0) * plan.num_idx;
+          const KvConfig c{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
+                           plan.total_rows, pair0, entries, per_cta, static_cast<std::uint32_t>(plan.blocks_bound),
+                           plan.sentinel, key_mask(plan.end_bit), static_cast<int>(round_up16(plan.block)), s.packed,
+                           scale_log2};
+          kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
+              tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), keys_out + first,
+              values_out + first, cu, offsets, o_part, scale_part, lse_part, c);
+          check_launch("kv_forward_kernel (KV-block-outer selected attention)");
+          const MergeConfig mc{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.total_rows, pair0, pairs,
+                               s.packed};
+          kv_merge_kernel<T, DV><<<static_cast<unsigned>(ceil_div(pairs * plan.group, kMergeWarps)),
+                                   kMergeWarps * 32, 0, stream>>>(o_part, scale_part, lse_part, index_of(p.indices),
+                                                                  cu, tokens_of<T>(p.o), lse_of<float>(p.lse), mc);
+          check_launch("kv_merge_kernel");
+        }
       }
     });
   });

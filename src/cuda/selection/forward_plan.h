@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace sparseattn::cuda::selection {
 
@@ -144,6 +145,47 @@ inline std::int64_t chunk_length(std::int64_t total_items, std::size_t bytes_per
 inline std::int64_t kv_chunk_pairs(std::int64_t total_pairs, std::int64_t group, std::int64_t num_idx,
                                    std::int64_t dim_v) {
   return chunk_length(total_pairs, kv_bytes_per_pair(group, num_idx, dim_v), kKvWorkspaceCap);
+}
+
+// ------------------------------------------------------------------------------------------- sort groups
+
+// The KV-block-outer forward and dQ sort the entries of several chunks at once: each entry's key carries the
+// index of its chunk within the sort group above the (KV head, block) key bits, so that one stable sort leaves
+// every chunk's entries contiguous, in the order a sort of that chunk alone gives (its sentinels last). One sort
+// and one make_keys per chunk were 36 of each per direction at 32/32, T = 64K. The forward's index for a group
+// (keys and values, in and out of the sort: 16 bytes per entry) stays within this cap; the backward's dQ reuses
+// the dK/dV's index buffers, which hold every entry anyway.
+inline constexpr std::size_t kKvIndexCap = std::size_t{512} << 20;
+inline constexpr std::size_t kIndexBytesPerEntry = 16;
+
+struct SortGroup {
+  std::int64_t chunks = 1;  // chunks per sort
+  int end_bit = 1;          // key bits the sort orders: the (KV head, block) key's, then the chunk index's
+};
+
+// Chunks per sort for `chunks` chunks of `chunk_entries` entries whose keys take `key_bits` bits: as many as
+// `index_cap` bytes of index hold and 32-bit keys can number, at least one.
+inline SortGroup sort_group(std::int64_t chunks, std::int64_t chunk_entries, int key_bits,
+                            std::size_t index_cap = std::numeric_limits<std::size_t>::max()) {
+  const std::size_t entry_bytes =
+      kIndexBytesPerEntry * static_cast<std::size_t>(std::max<std::int64_t>(1, chunk_entries));
+  const std::size_t fitting = std::min<std::size_t>(index_cap / entry_bytes, std::size_t{1} << 62);
+  const auto by_memory = static_cast<std::int64_t>(fitting);
+  SortGroup group;
+  group.chunks = std::max<std::int64_t>(1, std::min(chunks, by_memory));
+  int chunk_bits = 0;
+  while ((std::int64_t{1} << chunk_bits) < group.chunks) ++chunk_bits;
+  if (key_bits + chunk_bits > 32) {
+    chunk_bits = std::max(0, 32 - key_bits);
+    group.chunks = std::min(group.chunks, std::int64_t{1} << chunk_bits);
+  }
+  group.end_bit = key_bits + chunk_bits;
+  return group;
+}
+
+// The (KV head, block) bits of a key whose plain part takes key_bits bits.
+inline std::uint32_t key_mask(int key_bits) {
+  return key_bits >= 32 ? ~std::uint32_t{0} : (std::uint32_t{1} << key_bits) - 1;
 }
 
 }  // namespace sparseattn::cuda::selection

@@ -34,12 +34,13 @@ __global__ void block_offsets_kernel(const std::int32_t* cu_seqlens, std::int64_
 
 // One thread per entry (pair, slot j), so that consecutive threads read and write consecutive slots: the key
 // h * blocks_bound + global block if the slot lists a block that starts at or before the token, the sentinel
-// otherwise and from the first -1 of the row on.
+// otherwise and from the first -1 of the row on; either with the entry's chunk above it.
 __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqlens, const std::int32_t* offsets,
                                  KeyConfig c, std::uint32_t* keys, std::int32_t* values) {
   const std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (e >= c.pair_count * c.num_idx) return;
-  const std::int64_t pair = c.pair0 + e / c.num_idx, j = e % c.num_idx;
+  const std::int64_t local = e / c.num_idx, pair = c.pair0 + local, j = e % c.num_idx;
+  const std::int64_t chunk = local / c.chunk_pairs;
   const std::int64_t h = pair / c.total_rows, row_g = pair % c.total_rows;
   std::int64_t t = 0, batch = 0, row = row_g, block_base = 0;
   bool valid = true;
@@ -64,8 +65,8 @@ __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqle
     for (std::int64_t i = 0; i < j; ++i) listed = listed && idx[i] >= 0;  // L1 hits: the row's earlier slots
     if (listed && b * c.block <= t) key = static_cast<std::uint32_t>(h * c.blocks_bound + block_base + b);
   }
-  keys[e] = key;
-  values[e] = static_cast<std::int32_t>(c.value_is_entry ? e : t);
+  keys[e] = key | static_cast<std::uint32_t>(static_cast<std::uint64_t>(chunk) << c.chunk_shift);
+  values[e] = static_cast<std::int32_t>(c.value_is_entry ? e - chunk * c.chunk_pairs * c.num_idx : t);
 }
 
 __global__ void segments_kernel(const std::uint32_t* keys, std::int64_t count, std::uint32_t sentinel,

@@ -17,14 +17,18 @@ namespace sparseattn::cuda::selection {
 // block_base is seq * blocks_per_seq (batched) or offsets[seq] (packed, from launch_block_offsets).
 // Entries that list no visible block get the sentinel key (Hkv * blocks_bound) and sort last.
 // A build covers a range of (KV head h, token row) pairs in head-major order, pair = h * total_rows + row (row
-// of B*T, or of N packed): a chunk of them then touches the K/V blocks of one or two heads only.
+// of B*T, or of N packed): a chunk of them then touches the K/V blocks of one or two heads only. The build's
+// pairs are cut into chunks of chunk_pairs; a chunk's index c within the build goes into the key as c <<
+// chunk_shift (the sort group of forward_plan.h), so that chunk c's entries sort to [c * chunk_pairs * n, ...).
 struct KeyConfig {
   std::int64_t num_idx, block, rows, batch, blocks_per_seq;  // rows: T or N; blocks_per_seq: batched
   std::int64_t total_rows;          // B*T or N
   std::int64_t pair0, pair_count;   // the pairs [pair0, pair0 + pair_count) this build covers
+  std::int64_t chunk_pairs;         // pairs per chunk (pair_count: the build is one chunk)
+  int chunk_shift;                  // the chunk index's lowest key bit (the bits of plain keys)
   std::uint32_t blocks_bound, sentinel;
   bool packed;
-  bool value_is_entry;  // value = entry index within the build (forward) instead of the token position t
+  bool value_is_entry;  // value = entry index within its chunk (forward, dQ) instead of the token position t
 };
 
 // Number of key bits the radix sort must look at to order keys in [0, sentinel].
@@ -34,6 +38,7 @@ int key_end_bit(std::uint32_t sentinel);
 void launch_block_offsets(const std::int32_t* cu_seqlens, std::int64_t batch, std::int64_t block,
                           std::int32_t* offsets, cudaStream_t stream);
 // keys/values of the pair_count * num_idx entries of the pairs; entry (pair, j) sits at (pair - pair0) * num_idx + j.
+// Keys: the (KV head, block) key (or the sentinel) | chunk << chunk_shift.
 void launch_make_keys(const IndexView& indices, const std::int32_t* cu_seqlens, const std::int32_t* offsets,
                       const KeyConfig& c, std::uint32_t* keys, std::int32_t* values, cudaStream_t stream);
 // cub radix sort scratch for `count` pairs (host-side query, no device work).

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/selection/common.cuh"
+#include "cuda/selection/forward_plan.h"
 #include "sparseattn/selected_attention.h"
 
 namespace sparseattn::cuda::selection {
@@ -25,7 +26,8 @@ struct KvForwardPlan {
   std::int64_t chunk_pairs = 0;     // pairs per chunk (head-major, forward_plan.h)
   std::int64_t chunk_entries = 0;   // chunk_pairs * n
   std::uint32_t sentinel = 0;
-  int end_bit = 1;
+  int end_bit = 1;             // bits of a plain (KV head, block) key
+  SortGroup sort;              // chunks sorted together and the key bits of that sort (forward_plan.h)
   std::size_t offsets = 0, keys_in = 0, keys_out = 0, values_in = 0, values_out = 0, o_part = 0, scale_part = 0, lse_part = 0,
               temp = 0, temp_bytes = 0, total = 0;
 };

@@ -20,20 +20,21 @@ struct KvConfig {
   std::int64_t total_rows, pair0;  // B*T or N; the chunk's first (KV head, token row) pair (inverse_index.h)
   std::int64_t entries, per_cta;   // the chunk's entries, entries per CTA
   std::uint32_t blocks_bound, sentinel;
+  std::uint32_t key_mask;  // the (KV head, block) bits of a sorted key (above them: the chunk, forward_plan.h)
   int key_rows;  // K/V rows in shared memory (the mma.sync kernel: round_up16(block))
   bool packed;
   float scale_log2;
 };
 
-// Copies this CTA's slice of the sorted entries (c.per_cta of them, fewer in the last CTA) into shared memory;
-// returns its length. Ends with a barrier.
+// Copies this CTA's slice of the sorted entries (c.per_cta of them, fewer in the last CTA) into shared memory,
+// keys without their chunk bits; returns its length. Ends with a barrier.
 template <int kThreads>
 __device__ __forceinline__ int load_cta_entries(const std::uint32_t* keys, const std::int32_t* values,
                                                 const KvConfig& c, std::uint32_t* keys_s, std::int32_t* vals_s) {
   const std::int64_t e0 = std::int64_t{blockIdx.x} * c.per_cta;
   const int count = static_cast<int>(min(c.per_cta, c.entries - e0));
   for (int i = threadIdx.x; i < count; i += kThreads) {
-    keys_s[i] = keys[e0 + i];
+    keys_s[i] = keys[e0 + i] & c.key_mask;
     vals_s[i] = values[e0 + i];
   }
   __syncthreads();
