@@ -85,14 +85,18 @@ TEST(SelectedForwardPlan, ChunksBoundTheWorkspace) {
 }
 
 TEST(SelectedForwardPlan, SortGroupsShareOneSort) {
-  // 32/32, T = 64K: 36 chunks of 0.93 M entries, 16-bit keys: one sort of all chunks, 6 chunk bits above the key.
+  // 32/32, T = 64K: 36 chunks of 0.93 M entries, 16-bit keys: 9 chunks per sort (128 MB of index at 16 bytes per
+  // entry), 4 chunk bits above the key.
   SortGroup g = sort_group(36, 930000, 16, kKvIndexCap);
-  EXPECT_EQ(g.chunks, 36);
-  EXPECT_EQ(g.end_bit, 22);
-  // The index cap bounds a group: 512 MB at 16 bytes per entry.
+  EXPECT_EQ(g.chunks, 9);
+  EXPECT_EQ(g.end_bit, 20);
+  // All chunks where the cap allows: 32/8, T = 64K (34 chunks of 248 K entries).
+  g = sort_group(34, 248000, 14, std::size_t{1} << 30);
+  EXPECT_EQ(g.chunks, 34);
+  EXPECT_EQ(g.end_bit, 20);
   g = sort_group(1000, 1 << 20, 16, kKvIndexCap);
   EXPECT_EQ(g.chunks, static_cast<std::int64_t>(kKvIndexCap / (kIndexBytesPerEntry << 20)));
-  EXPECT_EQ(g.end_bit, 16 + 5);
+  EXPECT_EQ(g.end_bit, 16 + 3);
   // No cap (the backward's dQ reuses buffers of every entry): all chunks, as far as 32-bit keys number them.
   g = sort_group(1000, 1 << 20, 16);
   EXPECT_EQ(g.chunks, 1000);

@@ -153,9 +153,10 @@ inline std::int64_t kv_chunk_pairs(std::int64_t total_pairs, std::int64_t group,
 // index of its chunk within the sort group above the (KV head, block) key bits, so that one stable sort leaves
 // every chunk's entries contiguous, in the order a sort of that chunk alone gives (its sentinels last). One sort
 // and one make_keys per chunk were 36 of each per direction at 32/32, T = 64K. The forward's index for a group
-// (keys and values, in and out of the sort: 16 bytes per entry) stays within this cap; the backward's dQ reuses
-// the dK/dV's index buffers, which hold every entry anyway.
-inline constexpr std::size_t kKvIndexCap = std::size_t{512} << 20;
+// (keys and values, in and out of the sort: 16 bytes per entry; the sort's scratch is about as much again) stays
+// within this cap, half the partials' (512 MB, all 36 chunks in one sort at 32/32, T = 64K, added 1 GB to the peak
+// memory of fwd+bwd and was no faster); the backward's dQ reuses the dK/dV's index buffers, which hold every entry.
+inline constexpr std::size_t kKvIndexCap = std::size_t{128} << 20;
 inline constexpr std::size_t kIndexBytesPerEntry = 16;
 
 struct SortGroup {
