@@ -297,38 +297,32 @@ void dq_kv_outer(const SelectedAttentionBackwardParams& p, const DqKvArgs& a) {
         }
       }
       set_smem(kernel, smem);
-      const std::int64_t total_pairs = a.total_rows * a.heads_kv, group_pairs = a.chunk_pairs * a.sort.chunks;
-      for (std::int64_t group0 = 0; group0 < total_pairs; group0 += group_pairs) {
-        // One sort for a group of chunks (forward_plan.h); chunk c of the group is entries [c * chunk entries, ...).
-        const std::int64_t sorted_pairs = std::min(group_pairs, total_pairs - group0);
-        const KeyConfig kc{a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, a.total_rows, group0, sorted_pairs,
-                           a.chunk_pairs, a.end_bit, a.blocks_bound, a.sentinel, a.packed, /*value_is_entry=*/true};
-        launch_make_keys(index_of(p.indices), a.cu_seqlens, a.offsets, kc, a.keys_in, a.values_in, stream);
-        radix_sort_pairs(a.temp, a.temp_bytes, a.keys_in, a.keys_out, a.values_in, a.values_out,
-                         sorted_pairs * a.num_idx, a.sort.end_bit, stream);
-        for (std::int64_t pair0 = group0; pair0 < group0 + sorted_pairs; pair0 += a.chunk_pairs) {
-          const std::int64_t pairs = std::min(a.chunk_pairs, group0 + sorted_pairs - pair0);
-          const std::int64_t entries = pairs * a.num_idx, first = (pair0 - group0) * a.num_idx;
-          if (entries > 0) {
-            const KvConfig c{a.group, a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, a.total_rows, pair0,
-                             entries, per_cta, a.blocks_bound, a.sentinel, key_mask(a.end_bit),
-                             static_cast<int>((std::min<std::int64_t>(a.block, kDqKvMaxBlock) + 15) / 16 * 16),
-                             a.packed, a.scale_log2};
-            kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
-                tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), tokens_of<const T>(p.d_o),
-                lse_of<const float>(p.lse), a.delta, a.keys_out + first, a.values_out + first, a.cu_seqlens,
-                a.offsets, static_cast<__half*>(a.dq_half), a.dq_scale, c);
-            check_launch("dq_kv_kernel");
-          }
-          const DqMergeConfig mc{a.group, a.num_idx, a.block, a.rows, a.batch, a.total_rows, pair0, pairs, a.packed,
-                                 a.accumulate_dq, a.scale};
-          dq_kv_merge_kernel<T, DQK><<<static_cast<unsigned>(ceil_div(pairs * a.group, kMergeWarps)),
-                                       kMergeWarps * 32, 0, stream>>>(static_cast<const __half*>(a.dq_half),
-                                                                      a.dq_scale, index_of(p.indices), a.cu_seqlens,
-                                                                      tokens_of<T>(p.dq), mc);
-          check_launch("dq_kv_merge_kernel");
+      const KeyConfig kc{a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, a.total_rows, 0, 0, a.chunk_pairs,
+                         a.end_bit, a.blocks_bound, a.sentinel, a.packed, /*value_is_entry=*/true};
+      const IndexBuffers buffers{a.keys_in, a.keys_out, a.values_in, a.values_out, a.temp, a.temp_bytes};
+      for_each_sorted_chunk(index_of(p.indices), a.cu_seqlens, a.offsets, kc, a.total_rows * a.heads_kv, a.sort,
+                            buffers, stream,
+                            [&](std::int64_t pair0, std::int64_t pairs, const std::uint32_t* keys,
+                                const std::int32_t* values) {
+        const std::int64_t entries = pairs * a.num_idx;
+        if (entries > 0) {
+          const KvConfig c{a.group, a.num_idx, a.block, a.rows, a.batch, a.blocks_per_seq, a.total_rows, pair0,
+                           entries, per_cta, a.blocks_bound, a.sentinel, key_mask(a.end_bit),
+                           static_cast<int>((std::min<std::int64_t>(a.block, kDqKvMaxBlock) + 15) / 16 * 16),
+                           a.packed, a.scale_log2};
+          kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
+              tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), tokens_of<const T>(p.d_o),
+              lse_of<const float>(p.lse), a.delta, keys, values, a.cu_seqlens, a.offsets,
+              static_cast<__half*>(a.dq_half), a.dq_scale, c);
+          check_launch("dq_kv_kernel");
         }
-      }
+        const DqMergeConfig mc{a.group, a.num_idx, a.block, a.rows, a.batch, a.total_rows, pair0, pairs, a.packed,
+                               a.accumulate_dq, a.scale};
+        dq_kv_merge_kernel<T, DQK><<<static_cast<unsigned>(ceil_div(pairs * a.group, kMergeWarps)), kMergeWarps * 32,
+                                     0, stream>>>(static_cast<const __half*>(a.dq_half), a.dq_scale,
+                                                  index_of(p.indices), a.cu_seqlens, tokens_of<T>(p.dq), mc);
+        check_launch("dq_kv_merge_kernel");
+      });
     });
   });
 }

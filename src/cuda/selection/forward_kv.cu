@@ -377,35 +377,28 @@ void forward_kv_outer(const SelectedAttentionParams& p, const KvForwardPlan& pla
         }
       }
       set_smem(kernel, smem);
-      const std::int64_t group_pairs = plan.chunk_pairs * plan.sort.chunks;
-      for (std::int64_t group0 = 0; group0 < plan.total_pairs; group0 += group_pairs) {
-        // One sort for a group of chunks; chunk c of the group is then entries [c * chunk_entries, ...).
-        const std::int64_t sorted_pairs = std::min(group_pairs, plan.total_pairs - group0);
-        const KeyConfig kc{plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq, plan.total_rows, group0,
-                           sorted_pairs, plan.chunk_pairs, plan.end_bit, static_cast<std::uint32_t>(plan.blocks_bound),
-                           plan.sentinel, s.packed, /*value_is_entry=*/true};
-        launch_make_keys(index_of(p.indices), cu, offsets, kc, keys_in, values_in, stream);
-        radix_sort_pairs(ws + plan.temp, plan.temp_bytes, keys_in, keys_out, values_in, values_out,
-                         sorted_pairs * plan.num_idx, plan.sort.end_bit, stream);
-        for (std::int64_t pair0 = group0; pair0 < group0 + sorted_pairs; pair0 += plan.chunk_pairs) {
-          const std::int64_t pairs = std::min(plan.chunk_pairs, group0 + sorted_pairs - pair0);
-          const std::int64_t entries = pairs * plan.num_idx, first = (pair0 - group0) * plan.num_idx;
-          const KvConfig c{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq,
-                           plan.total_rows, pair0, entries, per_cta, static_cast<std::uint32_t>(plan.blocks_bound),
-                           plan.sentinel, key_mask(plan.end_bit), static_cast<int>(round_up16(plan.block)), s.packed,
-                           scale_log2};
-          kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
-              tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), keys_out + first,
-              values_out + first, cu, offsets, o_part, scale_part, lse_part, c);
-          check_launch("kv_forward_kernel (KV-block-outer selected attention)");
-          const MergeConfig mc{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.total_rows, pair0, pairs,
-                               s.packed};
-          kv_merge_kernel<T, DV><<<static_cast<unsigned>(ceil_div(pairs * plan.group, kMergeWarps)),
-                                   kMergeWarps * 32, 0, stream>>>(o_part, scale_part, lse_part, index_of(p.indices),
-                                                                  cu, tokens_of<T>(p.o), lse_of<float>(p.lse), mc);
-          check_launch("kv_merge_kernel");
-        }
-      }
+      const KeyConfig kc{plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq, plan.total_rows, 0, 0,
+                         plan.chunk_pairs, plan.end_bit, static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel,
+                         s.packed, /*value_is_entry=*/true};
+      const IndexBuffers buffers{keys_in, keys_out, values_in, values_out, ws + plan.temp, plan.temp_bytes};
+      for_each_sorted_chunk(index_of(p.indices), cu, offsets, kc, plan.total_pairs, plan.sort, buffers, stream,
+                            [&](std::int64_t pair0, std::int64_t pairs, const std::uint32_t* keys,
+                                const std::int32_t* values) {
+        const std::int64_t entries = pairs * plan.num_idx;
+        const KvConfig c{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq, plan.total_rows,
+                         pair0, entries, per_cta, static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel,
+                         key_mask(plan.end_bit), static_cast<int>(round_up16(plan.block)), s.packed, scale_log2};
+        kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
+            tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), keys, values, cu, offsets,
+            o_part, scale_part, lse_part, c);
+        check_launch("kv_forward_kernel (KV-block-outer selected attention)");
+        const MergeConfig mc{plan.group, plan.num_idx, plan.block, s.rows, s.batch, plan.total_rows, pair0, pairs,
+                             s.packed};
+        kv_merge_kernel<T, DV><<<static_cast<unsigned>(ceil_div(pairs * plan.group, kMergeWarps)), kMergeWarps * 32,
+                                 0, stream>>>(o_part, scale_part, lse_part, index_of(p.indices), cu, tokens_of<T>(p.o),
+                                              lse_of<float>(p.lse), mc);
+        check_launch("kv_merge_kernel");
+      });
     });
   });
 }

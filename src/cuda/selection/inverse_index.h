@@ -6,10 +6,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
 #include "cuda/selection/common.cuh"
+#include "cuda/selection/forward_plan.h"
 
 namespace sparseattn::cuda::selection {
 
@@ -50,5 +52,35 @@ void radix_sort_pairs(void* temp, std::size_t temp_bytes, const std::uint32_t* k
 // seg_begin/seg_end[key] from the sorted keys (both zeroed first, here: an empty list is [0, 0)).
 void launch_segments(const std::uint32_t* sorted_keys, std::int64_t count, std::uint32_t sentinel,
                      std::int32_t* seg_begin, std::int32_t* seg_end, std::int64_t keys, cudaStream_t stream);
+
+// Index buffers of one sort group: keys and values in and out of the sort, and its scratch.
+struct IndexBuffers {
+  std::uint32_t *keys_in, *keys_out;
+  std::int32_t *values_in, *values_out;
+  void* temp;
+  std::size_t temp_bytes;
+};
+
+// Walks the pairs [0, total_pairs) a sort group at a time (forward_plan.h): one make_keys and one stable sort per
+// group, then each_chunk(pair0, pairs, keys, values) for each of the group's chunks (keys.chunk_pairs pairs each)
+// with that chunk's sorted entries. keys gives everything but pair0 and pair_count.
+template <class EachChunk>
+void for_each_sorted_chunk(const IndexView& indices, const std::int32_t* cu_seqlens, const std::int32_t* offsets,
+                           KeyConfig keys, std::int64_t total_pairs, const SortGroup& sort, const IndexBuffers& b,
+                           cudaStream_t stream, EachChunk&& each_chunk) {
+  const std::int64_t group_pairs = keys.chunk_pairs * sort.chunks;
+  for (std::int64_t group0 = 0; group0 < total_pairs; group0 += group_pairs) {
+    keys.pair0 = group0;
+    keys.pair_count = std::min(group_pairs, total_pairs - group0);
+    launch_make_keys(indices, cu_seqlens, offsets, keys, b.keys_in, b.values_in, stream);
+    radix_sort_pairs(b.temp, b.temp_bytes, b.keys_in, b.keys_out, b.values_in, b.values_out,
+                     keys.pair_count * keys.num_idx, sort.end_bit, stream);
+    for (std::int64_t pair0 = group0; pair0 < group0 + keys.pair_count; pair0 += keys.chunk_pairs) {
+      const std::int64_t first = (pair0 - group0) * keys.num_idx;
+      each_chunk(pair0, std::min(keys.chunk_pairs, group0 + keys.pair_count - pair0), b.keys_out + first,
+                 b.values_out + first);
+    }
+  }
+}
 
 }  // namespace sparseattn::cuda::selection
