@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/selection/common.cuh"
@@ -44,7 +45,6 @@ constexpr int kRows = selection::kSelectRows;  // MMA rows per tile: (token, gro
 constexpr int kCols = kSelectColumns;          // compressed blocks per column tile
 constexpr int kSumPitch = kCols + 8;        // fp32 pitch of the group sums: 64-bit stores hit distinct banks
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kUnrolledTaps = 8;           // pooling: stencils up to this many taps go without a loop
 constexpr int kListCap = 64;               // top-n: blocks ranked in the usual path (two per lane)
 
 template <int D>
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   std::uint64_t* const list = reinterpret_cast<std::uint64_t*>(sums + kRows * kSumPitch) + warp * kListCap;
   constexpr int kStageFloats = static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps);
   float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
-  static_assert(kStageFloats % 4 == 0, "stages start at 16-byte boundaries (cp.async)");
+  static_assert(kStageFloats % 8 == 0, "stages and their halves start at 16-byte boundaries (cp.async)");
   const i64 G = c.group, M = c.tokens_per_tile;
   const int tpw = c.tokens_per_warp, wpt = c.warps_per_token;
   // The tile token and group head of tile row 16 * w + i (see the header: Gp rows per token).
@@ -333,6 +333,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       visible_end[half] = sees ? static_cast<int>(min((t - c.cmp_block + 1) / c.cmp_stride + 1, i64{cmp_count})) : 0;
     }
     const int warp_visible_end = __reduce_max_sync(0xffffffffu, max(visible_end[0], visible_end[1]));
+    // Compressed blocks that every row of the warp sees; 0 if the warp holds an unused row (a padded group head
+    // or a token past the sequence), whose probabilities are zeroed by the mask, not by its lse.
+    const bool rows_used = row_token[0] < tokens && row_token[1] < tokens && row_head[0] < G && row_head[1] < G;
+    const int warp_all_visible =
+        __reduce_min_sync(0xffffffffu, rows_used ? min(visible_end[0], visible_end[1]) : 0);
     const i64 col_tiles = ceil_div((t0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
     const auto k_stage = [&](i64 k) { return k_base + (k % L::kStages) * (kCols * D); };
     const auto first_col = [&](i64 k) { return first_cmp_block(c, static_cast<int>(k * c.blocks_per_tile)); };
@@ -382,12 +387,20 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         __syncthreads();  // every warp is done with the single K stage
         load_k_tile(k + 1);
       }
+      if (j0 + kCols <= warp_all_visible) {  // no masking: 2 instructions per probability instead of 4
 #pragma unroll
-      for (int n = 0; n < kCols / 8; ++n) {
+        for (int n = 0; n < kCols / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = n * 8 + 2 * (lane % 4) + e % 2;
-          acc[n][e] = col < visible_end[e / 2] - j0 ? fast_exp2(fmaf(acc[n][e], c.scale_log2, -row_lse[e / 2])) : 0.f;
+          for (int e = 0; e < 4; ++e) acc[n][e] = fast_exp2(fmaf(acc[n][e], c.scale_log2, -row_lse[e / 2]));
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < kCols / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = n * 8 + 2 * (lane % 4) + e % 2;
+            acc[n][e] = col < visible_end[e / 2] - j0 ? fast_exp2(fmaf(acc[n][e], c.scale_log2, -row_lse[e / 2])) : 0.f;
+          }
         }
       }
       float* const warp_sums = sums + warp * tpw * kSumPitch;
@@ -405,52 +418,81 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       }
       // Pool: selection block b gets sum_s w[s] * P[b * cols_per_block - border + s] (blocks j >= 0), for the
       // blocks that start at or before the token. Tile 0 starts at compressed block 0 rather than at block 0's
-      // first border block.
+      // first border block. Positions and block starts fit int32 (see SelectConfig).
       const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), shift = k == 0 ? c.border : 0;
-      const int last_token = min(pool_end, tokens);
-      const auto pool = [&](auto column) {  // column(x, s): the token's group sum x[s]
+      const int last_token = min(pool_end, tokens), sel_block = static_cast<int>(c.sel_block);
+      // column(x, s): the token's group sum x[s]. kTaps: the stencil, unrolled with the taps as constant operands
+      // (small groups pool as many scores as they compute probabilities), or 0: c.stencil at run time.
+      const auto pool = [&](auto column, auto taps_tag) {
+        constexpr int kTaps = decltype(taps_tag)::value;
         for (int m = pool_first; m < last_token; m += token_lanes) {
           const float* const row = sums + m * wpt * kSumPitch - shift;  // the token's group sums (wpt rows)
-          for (int bb = pool_block; bb < nb && static_cast<i64>(b0 + bb) * c.sel_block <= t0 + m; bb += block_lanes) {
+          float* const scores = slot + m * c.slot_blocks + b0;
+          const int position = static_cast<int>(t0) + m;
+          for (int bb = pool_block; bb < nb && (b0 + bb) * sel_block <= position; bb += block_lanes) {
             const float* x = row + bb * c.cols_per_block;  // x[s]: the block's s-th compressed block
-            const int s0 = b0 + bb == 0 ? c.border : 0;    // block 0 has no border blocks before it
             float score = 0.f;
+            if (kTaps > 0 && b0 + bb > 0) {
 #pragma unroll
-            for (int s = 0; s < kUnrolledTaps; ++s) {
-              if (s >= s0 && s < c.stencil) score = fmaf(c.taps[s], column(x, s), score);
+              for (int s = 0; s < kTaps; ++s) score = fmaf(c.taps[s], column(x, s), score);
+            } else {  // block 0 has no border blocks before it
+              for (int s = b0 + bb == 0 ? c.border : 0; s < c.stencil; ++s) score = fmaf(c.taps[s], column(x, s), score);
             }
-            for (int s = kUnrolledTaps; s < c.stencil; ++s) score = fmaf(c.taps[s], column(x, s), score);
-            slot[m * c.slot_blocks + b0 + bb] = score;
+            scores[bb] = score;
           }
         }
       };
       if (wpt == 1) {
-        pool([](const float* x, int s) { return x[s]; });
+        const auto own_row = [](const float* x, int s) { return x[s]; };
+        switch (c.stencil) {  // the stencils of 32/16 and 64/64 compression with 64- and 128-token blocks
+          case 1: pool(own_row, std::integral_constant<int, 1>{}); break;
+          case 2: pool(own_row, std::integral_constant<int, 2>{}); break;
+          case 5: pool(own_row, std::integral_constant<int, 5>{}); break;
+          case 9: pool(own_row, std::integral_constant<int, 9>{}); break;
+          default: pool(own_row, std::integral_constant<int, 0>{}); break;
+        }
       } else {
-        pool([wpt](const float* x, int s) {
+        const auto token_warps = [wpt](const float* x, int s) {
           float sum = x[s];
           for (int w = 1; w < wpt; ++w) sum += x[w * kSumPitch + s];  // the token's other warps
           return sum;
-        });
+        };
+        pool(token_warps, std::integral_constant<int, 0>{});
       }
       if (wpt == 1) __syncwarp();  // the warp's sums are read before the next tile overwrites them
     }
     __syncthreads();  // pooled rows complete; Q, K and the sums are free
-    for (int m = warp; m < tokens; m += kWarps) {
-      const i64 t = t0 + m;
-      const int candidates = static_cast<int>(t / c.sel_block + 1);
-      float* row = slot + m * c.slot_blocks;
-      // The top-n reads the row at least twice: from this warp's share of shared memory where it fits (L2
-      // latency per pass otherwise, which dominates small groups' time).
-      if (candidates <= kStageFloats) {  // one 16-byte cp.async per 4 blocks, all in flight at once
-        for (int b = 4 * lane; b < candidates; b += 4 * 32) cp_async_16(stage + b, row + b);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncwarp();
-        row = stage;
+    // The top-n reads a row at least twice: from this warp's share of shared memory where it fits (L2 latency
+    // per pass otherwise, which dominates small groups' time). Where two rows fit, the warp's next row is copied
+    // while this one is ranked.
+    const i64 most_candidates = (t0 + tokens - 1) / c.sel_block + 1;
+    const int buffers = 2 * most_candidates <= kStageFloats ? 2 : most_candidates <= kStageFloats ? 1 : 0;
+    const auto buffer = [&](int i) { return stage + (i % buffers) * (kStageFloats / buffers); };
+    const auto stage_row = [&](int m, float* dst) {  // one 16-byte cp.async per 4 blocks, all in flight at once
+      if (m < tokens) {
+        const float* const row = slot + m * c.slot_blocks;
+        const int candidates = static_cast<int>((t0 + m) / c.sel_block + 1);
+        for (int b = 4 * lane; b < candidates; b += 4 * 32) cp_async_16(dst + b, row + b);
       }
-      choose_blocks(row, candidates, c, out.row(seq.batch, seq.begin + t, h), list);
-      __syncwarp();  // the stage is read before the warp's next token overwrites it
+      cp_async_commit();
+    };
+    if (buffers > 0) stage_row(warp, buffer(0));
+    for (int m = warp, i = 0; m < tokens; m += kWarps, ++i) {
+      const i64 t = t0 + m;
+      float* row = slot + m * c.slot_blocks;
+      if (buffers > 0) {
+        if (buffers == 2) {
+          stage_row(m + kWarps, buffer(i + 1));
+          cp_async_wait<1>();
+        } else {
+          cp_async_wait<0>();
+        }
+        __syncwarp();
+        row = buffer(i);
+      }
+      choose_blocks(row, static_cast<int>(t / c.sel_block + 1), c, out.row(seq.batch, seq.begin + t, h), list);
+      __syncwarp();  // the stage is read before the warp's next row overwrites it
+      if (buffers == 1) stage_row(m + kWarps, buffer(i + 1));
     }
   }
 }
