@@ -52,8 +52,9 @@ struct Layout {
   static constexpr int kStages = D <= 192 ? 2 : 1;  // 256: one K buffer keeps the CTA within sm_80's 163 KB
   static constexpr std::size_t kQ = std::size_t{2} * kRows * D;
   static constexpr std::size_t kK = std::size_t{2} * kCols * D;
-  // Group sums: one row per token (Gp <= 16) or per warp (Gp > 16), 128 rows at most (Gp = 1).
-  static constexpr std::size_t kSums = sizeof(float) * kRows * kSumPitch;
+  // Group sums: one row per token (Gp <= 16) or per warp (Gp > 16), 128 rows at most (Gp = 1), after one row
+  // whose padding is the zero border of row 0 (see the pooling).
+  static constexpr std::size_t kSums = sizeof(float) * (kRows + 1) * kSumPitch;
   static constexpr std::size_t kBytes =
       kQ + kStages * kK + kSums + sizeof(std::uint64_t) * kWarps * kListCap + wgmma::kTileAlignment;
 };
@@ -78,8 +79,9 @@ __device__ __forceinline__ void load_k_fragments(std::uint32_t (&b)[4], const T*
   ldmatrix_x4(b, k_tile + wgmma::swizzled_offset<kCols>(n0 + lane % 8 + (lane / 16) * 8, k0 + ((lane / 8) % 2) * 8));
 }
 
-// A candidate's rank value: NaN (garbage input) ranks last but still fills a slot.
-__device__ __forceinline__ float rank_value(float v) { return v != v ? -3.0e38f : v; }
+// A candidate's rank value: NaN (garbage input) ranks last but still fills a slot (fmaxf returns the number).
+// Scores are >= 0 or NaN; only the fallback of choose_blocks marks blocks with -inf, and it skips them.
+__device__ __forceinline__ float rank_value(float v) { return fmaxf(v, -3.0e38f); }
 
 // Order-preserving map of floats to unsigned integers (-inf lowest, then the negative NaN stand-in, then >= 0).
 __device__ __forceinline__ unsigned order_key(float v) {
@@ -106,28 +108,29 @@ __device__ __forceinline__ std::uint64_t warp_max(std::uint64_t key) {
   return key;
 }
 
-// The n-th largest (1 <= n <= 32) of the lanes' keys: a bitonic sort across the warp, descending.
-__device__ __forceinline__ std::uint64_t warp_nth_largest(std::uint64_t key, int n) {
+// The n-th largest (1 <= n <= 32) of the lanes' values: a bitonic sort across the warp, descending.
+__device__ __forceinline__ float warp_nth_largest(float value, int n) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int k = 2; k <= 32; k *= 2) {
 #pragma unroll
     for (int j = k / 2; j > 0; j /= 2) {
-      const std::uint64_t other = __shfl_xor_sync(0xffffffffu, key, j);
+      const float other = __shfl_xor_sync(0xffffffffu, value, j);
       const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
-      key = keep_max ? (other > key ? other : key) : (other < key ? other : key);
+      value = keep_max ? fmaxf(other, value) : fminf(other, value);
     }
   }
-  return __shfl_sync(0xffffffffu, key, n - 1);
+  return __shfl_sync(0xffffffffu, value, n - 1);
 }
 
 // Top-n of one token's pooled row (`row`, `candidates` blocks) by one warp; writes `out[0..n)` ascending, -1
 // padded. The forced blocks (the first init, the last local) go straight to their places; `need` more come
 // from the blocks between them, [init, local_lo). Lane l owns the blocks b = l (mod 32).
-//  - Usual path (need <= 32): the need-th best of the 32 lanes' best blocks is a threshold that at least need
-//    blocks reach, so the chosen blocks are among those at or above it. With scores of any spread these are
-//    few (about need + need / 2 for random rows): they are compacted into `list` (ascending block order) and
-//    each is ranked against the others.
+//  - Usual path (need <= 32): the need-th largest of the 32 lanes' best rank values is a threshold that at least
+//    need blocks reach, so the chosen blocks are among those at or above it. With scores of any spread these are
+//    few (about need + need / 2 for random rows): they are compacted into `list` (ascending block order) as
+//    candidate keys and each is ranked against the others. The two passes over the row compare floats; only the
+//    few kept blocks build a 64-bit key.
 //  - Otherwise (need > 32, or more than kListCap blocks reach the threshold: ties, or the best blocks sharing
 //    a lane): need rounds of warp argmax, each marking its block (-inf) and rescanning only the owner's blocks.
 __device__ void choose_blocks(float* row, int candidates, const Config& c, std::int32_t* out, std::uint64_t* list) {
@@ -140,22 +143,17 @@ __device__ void choose_blocks(float* row, int candidates, const Config& c, std::
   for (int i = lane; i < candidates - local_lo; i += 32) out[init + need + i] = local_lo + i;
   for (i64 i = count + lane; i < c.num_selected; i += 32) out[i] = -1;
   if (need == 0) return;
-  const auto first_owned = [&](int l) { return init + (l - init % 32 + 32) % 32; };  // lane l's first block
-  std::uint64_t best = 0;
-  for (int b = first_owned(lane); b < local_lo; b += 32) {
-    const std::uint64_t key = candidate_key(row[b], b);
-    best = key > best ? key : best;
-  }
   if (need <= 32) {
-    const std::uint64_t threshold = warp_nth_largest(best, need);  // > 0: [init, local_lo) covers >= need lanes
+    float best = -INFINITY;  // stays -inf for a lane without blocks; [init, local_lo) covers >= need lanes
+    for (int b = init + lane; b < local_lo; b += 32) best = fmaxf(best, rank_value(row[b]));
+    const float threshold = warp_nth_largest(best, need);
     int size = 0;
     for (int base = init; base < local_lo; base += 32) {
       const int b = base + lane;
-      const std::uint64_t key = b < local_lo ? candidate_key(row[b], b) : 0;
-      const bool keep = key >= threshold;
+      const bool keep = b < local_lo && rank_value(row[b]) >= threshold;
       const unsigned ballot = __ballot_sync(0xffffffffu, keep);
       const int slot = size + __popc(ballot & ((1u << lane) - 1u));
-      if (keep && slot < kListCap) list[slot] = key;
+      if (keep && slot < kListCap) list[slot] = candidate_key(row[b], b);
       size += __popc(ballot);
     }
     if (size <= kListCap) {
@@ -178,6 +176,12 @@ __device__ void choose_blocks(float* row, int candidates, const Config& c, std::
       __syncwarp();  // the list is read before the warp's next token overwrites it
       return;
     }
+  }
+  const auto first_owned = [&](int l) { return init + (l - init % 32 + 32) % 32; };  // lane l's first block
+  std::uint64_t best = 0;
+  for (int b = first_owned(lane); b < local_lo; b += 32) {
+    const std::uint64_t key = candidate_key(row[b], b);
+    best = key > best ? key : best;
   }
   for (int round = 0; round < need; ++round) {
     const std::uint64_t top = warp_max(best);
@@ -268,12 +272,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   unsigned char* const smem = smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1));
   T* const q_tile = reinterpret_cast<T*>(smem);
   T* const k_base = reinterpret_cast<T*>(smem + L::kQ);
-  float* const sums = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK);  // [kRows][kSumPitch]
+  float* const sums = reinterpret_cast<float*>(smem + L::kQ + L::kStages * L::kK) + kSumPitch;  // [kRows][kSumPitch]
   float* const slot = slots + static_cast<i64>(blockIdx.x) * c.tokens_per_tile * c.slot_blocks;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   std::uint64_t* const list = reinterpret_cast<std::uint64_t*>(sums + kRows * kSumPitch) + warp * kListCap;
-  constexpr int kStageFloats = static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps);
+  constexpr int kStageFloats = static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps) / 8 * 8;
   float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
   static_assert(kStageFloats % 8 == 0, "stages and their halves start at 16-byte boundaries (cp.async)");
   const i64 G = c.group, M = c.tokens_per_tile;
@@ -313,6 +317,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         seq.length >= c.cmp_block ? static_cast<int>((seq.length - c.cmp_block) / c.cmp_stride + 1) : 0;
 
     __syncthreads();  // the previous tile is done with shared memory
+    // Zero the padding of the sums rows (and of the row before row 0): the unrolled pooling reads the border
+    // blocks of selection block 0 there, from before the tile's first column.
+    for (int i = tid; i < (kRows + 1) * (kSumPitch - kCols); i += kThreads) {
+      sums[(i / (kSumPitch - kCols) - 1) * kSumPitch + kCols + i % (kSumPitch - kCols)] = 0.f;
+    }
     wgmma::gather_swizzled_rows<kRows, D, kThreads>(
         q_tile,
         [&](int r) -> const T* {
@@ -432,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           for (int bb = pool_block; bb < nb && (b0 + bb) * sel_block <= position; bb += block_lanes) {
             const float* x = row + bb * c.cols_per_block;  // x[s]: the block's s-th compressed block
             float score = 0.f;
-            if (kTaps > 0 && b0 + bb > 0) {
+            if constexpr (kTaps > 0) {  // block 0's border blocks (before column 0) read the zero padding
 #pragma unroll
               for (int s = 0; s < kTaps; ++s) score = fmaf(c.taps[s], column(x, s), score);
             } else {  // block 0 has no border blocks before it
@@ -444,7 +453,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       };
       if (wpt == 1) {
         const auto own_row = [](const float* x, int s) { return x[s]; };
-        switch (c.stencil) {  // the stencils of 32/16 and 64/64 compression with 64- and 128-token blocks
+        // The stencils of 32/16 and 64/64 compression with 64- and 128-token blocks; their border is at most 4
+        // (border < stencil / 2: cmp_block <= sel_block), within the 8 floats of zero padding before a row.
+        switch (c.stencil) {
           case 1: pool(own_row, std::integral_constant<int, 1>{}); break;
           case 2: pool(own_row, std::integral_constant<int, 2>{}); break;
           case 5: pool(own_row, std::integral_constant<int, 5>{}); break;
