@@ -277,7 +277,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   std::uint64_t* const list = reinterpret_cast<std::uint64_t*>(sums + kRows * kSumPitch) + warp * kListCap;
-  constexpr int kStageFloats = static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps) / 8 * 8;
+  constexpr int kStageFloats =
+      static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps) / 8 * 8;
   float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
   static_assert(kStageFloats % 8 == 0, "stages and their halves start at 16-byte boundaries (cp.async)");
   const i64 G = c.group, M = c.tokens_per_tile;
@@ -445,7 +446,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 #pragma unroll
               for (int s = 0; s < kTaps; ++s) score = fmaf(c.taps[s], column(x, s), score);
             } else {  // block 0 has no border blocks before it
-              for (int s = b0 + bb == 0 ? c.border : 0; s < c.stencil; ++s) score = fmaf(c.taps[s], column(x, s), score);
+              for (int s = b0 + bb == 0 ? c.border : 0; s < c.stencil; ++s) {
+                score = fmaf(c.taps[s], column(x, s), score);
+              }
             }
             scores[bb] = score;
           }
