@@ -456,8 +456,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       };
       if (wpt == 1) {
         const auto own_row = [](const float* x, int s) { return x[s]; };
-        // The stencils of 32/16 and 64/64 compression with 64- and 128-token blocks; their border is at most 4
-        // (border < stencil / 2: cmp_block <= sel_block), within the 8 floats of zero padding before a row.
+        // The stencils of 32/16 and 64/64 compression with 64- and 128-token blocks. Their border (at most
+        // stencil - 1 <= 8 blocks) stays within the 8 floats of zero padding before a row.
         switch (c.stencil) {
           case 1: pool(own_row, std::integral_constant<int, 1>{}); break;
           case 2: pool(own_row, std::integral_constant<int, 2>{}); break;
