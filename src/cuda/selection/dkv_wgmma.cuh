@@ -5,15 +5,18 @@
 // A CTA is one warpgroup (128 threads) and takes the same task as the mma.sync kernel (dkv_task: 64 keys of a
 // block and a chunk of the tokens that selected it). K and V are loaded once into 128-byte swizzled tiles; the
 // chunk's (token, group head) pairs are walked 64 rows at a time, double-buffered: while step i's S^T and dP^T
-// run, the threads gather step i + 1's Q and dO rows (cp.async, each thread its own rows, no barrier) and its
-// row statistics. Per step, with warp w owning keys 16w..16w+15 (the accumulator layout):
+// run, the threads gather step i + 1's Q and dO rows and its row statistics (cp.async, no barrier). Each of
+// those copies takes its address from shared memory: the steps' token positions are copied two steps ahead of
+// their use (a ring of three), so no thread waits on a global load before it can issue a copy. (Loading the
+// positions inside the gather left eight dependent L2 round trips per step in the warp's path: ptxas kept the
+// loads in order with the copies.) Per step, with warp w owning keys 16w..16w+15 (the accumulator layout):
 //   S^T = K Q^T, dP^T = V dO^T (both operands K-major in shared memory, N = 64 rows);
 //   P^T = exp2(S^T scale log2e - lse log2e) where key <= the row's position, dS^T = P^T (dP^T - delta);
 //   dV += P^T dO, dK += dS^T Q (P^T, dS^T as register A operands; dO, Q MN-major).
 // Keys past the block's end need no mask: their dK/dV rows are never stored. Padding rows (past the chunk) are
 // zero in Q and dO and masked (position -1), so they add nothing.
 // Registers: dK Dqk/2 + dV Dv/2 + S^T 32 + dP^T 32 fp32 per thread (192 at 128/128); the statistics are read
-// from shared memory inside the elementwise loop rather than held. Shared memory at 128/128: about 99 KB, two
+// from shared memory inside the elementwise loop rather than held. Shared memory at 128/128: about 100 KB, two
 // CTAs (8 warps) per SM, like the dense kernel's one CTA of two warpgroups.
 #pragma once
 
@@ -32,10 +35,11 @@ struct DkvWgmmaTile {
   static constexpr int kKeys = 64;  // wgmma M: the CTA's keys
   static constexpr int kRows = 64;  // gathered (token, head) rows per step: N of S^T, K of dK/dV
   static constexpr int kK = kKeys * DQK, kV = kKeys * DV, kQ = kRows * DQK, kDO = kRows * DV;  // elements
-  // K, V, 2 x Q, 2 x dO (2-byte elements, each a multiple of 1024 bytes), 2 x (lse, delta, position) per row,
-  // plus room to align the start to a swizzle atom.
-  static constexpr std::size_t kSmemBytes =
-      2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 3 * kRows * sizeof(float) + wgmma::kTileAlignment;
+  // K, V, 2 x Q, 2 x dO (2-byte elements, each a multiple of 1024 bytes), per row 3 x (position, group head)
+  // and 2 x (lse, delta), plus room to align the start to a swizzle atom.
+  static constexpr std::size_t kSmemBytes = 2 * (kK + kV + 2 * kQ + 2 * kDO) +
+                                            kRows * (3 * sizeof(int2) + 2 * 2 * sizeof(float)) +
+                                            wgmma::kTileAlignment;
 };
 
 template <class T, int DQK, int DV>
@@ -52,66 +56,70 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
   T* sV = sK + Tile::kK;
   T* sQ = sV + Tile::kV;        // [2]
   T* sDO = sQ + 2 * Tile::kQ;   // [2]
-  float* sLse = reinterpret_cast<float*>(sDO + 2 * Tile::kDO);  // [2][kRows], log2 domain, +inf: no gradient
-  float* sDelta = sLse + 2 * kRows;                             // [2][kRows]
-  int* sPos = reinterpret_cast<int*>(sDelta + 2 * kRows);       // [2][kRows], position in the sequence, -1: padding
+  // [3][kRows]: (position in the sequence, -1: padding; group head) of a step's rows, a ring two steps deep.
+  int2* sRows = reinterpret_cast<int2*>(sDO + 2 * Tile::kDO);
+  float* sLse = reinterpret_cast<float*>(sRows + 3 * kRows);  // [2][kRows], log2 domain (once landed)
+  float* sDelta = sLse + 2 * kRows;                           // [2][kRows]
 
   const DkvTask task = dkv_task(chunk_scan, offsets, seg_begin, seg_end, seqs, c, blockIdx.y, kKeys);
   if (task.first >= task.end) return;
   const auto& seq = task.seq;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
-  // K and V rows [first, end), zero rows after.
-  wgmma::load_swizzled_tile<kKeys, DQK, kThreads>(sK, k, seq.batch, seq.begin + task.first, task.end - task.first,
-                                                  task.h);
-  wgmma::load_swizzled_tile<kKeys, DV, kThreads>(sV, v, seq.batch, seq.begin + task.first, task.end - task.first,
-                                                 task.h);
-
   // Pair p of the chunk: token tokens[list_begin + p / G] and group head p % G (32-bit division: pairs < 2^31).
   const std::uint32_t group32 = static_cast<std::uint32_t>(c.group);
   const std::int32_t* chunk_tokens = tokens + task.list_begin;
-  const T* const q_head = q.row(seq.batch, seq.begin, task.h * c.group);
-  const T* const do_head = d_o.row(seq.batch, seq.begin, task.h * c.group);
-  // Gathers the Q and dO rows of step `step` into buffer `buf`: a pass of 128 threads covers kThreads / (D / 8)
-  // rows, 16 bytes per thread; rows past the chunk are zero.
-  auto gather = [&](std::int64_t step, int buf) {
-    constexpr int kChunks = DQK / 8, kRowsPerPass = kThreads / kChunks;
-    const int r0 = threadIdx.x / kChunks, cc = threadIdx.x % kChunks;
-#pragma unroll
-    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-      const int r = r0 + pass * kRowsPerPass;
-      const std::int64_t pidx = step * kRows + r;
-      const bool in = pidx < task.pairs;
-      std::int64_t q_off = 0, do_off = 0;
-      if (in) {
-        const std::uint32_t token = static_cast<std::uint32_t>(pidx) / group32;
-        const std::int64_t pos = chunk_tokens[token];
-        const std::int64_t head = static_cast<std::uint32_t>(pidx) - token * group32;
-        q_off = pos * q.row_stride + head * q.head_stride;
-        do_off = pos * d_o.row_stride + head * d_o.head_stride;
-      }
-      const int at = wgmma::swizzled_offset<kRows>(r, cc * 8);
-      cp_async_16(sQ + buf * Tile::kQ + at, q_head + q_off + cc * 8, in ? 16 : 0);
-      cp_async_16(sDO + buf * Tile::kDO + at, do_head + do_off + cc * 8, in ? 16 : 0);
-    }
-  };
-  // Row statistics of step `step` (threads < kRows, one row each): plain stores, visible after the next barrier.
-  auto row_stats = [&](std::int64_t step, int buf) {
+  // Rows of step `step` into ring slot `slot` (threads < kRows, one row each): the position by cp.async, the
+  // group head by a plain store (both visible after the barrier that follows the position's wait).
+  auto stage_rows = [&](std::int64_t step, int slot) {
     if (threadIdx.x >= kRows) return;
     const std::int64_t pidx = step * kRows + threadIdx.x;
-    float lv = INFINITY, dl = 0.f;
-    int pos = -1;
+    int2* row = sRows + slot * kRows + threadIdx.x;
     if (pidx < task.pairs) {
       const std::uint32_t token = static_cast<std::uint32_t>(pidx) / group32;
-      pos = chunk_tokens[token];
-      const std::int64_t hq = task.h * c.group + (static_cast<std::uint32_t>(pidx) - token * group32);
-      const float x = lse.at(seq.batch, seq.begin + pos, hq);
-      if (x != -INFINITY) lv = x * kLog2e;
-      dl = delta.at(seq.batch, seq.begin + pos, hq);
+      row->y = static_cast<int>(static_cast<std::uint32_t>(pidx) - token * group32);
+      cp_async_4(&row->x, chunk_tokens + token);
+    } else {
+      *row = make_int2(-1, 0);
     }
-    sLse[buf * kRows + threadIdx.x] = lv;
-    sDelta[buf * kRows + threadIdx.x] = dl;
-    sPos[buf * kRows + threadIdx.x] = pos;
+  };
+  const T* const q_head = q.row(seq.batch, seq.begin, task.h * c.group);
+  const T* const do_head = d_o.row(seq.batch, seq.begin, task.h * c.group);
+  // Gathers the Q and dO rows of ring slot `slot` into buffer `buf`: a pass of 128 threads covers
+  // kThreads / (D / 8) rows, 16 bytes per thread; padding rows are zero.
+  auto gather = [&](int slot, int buf) {
+    constexpr int kChunks = DQK / 8, kRowsPerPass = kThreads / kChunks, kPasses = kRows / kRowsPerPass;
+    const int r0 = threadIdx.x / kChunks, cc = threadIdx.x % kChunks;
+    int2 rows[kPasses];
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) rows[pass] = sRows[slot * kRows + r0 + pass * kRowsPerPass];
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const bool in = rows[pass].x >= 0;
+      const std::int64_t pos = in ? rows[pass].x : 0, head = rows[pass].y;
+      const int at = wgmma::swizzled_offset<kRows>(r0 + pass * kRowsPerPass, cc * 8);
+      cp_async_16(sQ + buf * Tile::kQ + at, q_head + pos * q.row_stride + head * q.head_stride + cc * 8,
+                  in ? 16 : 0);
+      cp_async_16(sDO + buf * Tile::kDO + at, do_head + pos * d_o.row_stride + head * d_o.head_stride + cc * 8,
+                  in ? 16 : 0);
+    }
+  };
+  // lse and delta of ring slot `slot` into buffer `buf` (threads < kRows, one row each; zero for padding,
+  // which the position -1 masks).
+  auto stage_stats = [&](int slot, int buf) {
+    if (threadIdx.x >= kRows) return;
+    const int2 row = sRows[slot * kRows + threadIdx.x];
+    const bool in = row.x >= 0;
+    const std::int64_t pos = seq.begin + (in ? row.x : 0), hq = task.h * c.group + row.y;
+    cp_async_4(sLse + buf * kRows + threadIdx.x, &lse.at(seq.batch, pos, hq), in ? 4 : 0);
+    cp_async_4(sDelta + buf * kRows + threadIdx.x, &delta.at(seq.batch, pos, hq), in ? 4 : 0);
+  };
+  // After the wait for buffer `buf`, the thread that copied a row's lse takes it to the log2 domain
+  // (+inf where it is -inf: a row that saw no key gets no gradient).
+  auto finish_stats = [&](int buf) {
+    if (threadIdx.x >= kRows) return;
+    float& x = sLse[buf * kRows + threadIdx.x];
+    x = x == -INFINITY ? INFINITY : x * kLog2e;
   };
 
   const std::uint64_t k_desc = wgmma::k_major_descriptor<kKeys>(sK, 0, 0);
@@ -131,14 +139,29 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
   for (int n = 0; n < DV / 8; ++n) dv_acc[n][0] = dv_acc[n][1] = dv_acc[n][2] = dv_acc[n][3] = 0.f;
 
   const std::int64_t steps = (task.pairs + kRows - 1) / kRows;
-  gather(0, 0);
-  row_stats(0, 0);
+  // Prologue: the rows of steps 0 and 1, then K and V (rows [first, end), zero rows after), then step 0's Q,
+  // dO and statistics once its rows are known.
+  stage_rows(0, 0);
+  if (steps > 1) stage_rows(1, 1);
   cp_async_commit();
+  wgmma::load_swizzled_tile<kKeys, DQK, kThreads>(sK, k, seq.batch, seq.begin + task.first, task.end - task.first,
+                                                  task.h);
+  wgmma::load_swizzled_tile<kKeys, DV, kThreads>(sV, v, seq.batch, seq.begin + task.first, task.end - task.first,
+                                                 task.h);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+  gather(0, 0);
+  stage_stats(0, 0);
+  cp_async_commit();
+  int slot = 0;
   for (std::int64_t step = 0; step < steps; ++step) {
     const int buf = static_cast<int>(step & 1);
-    // Step's rows (and K, V) landed for every thread; every thread is done with step - 1, so buffer buf ^ 1
-    // is free for step + 1.
+    const int next_slot = slot == 2 ? 0 : slot + 1, after_slot = next_slot == 2 ? 0 : next_slot + 1;
+    // Step's rows, statistics (and K, V) and step + 1's positions landed for every thread; every thread is
+    // done with step - 1, so buffer buf ^ 1 is free for step + 1 and ring slot after_slot for step + 2.
     cp_async_wait<0>();
+    finish_stats(buf);
     wgmma::fence_shared_for_async();
     __syncthreads();
     float st[kRows / 8][4], dpt[kRows / 8][4];
@@ -157,9 +180,10 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     }
     wgmma::commit();
     if (step + 1 < steps) {
-      gather(step + 1, buf ^ 1);
-      row_stats(step + 1, buf ^ 1);
+      gather(next_slot, buf ^ 1);
+      stage_stats(next_slot, buf ^ 1);
     }
+    if (step + 2 < steps) stage_rows(step + 2, after_slot);
     cp_async_commit();
     wgmma::wait<0>();
     wgmma::fence_operand(wgmma::flat<kRows>(st));
@@ -168,17 +192,17 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     // P^T and dS^T (without the scale) in place; column n * 8 + 2 (lane % 4) + {0, 1} is a gathered row.
     const float* lse_b = sLse + buf * kRows;
     const float* delta_b = sDelta + buf * kRows;
-    const int* pos_b = sPos + buf * kRows;
+    const int2* rows_b = sRows + slot * kRows;
 #pragma unroll
     for (int n = 0; n < kRows / 8; ++n) {
       const int col = n * 8 + 2 * (lane % 4);
       const float2 l2 = *reinterpret_cast<const float2*>(lse_b + col);
       const float2 d2 = *reinterpret_cast<const float2*>(delta_b + col);
-      const int2 p2 = *reinterpret_cast<const int2*>(pos_b + col);
+      const int4 p2 = *reinterpret_cast<const int4*>(rows_b + col);  // (position, head) of col, col + 1
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const bool odd = (e & 1) != 0;
-        const bool visible = key_row[e / 2] <= (odd ? p2.y : p2.x);
+        const bool visible = key_row[e / 2] <= (odd ? p2.z : p2.x);
         const float p = visible ? fast_exp2(fmaf(st[n][e], c.scale_log2, -(odd ? l2.y : l2.x))) : 0.f;
         st[n][e] = p;
         dpt[n][e] = p * (dpt[n][e] - (odd ? d2.y : d2.x));
@@ -196,6 +220,7 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     wgmma::fence_operand(wgmma::flat<DQK>(dk_acc));
     wgmma::fence_operand(p_a);
     wgmma::fence_operand(ds_a);
+    slot = next_slot;
   }
   cp_async_wait<0>();
   store_dkv<T, DQK, DV, DQK, DV>(dk_acc, dv_acc, task, c, warp * 16, 0, 0, partials, dk, dv);
