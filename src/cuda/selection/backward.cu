@@ -46,7 +46,6 @@
 #include "cuda/selection/dkv_wgmma.cuh"
 #include "cuda/selection/dq_kv.h"
 #include "cuda/selection/inverse_index.h"
-#include "cuda/selection/key_tiles.cuh"
 #include "cuda/selection/launch.cuh"
 #include "cuda/selection/ops.h"
 #include "cuda/selection/tile.cuh"
@@ -57,7 +56,6 @@ namespace {
 
 using selection::DkvConfig;
 using selection::IndexView;
-using selection::KeyTiles;
 using selection::kLn2;
 using selection::kLog2e;
 using selection::LseView;
@@ -93,39 +91,32 @@ struct BwdConfig {
   bool accumulate_dq;  // dq += the gradient
 };
 
-// K and V are double-buffered (the next tile loads while this one is computed) where that still leaves three
-// CTAs per SM (Dqk + Dv <= 256: 74 KB at 128/128); the larger head dims keep one buffer and four or two CTAs.
-template <int DQK, int DV>
-inline constexpr int kDqStages = DQK + DV <= 256 ? 2 : 1;
-template <int DQK, int DV>
-inline constexpr int kDqCtasPerSm = kDqStages<DQK, DV> == 2 ? 3 : DQK + DV <= 320 ? 4 : 2;
-
 template <class T, int DQK, int DV>
 struct DqSmem {
-  static constexpr int kStages = kDqStages<DQK, DV>;
   using Q = SmemTile<T, kRows, DQK>;
   using DO = SmemTile<T, kRows, DV>;
   using K = SmemTile<T, kKeys, DQK>;
   using V = SmemTile<T, kKeys, DV>;
   using DS = SmemTile<T, kRows, kKeys>;
-  static constexpr std::size_t kElements =
-      Q::kElements + DO::kElements + kStages * (K::kElements + V::kElements) + DS::kElements;
+  static constexpr std::size_t kElements = Q::kElements + DO::kElements + K::kElements + V::kElements + DS::kElements;
   static constexpr std::size_t kBytes = kElements * sizeof(T) + 2 * kRows * sizeof(float);
 };
 
-// Registers are capped to the CTAs per SM that shared memory allows on H100.
+// CTAs per SM that shared memory allows on H100 up to 192/128 (56 KB); registers are capped to match.
 template <class T, int DQK, int DV>
-__global__ void __launch_bounds__(kThreads, (kDqCtasPerSm<DQK, DV>)) selected_dq_kernel(
-    Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, IndexView indices, LseView<const float> lse,
-    Tokens<const T> d_o, LseView<const float> delta, Tokens<T> dq, SeqTable seqs, BwdConfig c) {
+__global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq_kernel(Tokens<const T> q, Tokens<const T> k,
+                                                               Tokens<const T> v, IndexView indices,
+                                                               LseView<const float> lse, Tokens<const T> d_o,
+                                                               LseView<const float> delta, Tokens<T> dq, SeqTable seqs,
+                                                               BwdConfig c) {
   using S = DqSmem<T, DQK, DV>;
   extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernel of this unit declares it
   T* base = reinterpret_cast<T*>(smem_raw);
   const typename S::Q qs{base};
   const typename S::DO dos{qs.base + S::Q::kElements};
-  T* const kv_base = dos.base + S::DO::kElements;  // [stage]: K then V
-  constexpr std::size_t kStageElements = S::K::kElements + S::V::kElements;
-  const typename S::DS dss{kv_base + S::kStages * kStageElements};
+  const typename S::K ks{dos.base + S::DO::kElements};
+  const typename S::V vs{ks.base + S::K::kElements};
+  const typename S::DS dss{vs.base + S::V::kElements};
   float* lse_s = reinterpret_cast<float*>(dss.base + S::DS::kElements);  // log2 domain, +inf: no gradient
   float* delta_s = lse_s + kRows;
 
@@ -158,89 +149,69 @@ __global__ void __launch_bounds__(kThreads, (kDqCtasPerSm<DQK, DV>)) selected_dq
   constexpr int kOutCols = DQK / kWarps;
   float acc[kOutCols / 8][4] = {};
   const int r_lo = lane / 4, r_hi = lane / 4 + 8;
+  const std::int32_t* idx = indices.row(seq.batch, row, h);
   const T* const k_head = k.row(seq.batch, seq.begin, h);  // the sequence's token 0 of KV head h
   const T* const v_head = v.row(seq.batch, seq.begin, h);
-  auto load_kv = [&](const KeyTiles<kKeys>& tile, int stage) {
-    const typename S::K ks{kv_base + stage * kStageElements};
-    const typename S::V vs{ks.base + S::K::kElements};
-    selection::load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + tile.s0 * k.row_stride, k.row_stride,
-                                                          tile.keys(), k_head);
-    selection::load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + tile.s0 * v.row_stride, v.row_stride,
-                                                         tile.keys(), v_head);
-  };
-  // Every warp walks the same tiles (KeyTiles is per warp); a tile is [s0, end) of at most kKeys keys.
-  KeyTiles<kKeys> tile{indices.row(seq.batch, row, h), c.num_idx, c.block, t};
-  bool has_tile = tile.next();
-  if (has_tile) load_kv(tile, 0);
-  cp_async_commit();
-  int stage = 0;
-  while (has_tile) {
-    KeyTiles<kKeys> next = tile;
-    const bool has_next = next.next();
-    if constexpr (S::kStages == 2) {
-      __syncthreads();  // every warp is done with the other stage (the previous tile)
-      if (has_next) load_kv(next, stage ^ 1);
+  for (std::int64_t j = 0; j < c.num_idx; ++j) {
+    const std::int64_t b = idx[j];
+    if (b < 0) break;
+    const std::int64_t first = b * c.block;
+    if (first > t) continue;
+    const std::int64_t end = min(first + c.block, t + 1);
+    for (std::int64_t s0 = first; s0 < end; s0 += kKeys) {
+      __syncthreads();
+      const int valid = static_cast<int>(end - s0);
+      selection::load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + s0 * k.row_stride, k.row_stride, valid,
+                                                            k_head);
+      selection::load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + s0 * v.row_stride, v.row_stride, valid,
+                                                           v_head);
       cp_async_commit();
-      cp_async_wait<1>();  // this tile (and Q, dO) landed
-    } else {
       cp_async_wait<0>();
-    }
-    __syncthreads();
-    const typename S::K ks{kv_base + stage * kStageElements};
-    const typename S::V vs{ks.base + S::K::kElements};
-    const std::int64_t s0 = tile.s0, end = tile.end;
+      __syncthreads();
 
-    float s[2][4] = {}, dp[2][4] = {};
+      float s[2][4] = {}, dp[2][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < DQK / 16; ++kk) {
-      std::uint32_t a[4], bk[4];
-      selection::load_a(a, qs, 0, kk * 16);
-      selection::load_b_rows(bk, ks, warp * 16, kk * 16);
-      selection::mma_pair<T>(s[0], s[1], a, bk);
-    }
-#pragma unroll
-    for (int kk = 0; kk < DV / 16; ++kk) {
-      std::uint32_t a[4], bv[4];
-      selection::load_a(a, dos, 0, kk * 16);
-      selection::load_b_rows(bv, vs, warp * 16, kk * 16);
-      selection::mma_pair<T>(dp[0], dp[1], a, bv);
-    }
-    const float lse_r[2] = {lse_s[r_lo], lse_s[r_hi]};
-    const float delta_r[2] = {delta_s[r_lo], delta_s[r_hi]};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      float ds[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = warp * 16 + nt * 8 + 2 * (lane % 4) + (e & 1);
-        const float p = s0 + col < end ? fast_exp2(fmaf(s[nt][e], c.scale_log2, -lse_r[e / 2])) : 0.f;
-        ds[e] = p * (dp[nt][e] - delta_r[e / 2]);
+      for (int kk = 0; kk < DQK / 16; ++kk) {
+        std::uint32_t a[4], bk[4];
+        selection::load_a(a, qs, 0, kk * 16);
+        selection::load_b_rows(bk, ks, warp * 16, kk * 16);
+        selection::mma_pair<T>(s[0], s[1], a, bk);
       }
-      const int col = warp * 16 + nt * 8 + 2 * (lane % 4);
-      *reinterpret_cast<std::uint32_t*>(dss.at(r_lo, col)) = pack2<T>(ds[0], ds[1]);
-      *reinterpret_cast<std::uint32_t*>(dss.at(r_hi, col)) = pack2<T>(ds[2], ds[3]);
-    }
-    __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      std::uint32_t a[4];
-      selection::load_a(a, dss, 0, kk * 16);
+      for (int kk = 0; kk < DV / 16; ++kk) {
+        std::uint32_t a[4], bv[4];
+        selection::load_a(a, dos, 0, kk * 16);
+        selection::load_b_rows(bv, vs, warp * 16, kk * 16);
+        selection::mma_pair<T>(dp[0], dp[1], a, bv);
+      }
+      const float lse_r[2] = {lse_s[r_lo], lse_s[r_hi]};
+      const float delta_r[2] = {delta_s[r_lo], delta_s[r_hi]};
 #pragma unroll
-      for (int np = 0; np < kOutCols / 16; ++np) {
-        std::uint32_t bk[4];
-        selection::load_b_cols(bk, ks, kk * 16, warp * kOutCols + np * 16);
-        selection::mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bk);
+      for (int nt = 0; nt < 2; ++nt) {
+        float ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = warp * 16 + nt * 8 + 2 * (lane % 4) + (e & 1);
+          const float p = s0 + col < end ? fast_exp2(fmaf(s[nt][e], c.scale_log2, -lse_r[e / 2])) : 0.f;
+          ds[e] = p * (dp[nt][e] - delta_r[e / 2]);
+        }
+        const int col = warp * 16 + nt * 8 + 2 * (lane % 4);
+        *reinterpret_cast<std::uint32_t*>(dss.at(r_lo, col)) = pack2<T>(ds[0], ds[1]);
+        *reinterpret_cast<std::uint32_t*>(dss.at(r_hi, col)) = pack2<T>(ds[2], ds[3]);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        std::uint32_t a[4];
+        selection::load_a(a, dss, 0, kk * 16);
+#pragma unroll
+        for (int np = 0; np < kOutCols / 16; ++np) {
+          std::uint32_t bk[4];
+          selection::load_b_cols(bk, ks, kk * 16, warp * kOutCols + np * 16);
+          selection::mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bk);
+        }
       }
     }
-    if constexpr (S::kStages == 1) {
-      __syncthreads();  // every warp is done with the one stage
-      if (has_next) load_kv(next, 0);
-      cp_async_commit();
-    } else {
-      stage ^= 1;
-    }
-    tile = next;
-    has_tile = has_next;
   }
   cp_async_wait<0>();
 #pragma unroll
