@@ -41,11 +41,22 @@ __device__ __forceinline__ int load_cta_entries(const std::uint32_t* keys, const
   return count;
 }
 
-// One past the last entry of the run that starts at entry cur (a run: the adjacent entries of one sort key).
+// One past the last entry of the run that starts at entry cur (a run: the adjacent entries of one sort key). The
+// slice is sorted (keys ascending, sentinels last), so a binary search: 8 dependent shared loads for a slice of
+// 256 entries, where the linear scan took one per entry (at G = 1 a run fills the slice, and that scan was a
+// quarter of the forward's instructions and 40% of its stall samples).
 __device__ __forceinline__ int run_end(const std::uint32_t* keys_s, int cur, int count) {
-  int stop = cur + 1;
-  while (stop < count && keys_s[stop] == keys_s[cur]) ++stop;
-  return stop;
+  const std::uint32_t key = keys_s[cur];
+  int lo = cur + 1, hi = count;  // the end is in [lo, hi]
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (keys_s[mid] == key) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
 }
 
 // The keys of one run of sorted entries (one KV head and selection block): KV head h, batch row, the first
