@@ -44,7 +44,7 @@ __device__ __forceinline__ int load_cta_entries(const std::uint32_t* keys, const
 // One past the last entry of the run that starts at entry cur (a run: the adjacent entries of one sort key). The
 // slice is sorted (keys ascending, sentinels last), so a binary search: 8 dependent shared loads for a slice of
 // 256 entries, where the linear scan took one per entry (at G = 1 a run fills the slice, and that scan was a
-// quarter of the forward's instructions and 40% of its stall samples).
+// quarter of the forward's instructions and 42% of its stall samples).
 __device__ __forceinline__ int run_end(const std::uint32_t* keys_s, int cur, int count) {
   const std::uint32_t key = keys_s[cur];
   int lo = cur + 1, hi = count;  // the end is in [lo, hi]
