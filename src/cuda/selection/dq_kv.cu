@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
         }
       }
       __syncwarp();  // every lane is done reading the Q tile: it stages the fp16 rows
-      store_scaled_rows<DQK>(acc, slot_s + base, reinterpret_cast<__half*>(qt.base),
+      store_scaled_rows<DQK>(acc, {1.f, 1.f}, slot_s + base, reinterpret_cast<__half*>(qt.base),
                              [](int r, int col) { return QTile::offset(r, col); }, dq_part, scale_part);
       buf ^= 1;
     }

@@ -129,13 +129,14 @@ __device__ __forceinline__ KvRow<T> describe_row(const Tokens<const T>& q, std::
 }
 
 // Stores a warp's 16 x D accumulator rows at their slots (slot < 0: a padding row, skipped) as fp16 of row /
-// max|row| in dst[slot * D ...] with that fp32 scale in scale_part[slot]. The fp16 rows go through the warp's
-// staging area `staged` (16 x D halves at staged_offset(r, c)) so that global writes are 16-byte pieces of whole
-// rows; the caller makes sure nothing else uses that area meanwhile.
+// max|row| in dst[slot * D ...] with the scale max|row| * row_factor[i] (fp32) in scale_part[slot], for the
+// thread's rows i = 0, 1 (lane / 4, lane / 4 + 8). The fp16 rows go through the warp's staging area `staged`
+// (16 x D halves at staged_offset(r, c)) so that global writes are 16-byte pieces of whole rows; the caller
+// makes sure nothing else uses that area meanwhile.
 template <int D, class StagedOffset>
-__device__ __forceinline__ void store_scaled_rows(const float (&acc)[D / 8][4], const std::int64_t* slots,
-                                                  __half* staged, StagedOffset&& staged_offset, __half* dst,
-                                                  float* scale_part) {
+__device__ __forceinline__ void store_scaled_rows(const float (&acc)[D / 8][4], const float (&row_factor)[2],
+                                                  const std::int64_t* slots, __half* staged,
+                                                  StagedOffset&& staged_offset, __half* dst, float* scale_part) {
   const int lane = threadIdx.x % 32;
   float amax[2] = {0.f, 0.f};
 #pragma unroll
@@ -143,13 +144,14 @@ __device__ __forceinline__ void store_scaled_rows(const float (&acc)[D / 8][4], 
 #pragma unroll
     for (int e = 0; e < 4; ++e) amax[e / 2] = fmaxf(amax[e / 2], fabsf(acc[nt][e]));
   }
+  float rs[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     amax[i] = quad_max(amax[i]);
     const std::int64_t slot = slots[lane / 4 + 8 * i];
-    if (slot >= 0 && lane % 4 == 0) scale_part[slot] = amax[i];
+    if (slot >= 0 && lane % 4 == 0) scale_part[slot] = amax[i] * row_factor[i];
+    rs[i] = amax[i] > 0.f ? __frcp_rn(amax[i]) : 0.f;
   }
-  const float rs[2] = {amax[0] > 0.f ? 1.f / amax[0] : 0.f, amax[1] > 0.f ? 1.f / amax[1] : 0.f};
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
     const int col = nt * 8 + 2 * (lane % 4);
@@ -170,10 +172,12 @@ __device__ __forceinline__ void store_scaled_rows(const float (&acc)[D / 8][4], 
   __syncwarp();  // the lanes are done with the staging area
 }
 
-// A warp's epilogue for its 16 gathered rows: o = acc / l of each row, stored by store_scaled_rows, and the
-// fp32 lse (log2) at the row's slot.
+// A warp's epilogue for its 16 gathered rows: o = acc / l of each row, stored by store_scaled_rows (acc itself in
+// fp16, 1 / l folded into the row's scale: o / max|o| = acc / max|acc|), and the fp32 lse (log2) at the row's slot.
+// l >= 1 for a row that saw a key (its largest probability is 2^0), so the MUFU reciprocal and log2 are exact to
+// about 2^-22; l = 0 marks a padding row.
 template <int DV, class StagedOffset>
-__device__ __forceinline__ void store_partials(float (&acc)[DV / 8][4], const float (&m)[2], float (&l)[2],
+__device__ __forceinline__ void store_partials(const float (&acc)[DV / 8][4], const float (&m)[2], float (&l)[2],
                                                const std::int64_t* slots, __half* staged,
                                                StagedOffset&& staged_offset, __half* o_part, float* scale_part,
                                                float* lse_part) {
@@ -182,16 +186,11 @@ __device__ __forceinline__ void store_partials(float (&acc)[DV / 8][4], const fl
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l[i] = quad_sum(l[i]);
-    inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    inv[i] = l[i] > 0.f ? __frcp_rn(l[i]) : 0.f;
     const std::int64_t slot = slots[lane / 4 + 8 * i];
-    if (slot >= 0 && lane % 4 == 0) lse_part[slot] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
+    if (slot >= 0 && lane % 4 == 0) lse_part[slot] = l[i] > 0.f ? m[i] + __log2f(l[i]) : -INFINITY;
   }
-#pragma unroll
-  for (int nt = 0; nt < DV / 8; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] *= inv[e / 2];
-  }
-  store_scaled_rows<DV>(acc, slots, staged, staged_offset, o_part, scale_part);
+  store_scaled_rows<DV>(acc, inv, slots, staged, staged_offset, o_part, scale_part);
 }
 
 }  // namespace sparseattn::cuda::selection
