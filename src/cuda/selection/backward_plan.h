@@ -20,7 +20,10 @@ namespace sparseattn::cuda::selection {
 
 inline constexpr int kDqKvWarps = 4;
 inline constexpr int kDqKvTile = 16;
-inline constexpr int kDqKvCtaRows = 256;  // query rows per CTA (entries per CTA = 256 / G)
+// Query rows per CTA (entries per CTA = kDqKvCtaRows / G). Each CTA loads the K and V of every run it touches,
+// so a run of many entries is loaded once per CTA it spans: at 512 rows (the forward keeps 256) the dQ took 9.6
+// instead of 10.7 ms at 32/8 and 8.5 instead of 9.7 at 28/4, no change at G = 1 (H100, T = 64K); 1024 was slower.
+inline constexpr int kDqKvCtaRows = 512;
 inline constexpr int kDqKvMaxBlock = 128;
 inline constexpr int kDqKvBuffers = 2;
 // Partials (fp16 dQ row scaled by its max magnitude + that fp32 scale per (token, query head, slot)) are

@@ -2,8 +2,8 @@
 // (forward_kv.cu). For each chunk of (KV head, token row) pairs, head-major (backward_plan.h):
 //  1. make_keys with value = entry index, a stable radix sort by (KV head, block): the entries of one block
 //     form a run in ascending token order (one sort serves a group of chunks: forward_plan.h's sort groups);
-//  2. dq_kv_kernel: CTA c takes the sorted entries [c*P, (c+1)*P), P = 256 / G; per run it loads the block's
-//     K and V (<= 128 keys) once, and its 4 warps take the run's query rows ((token, group head) token-major,
+//  2. dq_kv_kernel: CTA c takes the sorted entries [c*P, (c+1)*P), P = kDqKvCtaRows / G; per run it loads the
+//     block's K and V (<= 128 keys) once, and its 4 warps take the run's query rows ((token, group head) token-major,
 //     16 per tile, double-buffered Q and dO tiles). A warp owns whole rows: S = Q K^T and dP = dO V^T 64 keys
 //     at a time, P = exp2(S scale log2e - lse) (causal per row), dS = P (dP - delta), dQ_j += dS K in
 //     registers; the partial of (pair, group head, slot j) is written in compact form: fp16 of dQ_j /
