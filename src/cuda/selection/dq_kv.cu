@@ -245,20 +245,43 @@ __global__ void __launch_bounds__(kMergeWarps * 32) dq_kv_merge_kernel(const __h
   }
   const std::int32_t* idx = indices.row(batch, row, h);
   const std::int64_t base = item * c.num_idx;
+  // 32 slots at a time: lane i finds whether slot j0 + i holds a partial (make_keys' rule: before the first -1,
+  // block starting <= t) and its scale; then the warp adds the valid slots' rows in slot order with kAhead rows'
+  // loads in flight, waiting on nothing but the mask of valid slots (the merge streams the partials from DRAM).
+  constexpr int kAhead = 8;
   float acc[kPairs][2] = {};
-  for (std::int64_t j = 0; j < c.num_idx; ++j) {
-    const std::int64_t b = idx[j];
-    if (b < 0) break;
-    if (b * c.block > t) continue;
-    const float w = scale_part[base + j];
-    const __half* src = dq_part + (base + j) * DQK;
+  std::int64_t end = c.num_idx;
+  for (std::int64_t j0 = 0; j0 < end; j0 += 32) {
+    const std::int64_t j = j0 + lane;
+    const std::int64_t b = j < end ? idx[j] : 0;
+    const unsigned negative = __ballot_sync(0xffffffffu, b < 0);
+    if (negative != 0) end = j0 + __ffs(static_cast<int>(negative)) - 1;
+    const float w_lane = j < end && b * c.block <= t ? scale_part[base + j] : 0.f;
+    const unsigned valid = __ballot_sync(0xffffffffu, w_lane != 0.f);  // a zero scale adds nothing
+    const __half* rows = dq_part + (base + j0) * DQK;
+#pragma unroll 1
+    for (int u0 = 0; u0 < 32 && j0 + u0 < end; u0 += kAhead) {
+      float w[kAhead];
+      __half2 raw[kAhead][kPairs];
 #pragma unroll
-    for (int x = 0; x < kPairs; ++x) {
-      const int col = 2 * (lane + 32 * x);
-      if (col < DQK) {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(src + col));
-        acc[x][0] += w * f.x;
-        acc[x][1] += w * f.y;
+      for (int u = 0; u < kAhead; ++u) {
+        w[u] = __shfl_sync(0xffffffffu, w_lane, u0 + u);
+        const bool ok = (valid >> (u0 + u)) & 1u;
+#pragma unroll
+        for (int x = 0; x < kPairs; ++x) {
+          const int col = 2 * (lane + 32 * x);
+          raw[u][x] = ok && col < DQK ? *reinterpret_cast<const __half2*>(rows + (u0 + u) * DQK + col)
+                                      : __half2{};
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) {
+#pragma unroll
+        for (int x = 0; x < kPairs; ++x) {
+          const float2 f = __half22float2(raw[u][x]);
+          acc[x][0] += w[u] * f.x;
+          acc[x][1] += w[u] * f.y;
+        }
       }
     }
   }

@@ -217,12 +217,11 @@ struct MergeConfig {
 };
 
 // One warp per (pair, group head) of the chunk: o = sum_j w_j o_j / sum_j w_j, w_j = 2^(lse_j - max),
-// o_j = scale_j * (its fp16 row).
+// o_j = scale_j * (its fp16 row). Four CTAs per SM: without a bound ptxas gave it 32 registers and spilled.
 template <class T, int DV>
-__global__ void __launch_bounds__(kMergeWarps * 32) kv_merge_kernel(const __half* o_part, const float* scale_part,
-                                                                    const float* lse_part, IndexView indices,
-                                                                    const std::int32_t* cu_seqlens, Tokens<T> o,
-                                                                    LseView<float> lse, MergeConfig c) {
+__global__ void __launch_bounds__(kMergeWarps * 32, 4)
+    kv_merge_kernel(const __half* o_part, const float* scale_part, const float* lse_part, IndexView indices,
+                    const std::int32_t* cu_seqlens, Tokens<T> o, LseView<float> lse, MergeConfig c) {
   constexpr int kVec = DV / 32;  // output columns per lane
   const std::int64_t item = std::int64_t{blockIdx.x} * kMergeWarps + threadIdx.x / 32;
   if (item >= c.pair_count * c.group) return;
@@ -252,38 +251,49 @@ __global__ void __launch_bounds__(kMergeWarps * 32) kv_merge_kernel(const __half
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  // Pass 2, in slot order, four slots' loads in flight at a time (any valid slot makes mx finite).
-  constexpr int kAhead = 4;
+  // Pass 2, 32 slots at a time: lane i weighs slot j0 + i (any valid slot makes mx finite), then the warp adds
+  // the valid slots' rows in slot order, each lane its kVec columns, with kAhead rows' loads in flight: the
+  // loads wait on nothing but the mask of valid slots (the merge streams the partials from DRAM; with the
+  // weights and validity found per slot inside the loop, its loads queued behind index loads).
+  constexpr int kAhead = 8;
   float acc[kVec] = {};
   float sum = 0.f;
-  for (std::int64_t j0 = 0; j0 < end; j0 += kAhead) {
-    float ws[kAhead];
-    std::uint32_t raw[kAhead][kVec / 2];
-#pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      const std::int64_t j = j0 + u;
-      ws[u] = 0.f;
-#pragma unroll
-      for (int x = 0; x < kVec / 2; ++x) raw[u][x] = 0u;
-      if (j < end && std::int64_t{idx[j]} * c.block <= t) {
-        const float w = fast_exp2(lse_part[base + j] - mx);
-        sum += w;
-        ws[u] = w * scale_part[base + j];
-        load_halves<kVec>(raw[u], o_part + (base + j) * DV + lane * kVec);
-      }
+  for (std::int64_t j0 = 0; j0 < end; j0 += 32) {
+    const std::int64_t j = j0 + lane;
+    float w = 0.f, ws_lane = 0.f;
+    if (j < end && std::int64_t{idx[j]} * c.block <= t) {
+      w = fast_exp2(lse_part[base + j] - mx);
+      ws_lane = w * scale_part[base + j];
     }
+    sum += w;
+    const unsigned valid = __ballot_sync(0xffffffffu, ws_lane != 0.f);  // a zero weight adds nothing
+    const __half* rows = o_part + (base + j0) * DV + lane * kVec;
+#pragma unroll 1
+    for (int u0 = 0; u0 < 32 && j0 + u0 < end; u0 += kAhead) {
+      float ws[kAhead];
+      std::uint32_t raw[kAhead][kVec / 2];
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
+      for (int u = 0; u < kAhead; ++u) {
+        ws[u] = __shfl_sync(0xffffffffu, ws_lane, u0 + u);
 #pragma unroll
-      for (int x = 0; x < kVec / 2; ++x) {
-        __half2 pair;
-        memcpy(&pair, &raw[u][x], sizeof(pair));
-        const float2 f = __half22float2(pair);
-        acc[2 * x] += ws[u] * f.x;
-        acc[2 * x + 1] += ws[u] * f.y;
+        for (int x = 0; x < kVec / 2; ++x) raw[u][x] = 0u;
+        if ((valid >> (u0 + u)) & 1u) load_halves<kVec>(raw[u], rows + (u0 + u) * DV);
+      }
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) {
+#pragma unroll
+        for (int x = 0; x < kVec / 2; ++x) {
+          __half2 pair;
+          memcpy(&pair, &raw[u][x], sizeof(pair));
+          const float2 f = __half22float2(pair);
+          acc[2 * x] += ws[u] * f.x;
+          acc[2 * x + 1] += ws[u] * f.y;
+        }
       }
     }
   }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   T* dst = o.row(batch, row, hq) + lane * kVec;
 #pragma unroll
