@@ -6,6 +6,7 @@
 
 #include <cuda_fp16.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -150,7 +151,7 @@ __device__ __forceinline__ void store_scaled_rows(const float (&acc)[D / 8][4], 
     amax[i] = quad_max(amax[i]);
     const std::int64_t slot = slots[lane / 4 + 8 * i];
     if (slot >= 0 && lane % 4 == 0) scale_part[slot] = amax[i] * row_factor[i];
-    rs[i] = amax[i] > 0.f ? __frcp_rn(amax[i]) : 0.f;
+    rs[i] = amax[i] >= FLT_MIN ? __frcp_rn(amax[i]) : 0.f;  // a row of subnormals would overflow 1 / max: zeros
   }
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
