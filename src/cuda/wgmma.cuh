@@ -1,6 +1,6 @@
 // Hopper warpgroup MMA (wgmma.mma_async, sm_90a) primitives: shared-memory descriptors for tiles without
-// swizzle, the fences around asynchronous MMAs, and m64nNk16 MMAs (N = 64 or 128) with bf16/fp16 inputs and
-// fp32 accumulators. Everything here is compiled only for sm_90a (SPARSEATTN_WGMMA_ENABLED); the host picks
+// swizzle, the fences around asynchronous MMAs, and m64nNk16 MMAs (N = 32, 64, 128; 192 as two) with bf16/fp16
+// inputs and fp32 accumulators. Everything here is compiled only for sm_90a (SPARSEATTN_WGMMA_ENABLED); the host picks
 // these kernels only after wgmma_kernels_built() says the running device got that code.
 //
 // Layout (PTX ISA, "Asynchronous Warpgroup Level Matrix Shared Memory Layout", 128-byte swizzle): a tile of
@@ -109,8 +109,9 @@ __device__ __forceinline__ std::uint64_t advance(std::uint64_t desc, std::uint32
 // apart (64 and 128 columns), a thread keeps one chunk column, so its swizzle is the same in every row it
 // copies: one address computation, then one pointer increment per pass, and no predicates when the tile is
 // whole (the common case; these loads are issued by the threads that run the softmax, so their instructions
-// count); otherwise (192 columns) each chunk is placed on its own. kUnroll: passes unrolled (a producer
-// warpgroup with few registers unrolls less: each unrolled pass holds a 64-bit address).
+// count). Wider rows that the threads do not cover so (192 columns) are copied as 64-column panels, each the
+// same way; otherwise each chunk is placed on its own. kUnroll: passes unrolled (a producer warpgroup with few
+// registers unrolls less: each unrolled pass holds a 64-bit address).
 template <int kRows, int kDim, int kThreadCount, int kUnroll = kRows, class T, class G>  // G: T or const T
 __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<G>& g, std::int64_t b, std::int64_t row0,
                                                    std::int64_t valid, std::int64_t h) {
@@ -131,6 +132,13 @@ __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<G>& g, 
         const bool ok = r0 + i * kRowStep < rows;
         cp_async_16(dst + i * kRowStep * 64, ok ? src : g.data, ok ? 16 : 0);
       }
+    }
+  } else if constexpr (kDim > 64 && kThreadCount % 64 == 0 && kRows % (kThreadCount / 8) == 0) {
+#pragma unroll 1
+    for (int panel = 0; panel < kDim / 64; ++panel) {
+      Tokens<G> columns = g;
+      columns.data += panel * 64;
+      load_swizzled_tile<kRows, 64, kThreadCount, kUnroll>(smem + panel * kRows * 64, columns, b, row0, valid, h);
     }
   } else {
     for (int i = threadIdx.x; i < kRows * kChunks; i += kThreadCount) {
@@ -218,6 +226,12 @@ __device__ __forceinline__ void fence_shared_for_async() {
 }
 
 // The asm of one m64nNk16 MMA; TYPE is "bf16" or "f16" (generated operand lists).
+#define SPARSEATTN_WGMMA_SS_32(TYPE) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, %19;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB))
+
 #define SPARSEATTN_WGMMA_SS_64(TYPE) \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n" \
@@ -248,9 +262,12 @@ __device__ __forceinline__ void fence_shared_for_async() {
 template <class T, int N, int kTransB>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 2], std::uint64_t desc_a, std::uint64_t desc_b,
                                        int accumulate) {
-  static_assert(N == 64 || N == 128, "wgmma: N is 64 or 128 here");
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma: N is 32, 64 or 128 here");
 #if SPARSEATTN_WGMMA_ENABLED
-  if constexpr (N == 64) {
+  if constexpr (N == 32) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) SPARSEATTN_WGMMA_SS_32("bf16");
+    else SPARSEATTN_WGMMA_SS_32("f16");
+  } else if constexpr (N == 64) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) SPARSEATTN_WGMMA_SS_64("bf16");
     else SPARSEATTN_WGMMA_SS_64("f16");
   } else {
@@ -274,6 +291,22 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const std::uint32_t (&
     else SPARSEATTN_WGMMA_RS_128("f16");
   }
 #endif
+}
+
+// d (64 x N) (+)= A (registers, as mma_rs) * B (16 x N, MN-major, in a tile of kRowsB rows) for N = 64, 128 or
+// 192: N = 192 is an N = 128 MMA and an N = 64 one of the same A, the second's B two 64-column panels further and
+// its accumulators the last 32 of d (the accumulator layout repeats along N).
+template <class T, int N, int kRowsB>
+__device__ __forceinline__ void mma_rs_mn(float (&d)[N / 2], const std::uint32_t (&a)[4], std::uint64_t desc_b,
+                                          int accumulate) {
+  static_assert(N == 64 || N == 128 || N == 192, "wgmma: N is 64, 128 or 192 here");
+  if constexpr (N <= 128) {
+    mma_rs<T, N, 1>(d, a, desc_b, accumulate);
+  } else {
+    mma_rs<T, 128, 1>(reinterpret_cast<float(&)[64]>(d[0]), a, desc_b, accumulate);
+    mma_rs<T, N - 128, 1>(reinterpret_cast<float(&)[(N - 128) / 2]>(d[64]), a,
+                          advance(desc_b, operand_offset<kRowsB>(0, 128)), accumulate);
+  }
 }
 
 // An accumulator kept as [N/8][4] (the mma.sync C-fragment view) as the flat operand list of mma_ss/mma_rs.
@@ -304,11 +337,11 @@ __device__ __forceinline__ void issue_dkv_update(float (&dk)[Dqk / 8][4], float 
                                                  std::uint64_t do_mn) {
 #pragma unroll
   for (int kk = 0; kk < kRows / 16; ++kk) {
-    mma_rs<T, Dv, 1>(flat<Dv>(dv), p[kk], advance(do_mn, operand_offset<kRows>(16 * kk, 0)), 1);
+    mma_rs_mn<T, Dv, kRows>(flat<Dv>(dv), p[kk], advance(do_mn, operand_offset<kRows>(16 * kk, 0)), 1);
   }
 #pragma unroll
   for (int kk = 0; kk < kRows / 16; ++kk) {
-    mma_rs<T, Dqk, 1>(flat<Dqk>(dk), ds[kk], advance(q_mn, operand_offset<kRows>(16 * kk, 0)), 1);
+    mma_rs_mn<T, Dqk, kRows>(flat<Dqk>(dk), ds[kk], advance(q_mn, operand_offset<kRows>(16 * kk, 0)), 1);
   }
   commit();
 }
@@ -351,6 +384,7 @@ __device__ __forceinline__ void overlapped_steps(int steps, Begin&& begin, Issue
   land(steps);
 }
 
+#undef SPARSEATTN_WGMMA_SS_32
 #undef SPARSEATTN_WGMMA_SS_64
 #undef SPARSEATTN_WGMMA_RS_64
 #undef SPARSEATTN_WGMMA_SS_128

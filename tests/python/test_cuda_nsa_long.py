@@ -99,6 +99,7 @@ def reference(inputs, indices, d_o, config, compute_dtype):
 
 
 @pytest.mark.parametrize("Hq,Hkv,Dqk,Dv", [pytest.param(64, 4, 128, 128, id="64x4-d128"),
+                                           pytest.param(16, 2, 192, 128, id="16x2-d192"),
                                            pytest.param(8, 8, 64, 64, id="8x8-d64")])
 def test_nsa_long_sequence_matches_float32_reference(Hq, Hkv, Dqk, Dv):
     config = sa.NSAConfig()

@@ -10,7 +10,7 @@
 // and the K/V tiles of kN = 64 keys into mbarrier stages; two consumer warpgroups of 64 queries each take turns
 // to issue S = Q K^T and dP = dO V^T (shared-memory operands), compute P and dS = P (dP - delta) in registers,
 // and dQ += dS K with dS as the register A operand and K as an MN-major operand. Registers: dQ 64 + S 32 +
-// dP 32 + dS 16 at 128/128.
+// dP 32 + dS 16 at 128/128 (dQ 96 at 192/128).
 //
 // dK/dV: a CTA of two warpgroups owns kN = 128 keys of one KV head (64 per warpgroup) and loops over query
 // tiles of kM = 64 rows of its share of the group's heads (head splits as the mma.sync kernel), with Q, dO, lse
@@ -18,7 +18,8 @@
 // operands, K-major), P^T and dS^T in registers, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as
 // register A operands and dO, Q as MN-major B operands; the update of one step is in flight while the next
 // step's P^T and dS^T are computed (wgmma::overlapped_steps). Registers: dK 64 + dV 64 + S^T 32 + dP^T 32 + the
-// A fragments 32 at D = 128; Dqk = Dv in {64, 128} only (192/128 and 256/256 keep the two-pass mma.sync kernel).
+// A fragments 32 at D = 128; at 192/128 dK 96 + dV 64 + S^T 16 + dP^T 16 + 16 with query steps of kM = 32 rows.
+// 256/256 keeps the two-pass mma.sync kernel (dK and dV alone would take 256 registers).
 #pragma once
 
 #include "cuda/attention/forward_wgmma.cuh"
@@ -53,11 +54,13 @@ __device__ __forceinline__ void issue_scores(float (&s)[kN / 8][4], float (&dp)[
 
 template <int Dqk, int Dv>
 struct WgmmaDkvTile {
-  static constexpr bool kSupported = Dqk == Dv && (Dv == 64 || Dv == 128);
+  static constexpr bool kSupported = (Dqk == Dv && (Dv == 64 || Dv == 128)) || (Dqk == 192 && Dv == 128);
   static constexpr int kWarpgroups = 2;
   static constexpr int kThreads = 128 * kWarpgroups;
   static constexpr int kN = 64 * kWarpgroups;  // keys per CTA
-  static constexpr int kM = 64;                // queries per step
+  // Queries per step: at 192/128 dK and dV take 160 registers per thread, so the step's S^T and dP^T (and their
+  // A fragments) are half as wide as at 128/128.
+  static constexpr int kM = Dqk + Dv > 256 ? 32 : 64;
   // A query step's tiles are read by its scores and by the update issued one step later, while the next step's
   // load is in flight: three buffers.
   static constexpr int kBuffers = 3;
@@ -88,7 +91,10 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   if (w.keys <= 0) return;
   const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warpgroup_row0 = (warp / 4) * 64;
+  // At 192/128 the warpgroup index comes through a shuffle (uniform to the compiler), so that the K and V
+  // descriptors of the 20 score MMAs live in uniform registers: in ordinary ones ptxas spilled them. At 128/128
+  // warp / 4 measured 2.5% faster (wgmma::warpgroup_index).
+  const int warpgroup_row0 = (Dqk > 128 ? wgmma::warpgroup_index() : warp / 4) * 64;
   // Queries [q_first, q_end) (positions in the sequence, below 2^31) see this thread's two key rows.
   int q_first[2], q_end[2];
   for (int half = 0; half < 2; ++half) {
@@ -198,17 +204,18 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
 
 template <int Dqk, int Dv>
 struct WgmmaDqTile : pipeline::ProducerConsumers {
-  // dQ accumulates with wgmma N = Dqk (64 or 128 here); dO V^T reads Dv in whole 64-column panels.
-  static constexpr bool kSupported = (Dqk == 64 || Dqk == 128) && (Dv == 64 || Dv == 128);
+  // dQ accumulates with wgmma N = Dqk (64, 128 or 192); dO V^T reads Dv in whole 64-column panels.
+  static constexpr bool kSupported = (Dqk == 64 || Dqk == 128 || Dqk == 192) && (Dv == 64 || Dv == 128);
   static constexpr int kM = 64 * kConsumers;  // queries per tile
   static constexpr int kN = 64;               // keys per step
   // A stage holds K and V of one key tile. It is released when dQ += dS K of that tile, issued one step after
-  // its scores, has landed: four stages keep the producer two tiles ahead.
-  static constexpr int kStages = 4;
+  // its scores, has landed: four stages keep the producer two tiles ahead (three, one tile, at Dqk = 192, where
+  // four do not fit in shared memory).
+  static constexpr int kStages = Dqk > 128 ? 3 : 4;
   static constexpr int kQ = kM * Dqk, kDO = kM * Dv, kK = kN * Dqk, kV = kN * Dv;  // elements
   static constexpr int kBarriers = pipeline::Ring<1>::kBarriers + pipeline::Ring<kStages>::kBarriers;
   // Q, dO, the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, plus room to
-  // align the start to a swizzle atom: 192 KB at 128/128.
+  // align the start to a swizzle atom: 192 KB at 128/128, 200 KB at 192/128.
   static constexpr std::size_t kSmemBytes =
       2 * (kQ + kDO + kStages * (kK + kV)) + sizeof(std::uint64_t) * kBarriers + wgmma::kTileAlignment;
 };
@@ -306,8 +313,8 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
             wgmma::advance(k_mn_desc0, kv_ring.slot(key_tiles + step - 1) * Tile::kK * 2);
 #pragma unroll
         for (int kk = 0; kk < kN / 16; ++kk) {
-          wgmma::mma_rs<T, Dqk, 1>(wgmma::flat<Dqk>(acc), ds[kk],
-                                   wgmma::advance(k_mn_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
+          wgmma::mma_rs_mn<T, Dqk, kN>(wgmma::flat<Dqk>(acc), ds[kk],
+                                       wgmma::advance(k_mn_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
         }
         wgmma::commit();
       };

@@ -20,9 +20,10 @@
 // 64/4 as above: 144.7 ms before, 33.6 ms chunked; 32/32: 29.7 -> 20.9 ms). One CTA per (chunk, 64-key tile of the
 // block, Dqk/Dv half for head dims > 128) gathers its tokens' query rows (all G heads, 32 (token, head) rows at a time)
 // and accumulates dK and dV in registers: warp w owns keys [16w, 16w+16) of the tile and computes S^T = K Q^T and dP^T
-// = V dO^T directly in key-major form, so no reduction across warps is needed. On sm_90a with Dqk = Dv <= 128 the same
-// task runs on warpgroup MMAs with 64-row gathers (dkv_wgmma.cuh; H100, 64/4, T = 64K: 27.2 -> 16.3 ms, 32/32: 17.2 ->
-// 12.4 ms); the two kernels share the task and the epilogue (dkv.cuh). A segment that fits one chunk writes dK/dV
+// = V dO^T directly in key-major form, so no reduction across warps is needed. On sm_90a at 64/64, 128/128 and 192/128
+// the same task runs on warpgroup MMAs with 64-row gathers (32 at 192/128; dkv_wgmma.cuh; H100, 64/4, T = 64K: 27.2 ->
+// 16.3 ms, 32/32: 17.2 -> 12.4 ms, 64/4 at 192/128: 62.1 -> 15.7 ms); the two kernels share the task and the epilogue
+// (dkv.cuh). A segment that fits one chunk writes dK/dV
 // directly; the chunks of a longer one write fp32 partials to their own workspace slots and dkv_reduce_kernel sums them
 // in chunk order. No float atomics anywhere: the backward is deterministic.
 //
@@ -613,7 +614,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
                                         static_cast<std::uint32_t>(plan.blocks_bound), s.packed};
         selection::launch_chunk_counts(seg_begin, seg_end, offsets, table, cc, counts, stream);
         selection::chunk_scan(ws + plan.scan_temp, plan.scan_temp_bytes, counts, scan, keys, stream);
-        // The wgmma kernel where it runs (sm_90a; Dqk = Dv <= 128), else the mma.sync one; same arguments.
+        // The wgmma kernel where it runs (sm_90a; 64/64, 128/128, 192/128), else the mma.sync one; same arguments.
         auto kernel = selected_dkv_kernel<T, DQK, DV, SPLIT>;
         std::size_t smem = DkvSmem<T, DQK, DV>::kBytes;
         std::int64_t split = SPLIT;

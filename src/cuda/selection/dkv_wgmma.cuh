@@ -15,9 +15,9 @@
 //   dV += P^T dO, dK += dS^T Q (P^T, dS^T as register A operands; dO, Q MN-major).
 // Keys past the block's end need no mask: their dK/dV rows are never stored. Padding rows (past the chunk) are
 // zero in Q and dO and masked (position -1), so they add nothing.
-// Registers: dK Dqk/2 + dV Dv/2 + S^T 32 + dP^T 32 fp32 per thread (192 at 128/128); the statistics are read
-// from shared memory inside the elementwise loop rather than held. Shared memory at 128/128: about 100 KB, two
-// CTAs (8 warps) per SM, like the dense kernel's one CTA of two warpgroups.
+// Registers: dK Dqk/2 + dV Dv/2 + S^T 32 + dP^T 32 fp32 per thread (192 at 128/128; at 192/128, 160 + 16 + 16 with
+// 32-row steps); the statistics are read from shared memory inside the elementwise loop rather than held. Shared
+// memory at 128/128: about 100 KB, two CTAs (8 warps) per SM, like the dense kernel's one CTA of two warpgroups.
 #pragma once
 
 #include "cuda/mma.cuh"
@@ -29,11 +29,12 @@ namespace sparseattn::cuda::selection {
 
 template <int DQK, int DV>
 struct DkvWgmmaTile {
-  // Q and dO rows share their gather addresses (same head dim); dK and dV accumulate with N = Dqk = Dv.
-  static constexpr bool kSupported = DQK == DV && (DV == 64 || DV == 128);
+  static constexpr bool kSupported = (DQK == DV && (DV == 64 || DV == 128)) || (DQK == 192 && DV == 128);
   static constexpr int kThreads = 128;
   static constexpr int kKeys = 64;  // wgmma M: the CTA's keys
-  static constexpr int kRows = 64;  // gathered (token, head) rows per step: N of S^T, K of dK/dV
+  // Gathered (token, head) rows per step: N of S^T, K of dK/dV. At 192/128 dK and dV take 160 registers per
+  // thread, so S^T and dP^T are half as wide.
+  static constexpr int kRows = DQK + DV > 256 ? 32 : 64;
   static constexpr int kK = kKeys * DQK, kV = kKeys * DV, kQ = kRows * DQK, kDO = kRows * DV;  // elements
   // K, V, 2 x Q, 2 x dO (2-byte elements, each a multiple of 1024 bytes), per row 3 x (position, group head)
   // and 2 x (lse, delta), plus room to align the start to a swizzle atom.
@@ -86,9 +87,11 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
   const T* const q_head = q.row(seq.batch, seq.begin, task.h * c.group);
   const T* const do_head = d_o.row(seq.batch, seq.begin, task.h * c.group);
   // Gathers the Q and dO rows of ring slot `slot` into buffer `buf`: a pass of 128 threads covers
-  // kThreads / (D / 8) rows, 16 bytes per thread; padding rows are zero.
+  // kThreads / (kSpan / 8) rows of kSpan columns (the whole row, or 64-column panels at 192/128), 16 bytes per
+  // thread; padding rows are zero.
   auto gather = [&](int slot, int buf) {
-    constexpr int kChunks = DQK / 8, kRowsPerPass = kThreads / kChunks, kPasses = kRows / kRowsPerPass;
+    constexpr int kSpan = DQK % 128 == 0 && DV % 128 == 0 ? 128 : 64;
+    constexpr int kChunks = kSpan / 8, kRowsPerPass = kThreads / kChunks, kPasses = kRows / kRowsPerPass;
     const int r0 = threadIdx.x / kChunks, cc = threadIdx.x % kChunks;
     int2 rows[kPasses];
 #pragma unroll
@@ -97,11 +100,18 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     for (int pass = 0; pass < kPasses; ++pass) {
       const bool in = rows[pass].x >= 0;
       const std::int64_t pos = in ? rows[pass].x : 0, head = rows[pass].y;
-      const int at = wgmma::swizzled_offset<kRows>(r0 + pass * kRowsPerPass, cc * 8);
-      cp_async_16(sQ + buf * Tile::kQ + at, q_head + pos * q.row_stride + head * q.head_stride + cc * 8,
-                  in ? 16 : 0);
-      cp_async_16(sDO + buf * Tile::kDO + at, do_head + pos * d_o.row_stride + head * d_o.head_stride + cc * 8,
-                  in ? 16 : 0);
+      const int r = r0 + pass * kRowsPerPass;
+      const T* q_src = q_head + pos * q.row_stride + head * q.head_stride + cc * 8;
+      const T* do_src = do_head + pos * d_o.row_stride + head * d_o.head_stride + cc * 8;
+#pragma unroll
+      for (int c0 = 0; c0 < DQK; c0 += kSpan) {
+        cp_async_16(sQ + buf * Tile::kQ + wgmma::swizzled_offset<kRows>(r, c0 + cc * 8), q_src + c0, in ? 16 : 0);
+      }
+#pragma unroll
+      for (int c0 = 0; c0 < DV; c0 += kSpan) {
+        cp_async_16(sDO + buf * Tile::kDO + wgmma::swizzled_offset<kRows>(r, c0 + cc * 8), do_src + c0,
+                    in ? 16 : 0);
+      }
     }
   };
   // lse and delta of ring slot `slot` into buffer `buf` (threads < kRows, one row each; zero for padding,
