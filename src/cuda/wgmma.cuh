@@ -154,21 +154,29 @@ __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<G>& g, 
 // address), into a kRows x kDim swizzled tile: the gathered-row counterpart of load_swizzled_tile. As there,
 // where the threads cover whole rows a multiple of 8 apart a thread keeps one chunk column and one swizzle, so a
 // chunk costs a row-pointer read and the copy (the KV-block-outer kernels gather a tile per 64 query rows; the
-// per-chunk index arithmetic of the generic loop was 11% of their instructions).
+// per-chunk index arithmetic of the generic loop was 11% of their instructions); rows of 192 columns go the same
+// way in 64-column panels, a thread copying its chunk of each panel of the row it reads the pointer of.
 template <int kRows, int kDim, int kThreadCount, class T, class RowPointer>
 __device__ __forceinline__ void gather_swizzled_rows(T* smem, RowPointer&& row_pointer, const T* fallback) {
-  constexpr int kChunks = kDim / 8, kRowStep = kThreadCount / kChunks;
-  if constexpr (kThreadCount % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0) {
+  constexpr bool kWholeRows = kThreadCount % (kDim / 8) == 0 && (kThreadCount / (kDim / 8)) % 8 == 0;
+  constexpr int kSpan = kWholeRows ? kDim : 64;  // columns a thread's chunk column repeats over: one per panel
+  constexpr int kChunks = kSpan / 8, kRowStep = kThreadCount / kChunks;
+  if constexpr (kDim % kSpan == 0 && kThreadCount % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0) {
     const int c = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
     T* dst = smem + swizzled_offset<kRows>(r0, c * 8);
 #pragma unroll
     for (int i = 0; i < kRows / kRowStep; ++i) {
       const T* src = row_pointer(r0 + i * kRowStep);
-      cp_async_16(dst + i * kRowStep * 64, (src != nullptr ? src : fallback) + c * 8, src != nullptr ? 16 : 0);
+      const T* from = (src != nullptr ? src : fallback) + c * 8;
+#pragma unroll
+      for (int col0 = 0; col0 < kDim; col0 += kSpan) {
+        cp_async_16(dst + i * kRowStep * 64 + (col0 / 64) * kRows * 64, from + col0, src != nullptr ? 16 : 0);
+      }
     }
   } else {
-    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreadCount) {
-      const int r = i / kChunks, c = i % kChunks;
+    constexpr int kRowChunks = kDim / 8;
+    for (int i = threadIdx.x; i < kRows * kRowChunks; i += kThreadCount) {
+      const int r = i / kRowChunks, c = i % kRowChunks;
       const T* src = row_pointer(r);
       cp_async_16(smem + swizzled_offset<kRows>(r, c * 8), (src != nullptr ? src : fallback) + c * 8,
                   src != nullptr ? 16 : 0);
