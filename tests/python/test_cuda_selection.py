@@ -250,7 +250,8 @@ SELECTED_CASES = [
 # The two CUDA forwards (src/cuda/selection/forward_plan.h): the switch is read on the host by the CUDA entry
 # points, so setting it in this process selects the forward of the calls that follow. The KV-block-outer one
 # runs on wgmma where it can (sm_90a, Dv <= 128); "kv-sync" forces its mma.sync kernel, and the mma.sync
-# dK/dV kernel of the backward (the other forwards' backward runs the wgmma one where it can: Dqk = Dv <= 128).
+# dK/dV kernel of the backward (the other forwards' backward runs the wgmma one where it can: 64/64, 128/128 and
+# 192/128).
 FORWARD_ENV = "SPARSEATTN_SELECTED_FORWARD"
 MMA_ENV = "SPARSEATTN_ATTENTION_MMA"
 FORWARDS = ["query", "kv", "kv-sync"]

@@ -308,7 +308,7 @@ void dq_kv_outer(const SelectedAttentionBackwardParams& p, const DqKvArgs& a) {
     using T = typename decltype(tag)::type;
     dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-      // The wgmma kernel where it runs (sm_90a; Dqk, Dv <= 128), else the mma.sync one; same arguments.
+      // The wgmma kernel where it runs (sm_90a; Dqk <= 192, Dv <= 128), else the mma.sync one; same arguments.
       auto kernel = dq_kv_kernel<T, DQK, DV>;
       std::size_t smem = dq_kv_smem_bytes(DQK, DV, a.block);
       if constexpr (DqKvWgmmaTile<DQK, DV>::kSupported) {

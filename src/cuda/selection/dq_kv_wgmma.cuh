@@ -11,7 +11,7 @@
 // dQ += dS K with dS as the register A operand and K as an MN-major operand. Warp w owns rows 16w..16w+15, so
 // the epilogue is the mma.sync kernel's (store_scaled_rows), staged in the tile's Q buffer once every product
 // has read it. Registers: dQ Dqk/2 + S 32 + dP 32 per thread; shared memory at 128/128 and KEYS = 64: about
-// 106 KB, two CTAs per SM. As in the forward, the masks run only in warps with a row that needs them (with the
+// 106 KB, two CTAs per SM (at 192/128, 130 KB: one). As in the forward, the masks run only in warps with a row that needs them (with the
 // cheaper gathers, H100 at 32/32, T = 64K: 11.6 -> 10.7 ms).
 #pragma once
 
@@ -26,8 +26,8 @@ namespace sparseattn::cuda::selection {
 
 template <int DQK, int DV>
 struct DqKvWgmmaTile {
-  // dQ accumulates with wgmma N = Dqk (64 or 128 here); dO V^T reads Dv in whole 64-column panels.
-  static constexpr bool kSupported = (DQK == 64 || DQK == 128) && (DV == 64 || DV == 128);
+  // dQ accumulates with wgmma N = Dqk (64, 128 or 192); dO V^T reads Dv in whole 64-column panels.
+  static constexpr bool kSupported = (DQK == 64 || DQK == 128 || DQK == 192) && (DV == 64 || DV == 128);
   static constexpr int kThreads = 128;
   static constexpr int kRows = 64;  // gathered query rows per tile (wgmma M)
   static constexpr int kSub = 64;   // keys per step (wgmma N of S and dP)
@@ -185,8 +185,8 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
         wgmma::fence();
 #pragma unroll
         for (int kk = 0; kk < kSub / 16; ++kk) {
-          wgmma::mma_rs<T, DQK, 1>(wgmma::flat<DQK>(acc), ds[kk],
-                                   wgmma::advance(k_mn_desc, wgmma::operand_offset<KEYS>(s0 + 16 * kk, 0)), 1);
+          wgmma::mma_rs_mn<T, DQK, KEYS>(wgmma::flat<DQK>(acc), ds[kk],
+                                         wgmma::advance(k_mn_desc, wgmma::operand_offset<KEYS>(s0 + 16 * kk, 0)), 1);
         }
         wgmma::commit();
         wgmma::wait<0>();
