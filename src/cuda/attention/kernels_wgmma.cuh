@@ -91,10 +91,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   if (w.keys <= 0) return;
   const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // At 192/128 the warpgroup index comes through a shuffle (uniform to the compiler), so that the K and V
-  // descriptors of the 20 score MMAs live in uniform registers: in ordinary ones ptxas spilled them. At 128/128
-  // warp / 4 measured 2.5% faster (wgmma::warpgroup_index).
-  const int warpgroup_row0 = (Dqk > 128 ? wgmma::warpgroup_index() : warp / 4) * 64;
+  const int warpgroup_row0 = (warp / 4) * 64;
   // Queries [q_first, q_end) (positions in the sequence, below 2^31) see this thread's two key rows.
   int q_first[2], q_end[2];
   for (int half = 0; half < 2; ++half) {
