@@ -23,9 +23,9 @@
 // = V dO^T directly in key-major form, so no reduction across warps is needed. On sm_90a at 64/64, 128/128 and 192/128
 // the same task runs on warpgroup MMAs with 64-row gathers (32 at 192/128; dkv_wgmma.cuh; H100, 64/4, T = 64K: 27.2 ->
 // 16.3 ms, 32/32: 17.2 -> 12.4 ms, 64/4 at 192/128: 62.1 -> 15.7 ms); the two kernels share the task and the epilogue
-// (dkv.cuh). A segment that fits one chunk writes dK/dV
-// directly; the chunks of a longer one write fp32 partials to their own workspace slots and dkv_reduce_kernel sums them
-// in chunk order. No float atomics anywhere: the backward is deterministic.
+// (dkv.cuh). A segment that fits one chunk writes dK/dV directly; the chunks of a longer one write fp32 partials to
+// their own workspace slots and dkv_reduce_kernel sums them in chunk order. No float atomics anywhere: the backward
+// is deterministic.
 //
 // Workspace (shapes only): delta, the inverse index (4 x 4 bytes per (token, KV head, slot) entry + the
 // radix sort's scratch), the chunk table (16 bytes per (KV head, block)), the dK/dV partials (at most

@@ -11,8 +11,8 @@
 // dQ += dS K with dS as the register A operand and K as an MN-major operand. Warp w owns rows 16w..16w+15, so
 // the epilogue is the mma.sync kernel's (store_scaled_rows), staged in the tile's Q buffer once every product
 // has read it. Registers: dQ Dqk/2 + S 32 + dP 32 per thread; shared memory at 128/128 and KEYS = 64: about
-// 106 KB, two CTAs per SM (at 192/128, 130 KB: one). As in the forward, the masks run only in warps with a row that needs them (with the
-// cheaper gathers, H100 at 32/32, T = 64K: 11.6 -> 10.7 ms).
+// 106 KB, two CTAs per SM (at 192/128, 130 KB: one). As in the forward, the masks run only in warps with a row
+// that needs them (with the cheaper gathers, H100 at 32/32, T = 64K: 11.6 -> 10.7 ms).
 #pragma once
 
 #include "cuda/mma.cuh"
