@@ -60,7 +60,7 @@ void combine(const CombineParams& params) {
   }
 }
 
-void combine_backward(const CombineBackwardParams& params) { detail::combine_backward(params, {}); }
+void combine_backward(const CombineBackwardParams& params) { detail::combine_backward(params, {}, {}); }
 
 namespace detail {
 
@@ -78,9 +78,11 @@ void check_options(const Check& check, const BranchBackwardOptions& options, con
   check.require(!options.accumulate_dq || q.device == DeviceType::cuda, ErrorKind::unsupported, "dq",
                 "accumulates on CUDA only");
   check_delta(check, options.delta, "delta", lse_shape, q, "q");
+  check_delta(check, options.d_o_scale, "d_o_scale", lse_shape, q, "q");
 }
 
-void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas) {
+void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas,
+                      const std::array<TensorView, kNumBranches>& scales) {
   const detail::Check check("combine_backward");
   const detail::TokenLayout layout = check_branches(check, params.outputs, params.gates, params.d_o, "d_o");
   const std::int64_t heads = params.d_o.shape[params.d_o.rank - 2];
@@ -93,8 +95,13 @@ void combine_backward(const CombineBackwardParams& params, const std::array<Tens
       check.absent(params.d_gates[i], d_gate, "for a branch without a gate");
       continue;
     }
-    check.tensor(params.d_outputs[i], d_out, params.d_o.dtype, params.d_o, "d_o");
-    check.shape(params.d_outputs[i], d_out, layout.tokens(heads, dim));
+    if (scales[i].present()) {
+      check.absent(params.d_outputs[i], d_out, "for a branch whose gate is folded into its backward");
+      check_delta(check, scales[i], std::string("scale_") + kBranch[i], layout.lse(heads), params.d_o, "d_o");
+    } else {
+      check.tensor(params.d_outputs[i], d_out, params.d_o.dtype, params.d_o, "d_o");
+      check.shape(params.d_outputs[i], d_out, layout.tokens(heads, dim));
+    }
     if (params.d_gates[i].present()) {
       check.tensor(params.d_gates[i], d_gate, params.d_o.dtype, params.d_o, "d_o");
       check.shape(params.d_gates[i], d_gate, layout.per_head(heads));
@@ -104,7 +111,7 @@ void combine_backward(const CombineBackwardParams& params, const std::array<Tens
   switch (detail::backend(check, params.d_o, "d_o", detail::kCudaBuilt)) {
     case detail::Backend::cpu: reference::combine_backward(params); break;
 #ifdef SPARSEATTN_WITH_CUDA
-    case detail::Backend::cuda: cuda::combine_backward(params, deltas); break;
+    case detail::Backend::cuda: cuda::combine_backward(params, deltas, scales); break;
 #else
     case detail::Backend::cuda: break;
 #endif

@@ -115,7 +115,9 @@ void check_backend(const detail::Check& check, const TensorView& q) {
 }
 
 // The backward calls of the three branches, built in one place so that the scratch size covers exactly the
-// workspaces they ask for. `dk_cmp`/`dv_cmp` receive the compressed branch's K/V gradient.
+// workspaces they ask for. `d_o`: the caller's output gradient (CUDA: each branch's gate is folded into its
+// backward, branch_backward.h; CPU: the branches read scratch.d_o instead). `dk_cmp`/`dv_cmp` receive the
+// compressed branch's K/V gradient.
 struct BranchBackward {
   CompressedAttentionBackwardParams cmp;
   SelectedAttentionBackwardParams slc;
@@ -123,24 +125,25 @@ struct BranchBackward {
 };
 
 BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
-                               const detail::NsaScratch& scratch, const TensorView& dq, const TensorView& dk_cmp,
-                               const TensorView& dv_cmp) {
+                               const detail::NsaScratch& scratch, const TensorView& d_o_caller, const TensorView& dq,
+                               const TensorView& dk_cmp, const TensorView& dv_cmp) {
   const auto dq_of = [&](int i) { return scratch.dq[i].present() ? scratch.dq[i] : dq; };
+  const TensorView d_o = scratch.d_o.present() ? scratch.d_o : d_o_caller;
   const NsaConfig& c = f.config;
   void* workspace = scratch.branch_workspace.data;
   const std::size_t workspace_bytes = scratch.branch_workspace.present() ? scratch.branch_workspace.numel() : 0;
   BranchBackward b;
   b.cmp = {.q = f.q, .k_cmp = plan.user_cmp ? f.k_cmp : ws.k_cmp, .v_cmp = plan.user_cmp ? f.v_cmp : ws.v_cmp,
-           .o = ws.o[0], .lse = ws.lse[0], .d_o = scratch.d_o, .dq = dq_of(0), .dk_cmp = dk_cmp,
+           .o = ws.o[0], .lse = ws.lse[0], .d_o = d_o, .dq = dq_of(0), .dk_cmp = dk_cmp,
            .dv_cmp = dv_cmp, .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp, .block = c.cmp_block,
            .stride = c.cmp_stride, .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes,
            .stream = f.stream};
   b.slc = {.q = f.q, .k = f.k, .v = f.v, .indices = plan.run_selection ? ws.indices : f.block_indices,
-           .o = ws.o[1], .lse = ws.lse[1], .d_o = scratch.d_o, .dq = dq_of(1), .dk = scratch.dk[1],
+           .o = ws.o[1], .lse = ws.lse[1], .d_o = d_o, .dq = dq_of(1), .dk = scratch.dk[1],
            .dv = scratch.dv[1], .seqs = f.seqs, .block = c.sel_block, .scale = c.scale, .workspace = workspace,
            .workspace_bytes = workspace_bytes, .stream = f.stream};
   b.swa = {.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = ws.o[2], .lse = ws.lse[2],
-           .d_o = scratch.d_o, .dq = dq_of(2), .dk = scratch.dk[2], .dv = scratch.dv[2], .dbias = {},
+           .d_o = d_o, .dq = dq_of(2), .dk = scratch.dk[2], .dv = scratch.dv[2], .dbias = {},
            .seqs_q = f.seqs, .seqs_k = f.seqs, .causal = true, .window_left = c.window - 1, .window_right = 0,
            .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = f.stream};
   return b;
@@ -150,7 +153,7 @@ BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, 
 detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
                                void* base) {
   const BranchBackward sizing =
-      branch_backward(plan, f, ws, detail::nsa_scratch(plan, nullptr, 0), f.q, f.k_cmp, f.v_cmp);
+      branch_backward(plan, f, ws, detail::nsa_scratch(plan, nullptr, 0), f.o, f.q, f.k_cmp, f.v_cmp);
   std::size_t bytes = 0;
   if (plan.branch[0]) bytes = std::max(bytes, compressed_attention_backward_workspace_size(sizing.cmp));
   if (plan.branch[1]) bytes = std::max(bytes, selected_attention_backward_workspace_size(sizing.slc));
@@ -227,30 +230,54 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
 
   const NsaConfig& c = f.config;
   const BranchBackward branches =
-      branch_backward(plan, f, ws, scratch, params.dq, plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
+      branch_backward(plan, f, ws, scratch, params.d_o, params.dq, plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
                       plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
-  // CUDA: the first branch writes dq, the others add to it (scratch.dq is empty there).
-  detail::BranchBackwardOptions options{.delta = scratch.delta, .accumulate_dq = false};
-  for (int i = 0; i < kNumBranches; ++i) {
-    if (!plan.branch[i]) continue;
-    // This branch's output gradient (and gate gradient: packed, through scratch so that rows past
-    // cu_seqlens[B] of the caller's stay untouched).
-    CombineBackwardParams gated{.outputs = {}, .gates = {}, .d_o = params.d_o, .d_outputs = {}, .d_gates = {},
-                                .stream = f.stream};
-    gated.outputs[i] = ws.o[i];
-    gated.gates[i] = f.gates[i];
-    gated.d_outputs[i] = scratch.d_o;
-    gated.d_gates[i] = plan.layout.packed && params.d_gates[i].present() ? scratch.d_gates[i] : params.d_gates[i];
-    std::array<TensorView, kNumBranches> deltas{};
-    deltas[i] = scratch.delta;
-    detail::combine_backward(gated, deltas);
+  // CUDA: the gates are folded into the branches' backward (branch_backward.h): one combine_backward pass writes
+  // every branch's delta, gate and gate gradient; the first branch writes dq, the others add to it (scratch.dq
+  // is empty there). CPU: each branch's scaled output gradient goes through scratch.d_o in turn.
+  const bool cuda = plan.device == DeviceType::cuda;
+  // The gate gradients (packed: through scratch, so that rows past cu_seqlens[B] of the caller's stay untouched).
+  const auto d_gate_of = [&](int i) {
+    return plan.layout.packed && params.d_gates[i].present() ? scratch.d_gates[i] : params.d_gates[i];
+  };
+  const auto copy_packed_d_gate = [&](int i) {
     if (plan.layout.packed && params.d_gates[i].present()) {
       sum_into(params.d_gates[i], {scratch.d_gates[i]}, f.seqs.cu_seqlens, f.stream);
     }
+  };
+  if (cuda) {
+    CombineBackwardParams gated{.outputs = {}, .gates = {}, .d_o = params.d_o, .d_outputs = {}, .d_gates = {},
+                                .stream = f.stream};
+    for (int i = 0; i < kNumBranches; ++i) {
+      if (!plan.branch[i]) continue;
+      gated.outputs[i] = ws.o[i];
+      gated.gates[i] = f.gates[i];
+      gated.d_gates[i] = d_gate_of(i);
+    }
+    detail::combine_backward(gated, scratch.deltas, scratch.d_o_scales);
+    for (int i = 0; i < kNumBranches; ++i) {
+      if (plan.branch[i]) copy_packed_d_gate(i);
+    }
+  }
+  bool accumulate_dq = false;
+  for (int i = 0; i < kNumBranches; ++i) {
+    if (!plan.branch[i]) continue;
+    if (!cuda) {
+      CombineBackwardParams gated{.outputs = {}, .gates = {}, .d_o = params.d_o, .d_outputs = {}, .d_gates = {},
+                                  .stream = f.stream};
+      gated.outputs[i] = ws.o[i];
+      gated.gates[i] = f.gates[i];
+      gated.d_outputs[i] = scratch.d_o;
+      gated.d_gates[i] = d_gate_of(i);
+      detail::combine_backward(gated, {}, {});
+      copy_packed_d_gate(i);
+    }
+    const detail::BranchBackwardOptions options{
+        .delta = scratch.deltas[i], .d_o_scale = scratch.d_o_scales[i], .accumulate_dq = accumulate_dq};
     if (i == 0) detail::compressed_attention_backward(branches.cmp, options);
     if (i == 1) detail::selected_attention_backward(branches.slc, options);
     if (i == 2) detail::flash_attention_backward(branches.swa, options);
-    options.accumulate_dq = plan.device == DeviceType::cuda;
+    accumulate_dq = cuda;
   }
   if (!plan.branch[0] && plan.user_cmp) {  // the compressed branch is skipped: the caller's k_cmp/v_cmp get no gradient
     sum_into(params.dk_cmp, {}, f.cu_seqlens_cmp, f.stream);

@@ -53,11 +53,13 @@ struct NsaWorkspace {
   std::size_t bytes = 0;
 };
 
-// The backward's temporaries. The branches run one after another, so one output-gradient buffer serves
-// them all; the last branch writes its dq straight into the caller's dq, which then adds the others.
+// The backward's temporaries. The branches run one after another, so on the CPU one output-gradient buffer
+// serves them all (on CUDA each branch's gate is folded into its backward: branch_backward.h); the last branch
+// writes its dq straight into the caller's dq, which then adds the others.
 struct NsaScratch {
-  TensorView d_o;                                   // the output gradient of the branch running now
-  TensorView delta;  // CUDA: float32 like lse, rowsum(d_o * o) of the branch running now (branch_backward.h)
+  TensorView d_o;  // CPU: the output gradient of the branch running now
+  // CUDA, per gate: float32 like lse, the branch's delta and its gate (branch_backward.h)
+  std::array<TensorView, kNumBranches> deltas, d_o_scales;
   std::array<TensorView, kNumBranches> dq;          // CPU, per gate but the last: the branch's dq
   std::array<TensorView, kNumBranches> dk, dv;      // per gate but the compressed one: the branch's
                                                     // contribution (the pooling's goes straight into dk, dv)

@@ -116,15 +116,19 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
     scratch.dk_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
     scratch.dv_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
   }
-  scratch.d_o = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
-  if (plan.device == DeviceType::cuda) scratch.delta = carve.take(DType::float32, layout.lse(plan.heads_q));
+  const bool cuda = plan.device == DeviceType::cuda;
+  if (!cuda) scratch.d_o = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
   int last = kNumBranches - 1;
   while (!plan.branch[last]) --last;  // the plan has at least one branch
   for (int i = 0; i < kNumBranches; ++i) {
     if (!plan.branch[i]) continue;
     if (layout.packed) scratch.d_gates[i] = carve.take(plan.dtype, layout.per_head(plan.heads_q));
+    if (cuda) {
+      scratch.deltas[i] = carve.take(DType::float32, layout.lse(plan.heads_q));
+      scratch.d_o_scales[i] = carve.take(DType::float32, layout.lse(plan.heads_q));
+    }
     // On CUDA the branches add their dq in place (branch_backward.h); the CPU reference sums buffers.
-    if (i != last && plan.device != DeviceType::cuda) {
+    if (i != last && !cuda) {
       scratch.dq[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_qk));
     }
     if (i == 0) continue;  // the pooling's gradient goes straight into dk/dv (compress_kv_backward_adding)

@@ -107,57 +107,69 @@ __global__ void combine_kernel(Branches<T> branches, Tokens<T> o, RowGrid grid, 
   }
 }
 
-// A branch's delta (float32 laid out like lse: [B, H, T] or packed [H, N]); data null: not wanted.
-struct DeltaRows {
+// Per-row float32 values laid out like lse ([B, H, T] or packed [H, N]); data null: not wanted.
+struct RowValues {
   float* data;
   std::int64_t batch_stride, head_stride;
+  __device__ float& at(const RowOf& r) const { return data[r.b * batch_stride + r.h * head_stride + r.t]; }
 };
 
 template <class T>
 struct BackwardOutputs {
-  Tokens<T> d_outputs[kNumBranches];
+  Tokens<T> d_outputs[kNumBranches];  // data null: the branch's gate is folded into its backward
   PerHead<T> d_gates[kNumBranches];
-  DeltaRows deltas[kNumBranches];
+  RowValues deltas[kNumBranches], scales[kNumBranches];
 };
 
-// Every row's lanes stay active to the end: d_gate and delta are shuffle reductions over them. delta is
-// sum(d_out * o) over the d_out values as stored (rounded to T), exactly what the branch's backward would
-// compute from the stored tensor.
+// Reads d_o once for all branches. Every row's lanes stay active to the end: d_gate and delta are shuffle
+// reductions over them. With a stored d_out, delta is sum(d_out * o) over the d_out values as stored (rounded
+// to T), exactly what the branch's backward computes from that tensor; with the gate folded into the branch's
+// backward (no d_out), it is sum(d_o * o) (= d_gate in fp32), as that backward applies the gate to P.
 template <class T, int kVec>
 __global__ void combine_backward_kernel(Branches<T> branches, Tokens<T> d_o, BackwardOutputs<T> outs, RowGrid grid,
                                         int lanes) {
   RowOf r;
   const bool active = row_of(grid, lanes, r);
   if (__all_sync(0xffffffffu, !active)) return;
-  for (int i = 0; i < kNumBranches; ++i) {
-    if (!branches.present[i]) continue;
-    float d_gate = 0.f, delta = 0.f;
-    if (active) {
-      const float gate = to_float(branches.gates[i].at(r.b, r.t, r.h));
-      const T* grad = d_o.row(r.b, r.t, r.h);
-      const T* out = branches.outputs[i].row(r.b, r.t, r.h);
-      T* d_out = outs.d_outputs[i].row(r.b, r.t, r.h);
-      for (std::int64_t d = std::int64_t{r.lane} * kVec; d < grid.dim; d += std::int64_t{lanes} * kVec) {
-        float g[kVec], x[kVec], scaled[kVec];
-        load_vec<T, kVec>(g, grad + d);
-        load_vec<T, kVec>(x, out + d);
+  float gate[kNumBranches] = {}, d_gate[kNumBranches] = {}, delta[kNumBranches] = {};
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < kNumBranches; ++i) {
+      if (branches.present[i]) gate[i] = to_float(branches.gates[i].at(r.b, r.t, r.h));
+    }
+    const T* grad = d_o.row(r.b, r.t, r.h);
+    for (std::int64_t d = std::int64_t{r.lane} * kVec; d < grid.dim; d += std::int64_t{lanes} * kVec) {
+      float g[kVec];
+      load_vec<T, kVec>(g, grad + d);
+#pragma unroll
+      for (int i = 0; i < kNumBranches; ++i) {
+        if (!branches.present[i]) continue;
+        float x[kVec];
+        load_vec<T, kVec>(x, branches.outputs[i].row(r.b, r.t, r.h) + d);
+        T* d_out = outs.d_outputs[i].data != nullptr ? outs.d_outputs[i].row(r.b, r.t, r.h) + d : nullptr;
+        float scaled[kVec];
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          scaled[e] = gate * g[e];
-          d_gate += g[e] * x[e];
-          delta += to_float(from_float<T>(scaled[e])) * x[e];
+          scaled[e] = gate[i] * g[e];
+          d_gate[i] += g[e] * x[e];
+          if (d_out != nullptr) delta[i] += to_float(from_float<T>(scaled[e])) * x[e];
         }
-        if (d_out != nullptr) store_vec<T, kVec>(d_out + d, scaled);
+        if (d_out != nullptr) store_vec<T, kVec>(d_out, scaled);
       }
     }
+  }
+#pragma unroll
+  for (int i = 0; i < kNumBranches; ++i) {
+    if (!branches.present[i]) continue;
     for (int offset = lanes / 2; offset > 0; offset /= 2) {
-      d_gate += __shfl_xor_sync(0xffffffffu, d_gate, offset);
-      delta += __shfl_xor_sync(0xffffffffu, delta, offset);
+      d_gate[i] += __shfl_xor_sync(0xffffffffu, d_gate[i], offset);
+      delta[i] += __shfl_xor_sync(0xffffffffu, delta[i], offset);
     }
     if (!active || r.lane != 0) continue;
-    if (outs.d_gates[i].data != nullptr) outs.d_gates[i].at(r.b, r.t, r.h) = from_float<T>(d_gate);
-    const DeltaRows& rows = outs.deltas[i];
-    if (rows.data != nullptr) rows.data[r.b * rows.batch_stride + r.h * rows.head_stride + r.t] = delta;
+    if (outs.d_gates[i].data != nullptr) outs.d_gates[i].at(r.b, r.t, r.h) = from_float<T>(d_gate[i]);
+    const bool folded = outs.d_outputs[i].data == nullptr;
+    if (outs.deltas[i].data != nullptr) outs.deltas[i].at(r) = folded ? d_gate[i] : delta[i];
+    if (outs.scales[i].data != nullptr) outs.scales[i].at(r) = gate[i];
   }
 }
 
@@ -205,7 +217,8 @@ void combine(const CombineParams& params) {
   });
 }
 
-void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas) {
+void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas,
+                      const std::array<TensorView, kNumBranches>& scales) {
   const DeviceGuard device(params.d_o.device_index);
   const RowGrid grid = row_grid(params.d_o);
   if (grid.batch * grid.rows * grid.heads == 0) return;
@@ -215,11 +228,12 @@ void combine_backward(const CombineBackwardParams& params, const std::array<Tens
     for (int i = 0; i < kNumBranches; ++i) {
       if (params.d_outputs[i].present()) backward_outputs.d_outputs[i] = tokens_of<T>(params.d_outputs[i]);
       if (params.d_gates[i].present()) backward_outputs.d_gates[i] = per_head_of<T>(params.d_gates[i]);
-      const TensorView& delta = deltas[i];
-      if (!delta.present()) continue;
-      const bool packed = delta.rank == 2;
-      backward_outputs.deltas[i] = {static_cast<float*>(delta.data), packed ? 0 : delta.stride[0],
-                                    delta.stride[packed ? 0 : 1]};
+      const auto rows_of = [](const TensorView& v) {
+        const bool packed = v.rank == 2;
+        return RowValues{static_cast<float*>(v.data), packed ? 0 : v.stride[0], v.stride[packed ? 0 : 1]};
+      };
+      if (deltas[i].present()) backward_outputs.deltas[i] = rows_of(deltas[i]);
+      if (scales[i].present()) backward_outputs.scales[i] = rows_of(scales[i]);
     }
     const auto& outs = params.outputs;
     const auto& d_outs = params.d_outputs;

@@ -13,9 +13,9 @@ void compress_kv(const CompressKvParams& params);
 // dk = terms.dk summed + the gradient through the pooling (dv alike), in one pass.
 void compress_kv_backward(const CompressKvBackwardParams& params, const detail::CompressBackwardTerms& terms);
 void combine(const CombineParams& params);
-// deltas (optional per branch): float32 like lse, filled with sum(d_outputs[i] * outputs[i]) per row (the delta of
-// that branch's attention backward).
-void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas);
+// deltas and scales (optional per branch): float32 like lse; see detail::combine_backward (api/branch_backward.h).
+void combine_backward(const CombineBackwardParams& params, const std::array<TensorView, kNumBranches>& deltas,
+                      const std::array<TensorView, kNumBranches>& scales);
 void accumulate(const detail::AccumulateParams& params);
 
 }  // namespace sparseattn::cuda

@@ -86,6 +86,19 @@ def test_nsa_batched_matches_reference(dtype, case):
     check_against_reference(leaves(q, k, v, *g), config, dtype)
 
 
+@pytest.mark.parametrize("shape", [(1100, 8, 2), (300, 16, 1)], ids=lambda s: f"T{s[0]}-{s[1]}x{s[2]}")
+def test_nsa_gates_folded_into_branches(attention_mma, shape):
+    """On CUDA each branch's gate is folded into its backward (P scaled per row, no scaled copy of d_o): gates of
+    both signs, both MMA paths, the KV-block-outer dQ (G = 4, T >= 1024) and the query-outer one (G = 16)."""
+    T, Hq, Hkv = shape
+    dtype = torch.bfloat16
+    q = torch.randn(1, T, Hq, 128, device="cuda", dtype=dtype)
+    k = torch.randn(1, T, Hkv, 128, device="cuda", dtype=dtype)
+    v = torch.randn(1, T, Hkv, 128, device="cuda", dtype=dtype)
+    g = torch.rand(3, 1, T, Hq, device="cuda", dtype=dtype) * 2 - 1
+    check_against_reference(leaves(q, k, v, *g), sparseattn.NSAConfig(), dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_nsa_packed_matches_reference(dtype):
     lengths = [1, 100, 333, 64]

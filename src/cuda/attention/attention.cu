@@ -240,6 +240,7 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p, const detai
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, p.d_o, p.dq, p.dk, p.dv, p.workspace, p.scale);
     if (l.delta_given) a.delta = rows_of(options.delta);
+    if (options.d_o_scale.present()) a.d_o_scale = rows_of(options.d_o_scale);
     a.accumulate_dq = options.accumulate_dq;
     set_head_splits(a, p.workspace, backward_workspace(p.q, p.k, p.v, l));
     a.seqs = flash_seqs(p);
@@ -279,6 +280,7 @@ void compressed_attention_backward(const CompressedAttentionBackwardParams& p,
     AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, p.d_o, p.dq, p.dk_cmp, p.dv_cmp, p.workspace,
                                p.scale);
     if (l.delta_given) a.delta = rows_of(options.delta);
+    if (options.d_o_scale.present()) a.d_o_scale = rows_of(options.d_o_scale);
     a.accumulate_dq = options.accumulate_dq;
     set_head_splits(a, p.workspace, backward_workspace(p.q, p.k_cmp, p.v_cmp, l));
     a.seqs = compressed_seqs(p);

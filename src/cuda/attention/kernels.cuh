@@ -77,6 +77,9 @@ struct AttnArgs {
   Rows lse;
   Tokens<T> d_o, dq, dk, dv;
   Rows delta;
+  // Per query row, the gate of an NSA branch folded into its backward: P is multiplied by it (data null: 1;
+  // api/branch_backward.h).
+  Rows d_o_scale;
   SeqTable seqs;
   int group;          // Hq / Hkv
   float scale;        // softmax scale
@@ -360,23 +363,33 @@ struct DkvWork {
   }
 };
 
-// The lse (times log2 e) and delta of query row t of head h (0 past the sequence), for a dQ thread's rows.
+// The lse (times log2 e), delta and P factor (d_o_scale) of query row t of head h (0 past the sequence), for a
+// dQ thread's rows.
 template <class T, class Seq>
-__device__ __forceinline__ void row_stats(const AttnArgs<T>& a, const Seq& seq, i64 h, i64 t, float& lse2, float& delta) {
-  lse2 = t < seq.T ? *a.lse.at(seq.batch, h, seq.q_begin + t) * kLog2e : 0.f;
-  delta = t < seq.T ? *a.delta.at(seq.batch, h, seq.q_begin + t) : 0.f;
+__device__ __forceinline__ void row_stats(const AttnArgs<T>& a, const Seq& seq, i64 h, i64 t, float& lse2, float& delta,
+                                          float& p_scale) {
+  const bool in = t < seq.T;
+  lse2 = in ? *a.lse.at(seq.batch, h, seq.q_begin + t) * kLog2e : 0.f;
+  delta = in ? *a.delta.at(seq.batch, h, seq.q_begin + t) : 0.f;
+  p_scale = a.d_o_scale.data == nullptr ? 1.f : in ? *a.d_o_scale.at(seq.batch, h, seq.q_begin + t) : 0.f;
 }
 
-// Starts copying the lse and delta of query rows [t0, t0 + kM) of head h into shared rows (cp.async, 0 past
-// the end): part of the step's load group, so no thread waits on a global load outside the pipeline.
+// Starts copying the lse, delta and P factor (d_o_scale) of query rows [t0, t0 + kM) of head h into shared rows
+// (cp.async, 0 past the end): part of the step's load group, so no thread waits on a global load outside the
+// pipeline. Without a d_o_scale the factors are 1 (plain stores, ordered by the same barrier).
 template <int kM, int kThreadCount, class T, class Seq>
-__device__ __forceinline__ void load_row_stats(float* lse, float* delta, const AttnArgs<T>& a, const Seq& seq, i64 t0,
-                                               i64 h) {
+__device__ __forceinline__ void load_row_stats(float* lse, float* delta, float* p_scale, const AttnArgs<T>& a,
+                                               const Seq& seq, i64 t0, i64 h) {
   for (int r = threadIdx.x; r < kM; r += kThreadCount) {
     const bool ok = t0 + r < seq.T;
     const i64 row = seq.q_begin + (ok ? t0 + r : 0);
     cp_async_4(lse + r, a.lse.at(seq.batch, h, row), ok ? 4 : 0);
     cp_async_4(delta + r, a.delta.at(seq.batch, h, row), ok ? 4 : 0);
+    if (a.d_o_scale.data != nullptr) {
+      cp_async_4(p_scale + r, a.d_o_scale.at(seq.batch, h, row), ok ? 4 : 0);
+    } else {
+      p_scale[r] = 1.f;
+    }
   }
 }
 
@@ -542,12 +555,14 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) zero(acc[mt]);
   if (tile_end > tile_begin) {
-    float lse2[kMT][2], delta[kMT][2];
+    float lse2[kMT][2], delta[kMT][2], p_scale[kMT][2];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        row_stats(a, seq, h, t0 + warp_row0 + 16 * mt + lane / 4 + half * 8, lse2[mt][half], delta[mt][half]);
+        row_stats(a, seq, h, t0 + warp_row0 + 16 * mt + lane / 4 + half * 8, lse2[mt][half], delta[mt][half],
+                  p_scale[mt][half]);
+        delta[mt][half] *= p_scale[mt][half];  // dS = g P (dP - delta) = P (g dP - g delta)
       }
     }
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
@@ -584,7 +599,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
             const int col = n * 8 + 2 * (lane % 4) + (i % 2);
             const bool shown = full || (col >= col_lo[i / 2] && col <= col_hi[i / 2]);
             const float p = shown ? fast_exp2(fmaf(s[mt][n][i], a.scale_log2, -lse2[mt][i / 2])) : 0.f;
-            s[mt][n][i] = p * (dp[mt][n][i] - delta[mt][i / 2]);  // dS (without the scale)
+            s[mt][n][i] = p * fmaf(p_scale[mt][i / 2], dp[mt][n][i], -delta[mt][i / 2]);  // dS (without the scale)
           }
         }
       }
@@ -622,8 +637,8 @@ struct DkvTile {
   static constexpr int kM = Dqk == 64 ? 64 : 32;
   static constexpr bool kSplit = Dqk + Dv >= 320;
   static constexpr int kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>(), kQ = kM * ld_of<Dqk>(), kDO = kM * ld_of<Dv>();
-  // K, V, 2 x Q, 2 x dO (2-byte elements), then 2 x (lse, delta) rows of kM floats.
-  static constexpr std::size_t kSmemBytes = 2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 2 * kM * sizeof(float);
+  // K, V, 2 x Q, 2 x dO (2-byte elements), then 2 x (lse, delta, P factor) rows of kM floats.
+  static constexpr std::size_t kSmemBytes = 2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 3 * kM * sizeof(float);
 };
 
 template <class T, int Dqk, int Dv, class Mask, int kPass>
@@ -638,6 +653,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   T* sDO = sQ + 2 * Tile::kQ;
   float* sLse = reinterpret_cast<float*>(sDO + 2 * Tile::kDO);  // [2][kM]
   float* sDelta = sLse + 2 * kM;                                // [2][kM]
+  float* sScale = sDelta + 2 * kM;                              // [2][kM]: P factor (AttnArgs::d_o_scale)
 
   const auto seq = a.seqs[blockIdx.z];
   const Mask mask{mc, seq.T, seq.S};
@@ -659,7 +675,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
     const i64 h = w.head(step), t0 = w.tile(step) * kM;
     load_tile<kM, Dqk>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, seq.T - t0, h);
     load_tile<kM, Dv>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, seq.T - t0, h);
-    load_row_stats<kM, kThreads>(sLse + buf * kM, sDelta + buf * kM, a, seq, t0, h);
+    load_row_stats<kM, kThreads>(sLse + buf * kM, sDelta + buf * kM, sScale + buf * kM, a, seq, t0, h);
   };
 
   if (w.steps > 0) {
@@ -675,6 +691,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
       const T* do_tile = sDO + buf * Tile::kDO;
       const float* lse = sLse + buf * kM;
       const float* delta = sDelta + buf * kM;
+      const float* p_scale = sScale + buf * kM;
       const i64 t0 = w.tile(step) * kM;
 
       // S^T (keys x queries) = K Q^T; this warp's 16 keys.
@@ -687,7 +704,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-          const float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -lse[col] * kLog2e));
+          const float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -lse[col] * kLog2e)) * p_scale[col];
           s[n][i] = full || (t0 + col >= q_first[i / 2] && t0 + col < q_end[i / 2]) ? p : 0.f;
         }
       }

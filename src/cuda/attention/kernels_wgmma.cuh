@@ -65,10 +65,10 @@ struct WgmmaDkvTile {
   // load is in flight: three buffers.
   static constexpr int kBuffers = 3;
   static constexpr int kK = kN * Dqk, kV = kN * Dv, kQ = kM * Dqk, kDO = kM * Dv;  // elements
-  // K, V, the Q and dO buffers (2-byte elements; every tile a multiple of 1024 bytes), the (lse, delta) rows of
-  // kM floats per buffer, plus room to align the start to a swizzle atom.
+  // K, V, the Q and dO buffers (2-byte elements; every tile a multiple of 1024 bytes), the (lse, delta, P
+  // factor) rows of kM floats per buffer, plus room to align the start to a swizzle atom.
   static constexpr std::size_t kSmemBytes = 2 * (kK + kV + kBuffers * (kQ + kDO)) +
-                                            kBuffers * 2 * kM * sizeof(float) + wgmma::kTileAlignment;
+                                            kBuffers * 3 * kM * sizeof(float) + wgmma::kTileAlignment;
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   T* sDO = sQ + kBuffers * Tile::kQ;
   float* sLse = reinterpret_cast<float*>(sDO + kBuffers * Tile::kDO);  // [kBuffers][kM]
   float* sDelta = sLse + kBuffers * kM;                                // [kBuffers][kM]
+  float* sScale = sDelta + kBuffers * kM;  // [kBuffers][kM]: P factor (AttnArgs::d_o_scale)
 
   const auto seq = a.seqs[blockIdx.z];
   const Mask mask{mc, seq.T, seq.S};
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     load_swizzled_tile<kM, Dqk, kThreadCount>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, seq.T - t0, h);
     load_swizzled_tile<kM, Dv, kThreadCount>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, seq.T - t0,
                                              h);
-    load_row_stats<kM, kThreadCount>(sLse + buf * kM, sDelta + buf * kM, a, seq, t0, h);
+    load_row_stats<kM, kThreadCount>(sLse + buf * kM, sDelta + buf * kM, sScale + buf * kM, a, seq, t0, h);
   };
 
   if (w.steps > 0) {
@@ -158,6 +159,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       wgmma::fence_operand(wgmma::flat<kM>(dp));
       const float* lse = sLse + (step % kBuffers) * kM;
       const float* delta = sDelta + (step % kBuffers) * kM;
+      const float* p_scale = sScale + (step % kBuffers) * kM;
       // This thread's visible columns [col_first, col_end) of the step, per key row; the mask is needed only
       // where they do not cover the step (a per-thread choice: the elementwise part has no collectives).
       const int t0 = static_cast<int>(w.tile(step) * kM);
@@ -168,10 +170,11 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
         for (int n = 0; n < kM / 8; ++n) {
           const float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
           const float2 d2 = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
+          const float2 g2 = *reinterpret_cast<const float2*>(p_scale + n * 8 + 2 * (lane % 4));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -kLog2e * (i % 2 ? l2.y : l2.x)));
+            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -kLog2e * (i % 2 ? l2.y : l2.x))) * (i % 2 ? g2.y : g2.x);
             if constexpr (decltype(masked)::value) {
               if (col < col_first[i / 2] || col >= col_end[i / 2]) p = 0.f;
             }
@@ -284,10 +287,12 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     zero(acc);
     if (steps > 0) {
       const unsigned q_use = query_tiles++;
-      float lse2[2], delta[2];
+      // dS = g P (dP - delta) as P (g dP - g delta): g (the P factor) costs no instruction per element.
+      float lse2[2], g_delta[2], p_scale[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        row_stats(a, seq, w.h, t0 + warp_row0 + lane / 4 + half * 8, lse2[half], delta[half]);
+        row_stats(a, seq, w.h, t0 + warp_row0 + lane / 4 + half * 8, lse2[half], g_delta[half], p_scale[half]);
+        g_delta[half] *= p_scale[half];
       }
       float s[kN / 8][4], dp[kN / 8][4];
       std::uint32_t ds[kN / 16][4];
@@ -332,7 +337,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
               if constexpr (decltype(masked)::value) {
                 if (col < col_lo[i / 2] || col > col_hi[i / 2]) p = 0.f;
               }
-              s[n][i] = p * (dp[n][i] - delta[i / 2]);
+              s[n][i] = p * fmaf(p_scale[i / 2], dp[n][i], -g_delta[i / 2]);
             }
           }
         });

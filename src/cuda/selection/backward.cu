@@ -100,7 +100,7 @@ struct DqSmem {
   using V = SmemTile<T, kKeys, DV>;
   using DS = SmemTile<T, kRows, kKeys>;
   static constexpr std::size_t kElements = Q::kElements + DO::kElements + K::kElements + V::kElements + DS::kElements;
-  static constexpr std::size_t kBytes = kElements * sizeof(T) + 2 * kRows * sizeof(float);
+  static constexpr std::size_t kBytes = kElements * sizeof(T) + 3 * kRows * sizeof(float);
 };
 
 // CTAs per SM that shared memory allows on H100 up to 192/128 (56 KB); registers are capped to match.
@@ -108,8 +108,9 @@ template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq_kernel(Tokens<const T> q, Tokens<const T> k,
                                                                Tokens<const T> v, IndexView indices,
                                                                LseView<const float> lse, Tokens<const T> d_o,
-                                                               LseView<const float> delta, Tokens<T> dq, SeqTable seqs,
-                                                               BwdConfig c) {
+                                                               LseView<const float> delta,
+                                                               LseView<const float> p_scale, Tokens<T> dq,
+                                                               SeqTable seqs, BwdConfig c) {
   using S = DqSmem<T, DQK, DV>;
   extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernel of this unit declares it
   T* base = reinterpret_cast<T*>(smem_raw);
@@ -119,7 +120,8 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
   const typename S::V vs{ks.base + S::K::kElements};
   const typename S::DS dss{vs.base + S::V::kElements};
   float* lse_s = reinterpret_cast<float*>(dss.base + S::DS::kElements);  // log2 domain, +inf: no gradient
-  float* delta_s = lse_s + kRows;
+  float* delta_s = lse_s + kRows;   // g delta (dS = g P (dP - delta) = P (g dP - g delta))
+  float* scale_s = delta_s + kRows;  // g: the P factor (p_scale_at)
 
   const std::int64_t t = blockIdx.x, h = blockIdx.y / c.chunks, chunk = blockIdx.y % c.chunks;
   const auto seq = seqs[blockIdx.z];
@@ -137,14 +139,16 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
   cp_async_commit();
   if (threadIdx.x < kRows) {
     const int r = threadIdx.x;
-    float value = INFINITY, dl = 0.f;
+    float value = INFINITY, dl = 0.f, g = 0.f;
     if (r < rows_here) {
       const float x = lse.at(seq.batch, row, hq0 + r);
       if (x != -INFINITY) value = x * kLog2e;
-      dl = delta.at(seq.batch, row, hq0 + r);
+      g = p_scale_at(p_scale, seq.batch, row, hq0 + r);
+      dl = g * delta.at(seq.batch, row, hq0 + r);
     }
     lse_s[r] = value;
     delta_s[r] = dl;
+    scale_s[r] = g;
   }
 
   constexpr int kOutCols = DQK / kWarps;
@@ -187,6 +191,7 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
       }
       const float lse_r[2] = {lse_s[r_lo], lse_s[r_hi]};
       const float delta_r[2] = {delta_s[r_lo], delta_s[r_hi]};
+      const float g_r[2] = {scale_s[r_lo], scale_s[r_hi]};
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         float ds[4];
@@ -194,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
         for (int e = 0; e < 4; ++e) {
           const int col = warp * 16 + nt * 8 + 2 * (lane % 4) + (e & 1);
           const float p = s0 + col < end ? fast_exp2(fmaf(s[nt][e], c.scale_log2, -lse_r[e / 2])) : 0.f;
-          ds[e] = p * (dp[nt][e] - delta_r[e / 2]);
+          ds[e] = p * fmaf(g_r[e / 2], dp[nt][e], -delta_r[e / 2]);
         }
         const int col = warp * 16 + nt * 8 + 2 * (lane % 4);
         *reinterpret_cast<std::uint32_t*>(dss.at(r_lo, col)) = pack2<T>(ds[0], ds[1]);
@@ -240,15 +245,15 @@ struct DkvSmem {
   using Q = SmemTile<T, kGather, DQK>;
   using DO = SmemTile<T, kGather, DV>;
   static constexpr std::size_t kElements = K::kElements + V::kElements + Q::kElements + DO::kElements;
-  static constexpr std::size_t kBytes = kElements * sizeof(T) + 3 * kGather * sizeof(float);
+  static constexpr std::size_t kBytes = kElements * sizeof(T) + 4 * kGather * sizeof(float);
 };
 
 template <class T, int DQK, int DV, int SPLIT>
 __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
     Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, LseView<const float> lse, Tokens<const T> d_o,
-    LseView<const float> delta, const std::int32_t* offsets, const std::int32_t* seg_begin,
-    const std::int32_t* seg_end, const std::int32_t* tokens, const std::uint64_t* chunk_scan, float* partials,
-    Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
+    LseView<const float> delta, LseView<const float> p_scale, const std::int32_t* offsets,
+    const std::int32_t* seg_begin, const std::int32_t* seg_end, const std::int32_t* tokens,
+    const std::uint64_t* chunk_scan, float* partials, Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
   using S = DkvSmem<T, DQK, DV>;
   constexpr int kCk = DQK / SPLIT, kCv = DV / SPLIT;  // dK / dV columns of this CTA
   extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernel of this unit declares it
@@ -259,7 +264,8 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
   const typename S::DO dos{qs.base + S::Q::kElements};
   float* lse_s = reinterpret_cast<float*>(dos.base + S::DO::kElements);
   float* delta_s = lse_s + kGather;
-  int* pos_s = reinterpret_cast<int*>(delta_s + kGather);
+  float* scale_s = delta_s + kGather;  // the P factor (p_scale_at)
+  int* pos_s = reinterpret_cast<int*>(scale_s + kGather);
 
   const std::int64_t half = blockIdx.y % SPLIT;
   const selection::DkvTask task = selection::dkv_task(chunk_scan, offsets, seg_begin, seg_end, seqs, c,
@@ -301,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
     if (threadIdx.x < kGather) {
       const int r = threadIdx.x;
       const std::int64_t pidx = p0 + r;
-      float lv = INFINITY, dl = 0.f;
+      float lv = INFINITY, dl = 0.f, g = 0.f;
       int pos = -1;
       if (pidx < pairs) {
         const std::uint32_t token = static_cast<std::uint32_t>(pidx) / group32;
@@ -310,9 +316,11 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
         const float x = lse.at(seq.batch, seq.begin + pos, hq);
         if (x != -INFINITY) lv = x * kLog2e;
         dl = delta.at(seq.batch, seq.begin + pos, hq);
+        g = p_scale_at(p_scale, seq.batch, seq.begin + pos, hq);
       }
       lse_s[r] = lv;
       delta_s[r] = dl;
+      scale_s[r] = g;
       pos_s[r] = pos;
     }
     cp_async_wait<0>();
@@ -351,7 +359,7 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
         const std::int64_t s = first + (e < 2 ? k_lo : k_hi);
         const int pos = pos_s[col];
         const bool visible = s < end && pos >= 0 && s <= pos;
-        const float p = visible ? fast_exp2(fmaf(st[nt][e], c.scale_log2, -lse_s[col])) : 0.f;
+        const float p = visible ? fast_exp2(fmaf(st[nt][e], c.scale_log2, -lse_s[col])) * scale_s[col] : 0.f;
         st[nt][e] = p;
         dpt[nt][e] = p * (dpt[nt][e] - delta_s[col]);
       }
@@ -548,6 +556,9 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
   const LseView<const float> delta = given_delta.present()
                                          ? selection::lse_of<const float>(given_delta)
                                          : LseView<const float>{delta_ws, s.rows * plan.heads_q, 1, plan.heads_q};
+  // The P factor: an NSA branch gate folded into this backward (api/branch_backward.h); null: 1.
+  const LseView<const float> p_scale = options.d_o_scale.present() ? selection::lse_of<const float>(options.d_o_scale)
+                                                                   : LseView<const float>{nullptr, 0, 0, 0};
   auto* offsets = reinterpret_cast<std::int32_t*>(ws + plan.offsets);
   auto* keys_in = reinterpret_cast<std::uint32_t*>(ws + plan.keys_in);
   auto* keys_out = reinterpret_cast<std::uint32_t*>(ws + plan.keys_out);
@@ -600,7 +611,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
         kernel<<<grid, kThreads, smem, stream>>>(tokens_of<const T>(p.q), tokens_of<const T>(p.k),
                                                  tokens_of<const T>(p.v), selection::index_of(p.indices),
                                                  selection::lse_of<const float>(p.lse), tokens_of<const T>(p.d_o),
-                                                 delta, tokens_of<T>(p.dq), table, c);
+                                                 delta, p_scale, tokens_of<T>(p.dq), table, c);
         check_launch("selected_dq_kernel");
       }
       // 4. dK, dV, KV-block-outer over the inverse index cut into chunks (chunks.cuh).
@@ -630,8 +641,8 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
         const dim3 grid(static_cast<unsigned>(plan.grid), static_cast<unsigned>(subtiles * split));
         kernel<<<grid, kThreads, smem, stream>>>(
             tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v),
-            selection::lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, offsets, seg_begin, seg_end,
-            values_out, scan, partials, tokens_of<T>(p.dk), tokens_of<T>(p.dv), table, c);
+            selection::lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, p_scale, offsets, seg_begin,
+            seg_end, values_out, scan, partials, tokens_of<T>(p.dk), tokens_of<T>(p.dv), table, c);
         check_launch("selected_dkv_kernel");
         if (plan.slots > 0) {
           dkv_reduce_kernel<T><<<static_cast<unsigned>(keys), 256, 0, stream>>>(
@@ -662,6 +673,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
         a.cu_seqlens = s.packed ? cu : nullptr;
         a.offsets = offsets;
         a.delta = delta;
+        a.p_scale = p_scale;
         a.accumulate_dq = options.accumulate_dq;
         a.keys_in = keys_in;
         a.keys_out = keys_out;

@@ -36,7 +36,7 @@ inline std::size_t dq_kv_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std
   const std::size_t key_rows = static_cast<std::size_t>(round_up16(std::min<std::int64_t>(block, kDqKvMaxBlock)));
   const std::size_t lists = 2 * sizeof(std::int32_t) * kDqKvCtaRows;
   const std::size_t slots = std::size_t{kDqKvBuffers} * kDqKvWarps * kDqKvTile;
-  const std::size_t rows = slots * (8 + 8 + 8 + 4 + 4 + 4);
+  const std::size_t rows = slots * (8 + 8 + 8 + 4 + 4 + 4 + 4);
   const std::size_t q = slots * (dim_qk + dim_v) * 2;
   const std::size_t kv = key_rows * (dim_qk + dim_v) * 2;
   return lists + rows + q + kv;

@@ -37,18 +37,18 @@ struct DkvWgmmaTile {
   static constexpr int kRows = DQK + DV > 256 ? 32 : 64;
   static constexpr int kK = kKeys * DQK, kV = kKeys * DV, kQ = kRows * DQK, kDO = kRows * DV;  // elements
   // K, V, 2 x Q, 2 x dO (2-byte elements, each a multiple of 1024 bytes), per row 3 x (position, group head)
-  // and 2 x (lse, delta), plus room to align the start to a swizzle atom.
+  // and 2 x (lse, delta, P factor), plus room to align the start to a swizzle atom.
   static constexpr std::size_t kSmemBytes = 2 * (kK + kV + 2 * kQ + 2 * kDO) +
-                                            kRows * (3 * sizeof(int2) + 2 * 2 * sizeof(float)) +
+                                            kRows * (3 * sizeof(int2) + 2 * 3 * sizeof(float)) +
                                             wgmma::kTileAlignment;
 };
 
 template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, LseView<const float> lse, Tokens<const T> d_o,
-    LseView<const float> delta, const std::int32_t* offsets, const std::int32_t* seg_begin,
-    const std::int32_t* seg_end, const std::int32_t* tokens, const std::uint64_t* chunk_scan, float* partials,
-    Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
+    LseView<const float> delta, LseView<const float> p_scale, const std::int32_t* offsets,
+    const std::int32_t* seg_begin, const std::int32_t* seg_end, const std::int32_t* tokens,
+    const std::uint64_t* chunk_scan, float* partials, Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = DkvWgmmaTile<DQK, DV>;
   constexpr int kThreads = Tile::kThreads, kKeys = Tile::kKeys, kRows = Tile::kRows;
@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
   int2* sRows = reinterpret_cast<int2*>(sDO + 2 * Tile::kDO);
   float* sLse = reinterpret_cast<float*>(sRows + 3 * kRows);  // [2][kRows], log2 domain (once landed)
   float* sDelta = sLse + 2 * kRows;                           // [2][kRows]
+  float* sScale = sDelta + 2 * kRows;                         // [2][kRows]: the P factor (p_scale_at)
 
   const DkvTask task = dkv_task(chunk_scan, offsets, seg_begin, seg_end, seqs, c, blockIdx.y, kKeys);
   if (task.first >= task.end) return;
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
       }
     }
   };
-  // lse and delta of ring slot `slot` into buffer `buf` (threads < kRows, one row each; zero for padding,
+  // lse, delta and P factor of ring slot `slot` into buffer `buf` (threads < kRows, one row each; zero for padding,
   // which the position -1 masks).
   auto stage_stats = [&](int slot, int buf) {
     if (threadIdx.x >= kRows) return;
@@ -123,6 +124,11 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     const std::int64_t pos = seq.begin + (in ? row.x : 0), hq = task.h * c.group + row.y;
     cp_async_4(sLse + buf * kRows + threadIdx.x, &lse.at(seq.batch, pos, hq), in ? 4 : 0);
     cp_async_4(sDelta + buf * kRows + threadIdx.x, &delta.at(seq.batch, pos, hq), in ? 4 : 0);
+    if (p_scale.data != nullptr) {
+      cp_async_4(sScale + buf * kRows + threadIdx.x, &p_scale.at(seq.batch, pos, hq), in ? 4 : 0);
+    } else {
+      sScale[buf * kRows + threadIdx.x] = 1.f;  // ordered by the barrier after the wait, as the copies
+    }
   };
   // After the wait for buffer `buf`, the thread that copied a row's lse takes it to the log2 domain
   // (+inf where it is -inf: a row that saw no key gets no gradient).
@@ -202,18 +208,21 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     // P^T and dS^T (without the scale) in place; column n * 8 + 2 (lane % 4) + {0, 1} is a gathered row.
     const float* lse_b = sLse + buf * kRows;
     const float* delta_b = sDelta + buf * kRows;
+    const float* scale_b = sScale + buf * kRows;
     const int2* rows_b = sRows + slot * kRows;
 #pragma unroll
     for (int n = 0; n < kRows / 8; ++n) {
       const int col = n * 8 + 2 * (lane % 4);
       const float2 l2 = *reinterpret_cast<const float2*>(lse_b + col);
       const float2 d2 = *reinterpret_cast<const float2*>(delta_b + col);
+      const float2 g2 = *reinterpret_cast<const float2*>(scale_b + col);
       const int4 p2 = *reinterpret_cast<const int4*>(rows_b + col);  // (position, head) of col, col + 1
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const bool odd = (e & 1) != 0;
         const bool visible = key_row[e / 2] <= (odd ? p2.z : p2.x);
-        const float p = visible ? fast_exp2(fmaf(st[n][e], c.scale_log2, -(odd ? l2.y : l2.x))) : 0.f;
+        const float p = visible ? fast_exp2(fmaf(st[n][e], c.scale_log2, -(odd ? l2.y : l2.x))) * (odd ? g2.y : g2.x)
+                                : 0.f;
         st[n][e] = p;
         dpt[n][e] = p * (dpt[n][e] - (odd ? d2.y : d2.x));
       }

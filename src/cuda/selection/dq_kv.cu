@@ -42,7 +42,8 @@ constexpr int kMergeWarps = 8;
 template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v,
                                                          Tokens<const T> d_o, LseView<const float> lse,
-                                                         LseView<const float> delta, const std::uint32_t* keys,
+                                                         LseView<const float> delta,
+                                                         LseView<const float> p_scale, const std::uint32_t* keys,
                                                          const std::int32_t* values, const std::int32_t* cu_seqlens,
                                                          const std::int32_t* offsets, __half* dq_part,
                                                          float* scale_part, KvConfig c) {
@@ -59,7 +60,8 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
   auto* t_s = reinterpret_cast<std::int32_t*>(slot_s + kRowSlots);
   auto* lse_s = reinterpret_cast<float*>(t_s + kRowSlots);
   auto* delta_s = lse_s + kRowSlots;
-  T* q_base = reinterpret_cast<T*>(delta_s + kRowSlots);
+  auto* scale_s = delta_s + kRowSlots;  // the P factor (p_scale_at), applied to the row's partial
+  T* q_base = reinterpret_cast<T*>(scale_s + kRowSlots);
   T* o_base = q_base + kRowSlots * QTile::kPitch;
   const KTile ks{o_base + kRowSlots * OTile::kPitch};
   const VTile vs{ks.base + c.key_rows * KTile::kPitch};
@@ -98,11 +100,12 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
         const T* op = qp != nullptr ? d_o.row(r.batch, r.row, r.hq) : nullptr;
         const std::int64_t slot = r.slot;
         const int t = r.t;
-        float lv = INFINITY, dl = 0.f;
+        float lv = INFINITY, dl = 0.f, g = 0.f;
         if (qp != nullptr) {
           const float x = lse.at(r.batch, r.row, r.hq);
           if (x != -INFINITY) lv = x * kLog2e;
           dl = delta.at(r.batch, r.row, r.hq);
+          g = p_scale_at(p_scale, r.batch, r.row, r.hq);
         }
         qptr_s[base + lane] = qp;
         optr_s[base + lane] = op;
@@ -110,6 +113,7 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
         t_s[base + lane] = t;
         lse_s[base + lane] = lv;
         delta_s[base + lane] = dl;
+        scale_s[base + lane] = g;
       }
       __syncwarp();
       const QTile qt{q_base + base * QTile::kPitch};
@@ -208,7 +212,8 @@ __global__ void __launch_bounds__(kThreads) dq_kv_kernel(Tokens<const T> q, Toke
         }
       }
       __syncwarp();  // every lane is done reading the Q tile: it stages the fp16 rows
-      store_scaled_rows<DQK>(acc, {1.f, 1.f}, slot_s + base, reinterpret_cast<__half*>(qt.base),
+      store_scaled_rows<DQK>(acc, {scale_s[base + r_lo], scale_s[base + r_hi]}, slot_s + base,
+                             reinterpret_cast<__half*>(qt.base),
                              [](int r, int col) { return QTile::offset(r, col); }, dq_part, scale_part);
       buf ^= 1;
     }
@@ -335,7 +340,7 @@ void dq_kv_outer(const SelectedAttentionBackwardParams& p, const DqKvArgs& a) {
                            a.packed, a.scale_log2};
           kernel<<<static_cast<unsigned>(ceil_div(entries, per_cta)), kThreads, smem, stream>>>(
               tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), tokens_of<const T>(p.d_o),
-              lse_of<const float>(p.lse), a.delta, keys, values, a.cu_seqlens, a.offsets,
+              lse_of<const float>(p.lse), a.delta, a.p_scale, keys, values, a.cu_seqlens, a.offsets,
               static_cast<__half*>(a.dq_half), a.dq_scale, c);
           check_launch("dq_kv_kernel");
         }

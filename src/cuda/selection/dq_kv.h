@@ -25,7 +25,8 @@ struct DqKvArgs {
   float scale, scale_log2;
   const std::int32_t* cu_seqlens;  // packed only
   const std::int32_t* offsets;     // packed: block offsets (already built)
-  LseView<const float> delta;  // rowsum(dO * O), (batch, row, query head)
+  LseView<const float> delta;    // rowsum(dO * O), (batch, row, query head)
+  LseView<const float> p_scale;  // the P factor (p_scale_at): scales a row's dQ, so applied to its partials
   std::uint32_t *keys_in, *keys_out;
   std::int32_t *values_in, *values_out;
   void* temp;

@@ -34,12 +34,12 @@ struct DqKvWgmmaTile {
 };
 
 // Dynamic shared memory of the wgmma kernel: the sorted keys and values of its entries, two buffers of row
-// descriptors (q and dO pointers, slot, position, lse, delta), two Q and dO tiles, K and V of KEYS rows, and
-// room to align the tiles.
+// descriptors (q and dO pointers, slot, position, lse, delta, P factor), two Q and dO tiles, K and V of KEYS
+// rows, and room to align the tiles.
 inline std::size_t dq_kv_wgmma_smem_bytes(int dim_qk, int dim_v, int keys) {
   constexpr int kRows = 64;
   const std::size_t lists = 2 * sizeof(std::int32_t) * kDqKvCtaRows;
-  const std::size_t rows = std::size_t{2} * kRows * (8 + 8 + 8 + 4 + 4 + 4);
+  const std::size_t rows = std::size_t{2} * kRows * (8 + 8 + 8 + 4 + 4 + 4 + 4);
   const std::size_t tiles = (std::size_t{2} * kRows * (dim_qk + dim_v) + std::size_t(keys) * (dim_qk + dim_v)) * 2;
   return lists + rows + tiles + wgmma::kTileAlignment;
 }
@@ -47,7 +47,8 @@ inline std::size_t dq_kv_wgmma_smem_bytes(int dim_qk, int dim_v, int keys) {
 template <class T, int DQK, int DV, int KEYS>
 __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v,
                                                           Tokens<const T> d_o, LseView<const float> lse,
-                                                          LseView<const float> delta, const std::uint32_t* keys,
+                                                          LseView<const float> delta,
+                                                          LseView<const float> p_scale, const std::uint32_t* keys,
                                                           const std::int32_t* values, const std::int32_t* cu_seqlens,
                                                           const std::int32_t* offsets, __half* dq_part,
                                                           float* scale_part, KvConfig c) {
@@ -69,6 +70,7 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
   auto* t_s = reinterpret_cast<std::int32_t*>(slot_s + 2 * kRows);     // position in the sequence, -1: padding
   auto* lse_s = reinterpret_cast<float*>(t_s + 2 * kRows);             // log2 domain, +inf: no gradient
   auto* delta_s = lse_s + 2 * kRows;
+  auto* scale_s = delta_s + 2 * kRows;  // the P factor (p_scale_at), applied to the row's partial
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int count = load_cta_entries<kThreads>(keys, values, c, keys_s, vals_s);
@@ -91,11 +93,12 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
     auto stage = [&](int tile, int buf) {
       if (threadIdx.x < kRows) {
         const KvRow<T> r = describe_row(q, std::int64_t{tile} * kRows + threadIdx.x, run_rows, vals_s + cur, run, c);
-        float lv = INFINITY, dl = 0.f;
+        float lv = INFINITY, dl = 0.f, g = 0.f;
         if (r.q != nullptr) {
           const float x = lse.at(r.batch, r.row, r.hq);
           if (x != -INFINITY) lv = x * kLog2e;
           dl = delta.at(r.batch, r.row, r.hq);
+          g = p_scale_at(p_scale, r.batch, r.row, r.hq);
         }
         const int at = buf * kRows + threadIdx.x;
         qptr_s[at] = r.q;
@@ -104,6 +107,7 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
         t_s[at] = r.t;
         lse_s[at] = lv;
         delta_s[at] = dl;
+        scale_s[at] = g;
       }
       __syncthreads();
       // Row 0 of a tile always exists: its rows are the padding rows' fallback addresses.
@@ -197,7 +201,7 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
       // 16 x DQK halves in the swizzled layout of tile.cuh, against bank conflicts).
       __syncthreads();
       __half* staged = reinterpret_cast<__half*>(sQ + buf * kQ) + warp * 16 * DQK;
-      store_scaled_rows<DQK>(acc, {1.f, 1.f}, slot_s + buf * kRows + warp * 16, staged,
+      store_scaled_rows<DQK>(acc, {scale_s[row_lo], scale_s[row_lo + 8]}, slot_s + buf * kRows + warp * 16, staged,
                              [](int r, int col) { return SmemTile<__half, 16, DQK>::offset(r, col); }, dq_part,
                              scale_part);
     }
