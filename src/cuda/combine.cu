@@ -107,18 +107,11 @@ __global__ void combine_kernel(Branches<T> branches, Tokens<T> o, RowGrid grid, 
   }
 }
 
-// Per-row float32 values laid out like lse ([B, H, T] or packed [H, N]); data null: not wanted.
-struct RowValues {
-  float* data;
-  std::int64_t batch_stride, head_stride;
-  __device__ float& at(const RowOf& r) const { return data[r.b * batch_stride + r.h * head_stride + r.t]; }
-};
-
 template <class T>
 struct BackwardOutputs {
   Tokens<T> d_outputs[kNumBranches];  // data null: the branch's gate is folded into its backward
   PerHead<T> d_gates[kNumBranches];
-  RowValues deltas[kNumBranches], scales[kNumBranches];
+  LseView<float> deltas[kNumBranches], scales[kNumBranches];  // data null: not wanted
 };
 
 // Reads d_o once for all branches. Every row's lanes stay active to the end: d_gate and delta are shuffle
@@ -168,8 +161,8 @@ __global__ void combine_backward_kernel(Branches<T> branches, Tokens<T> d_o, Bac
     if (!active || r.lane != 0) continue;
     if (outs.d_gates[i].data != nullptr) outs.d_gates[i].at(r.b, r.t, r.h) = from_float<T>(d_gate[i]);
     const bool folded = outs.d_outputs[i].data == nullptr;
-    if (outs.deltas[i].data != nullptr) outs.deltas[i].at(r) = folded ? d_gate[i] : delta[i];
-    if (outs.scales[i].data != nullptr) outs.scales[i].at(r) = gate[i];
+    if (outs.deltas[i].data != nullptr) outs.deltas[i].at(r.b, r.t, r.h) = folded ? d_gate[i] : delta[i];
+    if (outs.scales[i].data != nullptr) outs.scales[i].at(r.b, r.t, r.h) = gate[i];
   }
 }
 
@@ -228,12 +221,8 @@ void combine_backward(const CombineBackwardParams& params, const std::array<Tens
     for (int i = 0; i < kNumBranches; ++i) {
       if (params.d_outputs[i].present()) backward_outputs.d_outputs[i] = tokens_of<T>(params.d_outputs[i]);
       if (params.d_gates[i].present()) backward_outputs.d_gates[i] = per_head_of<T>(params.d_gates[i]);
-      const auto rows_of = [](const TensorView& v) {
-        const bool packed = v.rank == 2;
-        return RowValues{static_cast<float*>(v.data), packed ? 0 : v.stride[0], v.stride[packed ? 0 : 1]};
-      };
-      if (deltas[i].present()) backward_outputs.deltas[i] = rows_of(deltas[i]);
-      if (scales[i].present()) backward_outputs.scales[i] = rows_of(scales[i]);
+      if (deltas[i].present()) backward_outputs.deltas[i] = lse_of<float>(deltas[i]);
+      if (scales[i].present()) backward_outputs.scales[i] = lse_of<float>(scales[i]);
     }
     const auto& outs = params.outputs;
     const auto& d_outs = params.d_outputs;

@@ -42,6 +42,23 @@ Tokens<T> tokens_of(const TensorView& view) {
           view.stride[packed ? 1 : 2]};
 }
 
+// Per-row values laid out like a log-sum-exp: [B, H, T] (packed [H, N]), e.g. lse and delta.
+template <class T>
+struct LseView {
+  T* data;
+  std::int64_t batch_stride, head_stride, row_stride;
+  __device__ __forceinline__ T& at(std::int64_t b, std::int64_t row, std::int64_t h) const {
+    return data[b * batch_stride + h * head_stride + row * row_stride];
+  }
+};
+
+template <class T>
+LseView<T> lse_of(const TensorView& view) {
+  const bool packed = view.rank == 2;
+  return {static_cast<T*>(view.data), packed ? 0 : view.stride[0], view.stride[packed ? 0 : 1],
+          view.stride[packed ? 1 : 2]};
+}
+
 // A per-head tensor [B, T, H] (packed [N, H]) such as a gate.
 template <class T>
 struct PerHead {

@@ -59,7 +59,6 @@ using selection::DkvConfig;
 using selection::IndexView;
 using selection::kLn2;
 using selection::kLog2e;
-using selection::LseView;
 using selection::SeqTable;
 using selection::SmemTile;
 
@@ -143,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq
     if (r < rows_here) {
       const float x = lse.at(seq.batch, row, hq0 + r);
       if (x != -INFINITY) value = x * kLog2e;
-      g = p_scale_at(p_scale, seq.batch, row, hq0 + r);
+      g = selection::p_scale_at(p_scale, seq.batch, row, hq0 + r);
       dl = g * delta.at(seq.batch, row, hq0 + r);
     }
     lse_s[r] = value;
@@ -316,7 +315,7 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
         const float x = lse.at(seq.batch, seq.begin + pos, hq);
         if (x != -INFINITY) lv = x * kLog2e;
         dl = delta.at(seq.batch, seq.begin + pos, hq);
-        g = p_scale_at(p_scale, seq.batch, seq.begin + pos, hq);
+        g = selection::p_scale_at(p_scale, seq.batch, seq.begin + pos, hq);
       }
       lse_s[r] = lv;
       delta_s[r] = dl;
@@ -554,10 +553,10 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
   // delta = rowsum(dO * O): the caller's (laid out like lse), else computed into the workspace as [rows][Hq].
   float* const delta_ws = reinterpret_cast<float*>(ws + plan.delta);
   const LseView<const float> delta = given_delta.present()
-                                         ? selection::lse_of<const float>(given_delta)
+                                         ? lse_of<const float>(given_delta)
                                          : LseView<const float>{delta_ws, s.rows * plan.heads_q, 1, plan.heads_q};
   // The P factor: an NSA branch gate folded into this backward (api/branch_backward.h); null: 1.
-  const LseView<const float> p_scale = options.d_o_scale.present() ? selection::lse_of<const float>(options.d_o_scale)
+  const LseView<const float> p_scale = options.d_o_scale.present() ? lse_of<const float>(options.d_o_scale)
                                                                    : LseView<const float>{nullptr, 0, 0, 0};
   auto* offsets = reinterpret_cast<std::int32_t*>(ws + plan.offsets);
   auto* keys_in = reinterpret_cast<std::uint32_t*>(ws + plan.keys_in);
@@ -610,7 +609,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
                         static_cast<unsigned>(s.batch));
         kernel<<<grid, kThreads, smem, stream>>>(tokens_of<const T>(p.q), tokens_of<const T>(p.k),
                                                  tokens_of<const T>(p.v), selection::index_of(p.indices),
-                                                 selection::lse_of<const float>(p.lse), tokens_of<const T>(p.d_o),
+                                                 lse_of<const float>(p.lse), tokens_of<const T>(p.d_o),
                                                  delta, p_scale, tokens_of<T>(p.dq), table, c);
         check_launch("selected_dq_kernel");
       }
@@ -641,7 +640,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
         const dim3 grid(static_cast<unsigned>(plan.grid), static_cast<unsigned>(subtiles * split));
         kernel<<<grid, kThreads, smem, stream>>>(
             tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v),
-            selection::lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, p_scale, offsets, seg_begin,
+            lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, p_scale, offsets, seg_begin,
             seg_end, values_out, scan, partials, tokens_of<T>(p.dk), tokens_of<T>(p.dv), table, c);
         check_launch("selected_dkv_kernel");
         if (plan.slots > 0) {

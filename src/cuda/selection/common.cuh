@@ -57,28 +57,11 @@ inline SeqTable seq_table(const HostShape& s, const Sequences& seqs) {
   return {s.packed ? static_cast<const std::int32_t*>(seqs.cu_seqlens.data) : nullptr, s.rows, s.batch};
 }
 
-// Log-sum-exp [B, H, T] (packed [H, N]).
-template <class T>
-struct LseView {
-  T* data;
-  std::int64_t batch_stride, head_stride, row_stride;
-  __device__ __forceinline__ T& at(std::int64_t b, std::int64_t row, std::int64_t h) const {
-    return data[b * batch_stride + h * head_stride + row * row_stride];
-  }
-};
-
 // The P factor of row (b, row, h) in a backward: the gate of an NSA branch folded into it (api/branch_backward.h:
 // P becomes g P); 1 without one (data null).
 __device__ __forceinline__ float p_scale_at(const LseView<const float>& p_scale, std::int64_t b, std::int64_t row,
                                             std::int64_t h) {
   return p_scale.data == nullptr ? 1.f : p_scale.at(b, row, h);
-}
-
-template <class T>
-LseView<T> lse_of(const TensorView& view) {
-  const bool packed = view.rank == 2;
-  return {static_cast<T*>(view.data), packed ? 0 : view.stride[0], view.stride[packed ? 0 : 1],
-          view.stride[packed ? 1 : 2]};
 }
 
 // Indices [B, T, Hkv, n] (packed [N, Hkv, n]); the innermost stride is 1.

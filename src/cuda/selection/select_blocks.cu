@@ -34,7 +34,6 @@ namespace sparseattn::cuda {
 namespace {
 
 using i64 = std::int64_t;
-using selection::LseView;
 using selection::SeqTable;
 
 using Config = selection::SelectConfig;
@@ -545,7 +544,7 @@ void launch(const SelectBlocksParams& p, const LaunchPlan& plan) {
   constexpr std::size_t smem = Layout<D>::kBytes;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   kernel<<<plan.select.ctas, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
-      tokens_of<const T>(p.q), tokens_of<const T>(p.k_cmp), selection::lse_of<const float>(p.lse_cmp),
+      tokens_of<const T>(p.q), tokens_of<const T>(p.k_cmp), lse_of<const float>(p.lse_cmp),
       tokens_of<std::int32_t>(p.indices), selection::seq_table(plan.shape, p.seqs),
       static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), plan.select.config, static_cast<float*>(p.workspace));
   check_launch("select_blocks_kernel");
