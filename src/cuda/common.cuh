@@ -42,24 +42,8 @@ Tokens<T> tokens_of(const TensorView& view) {
           view.stride[packed ? 1 : 2]};
 }
 
-// Per-row values laid out like a log-sum-exp: [B, H, T] (packed [H, N]), e.g. lse and delta.
-template <class T>
-struct LseView {
-  T* data;
-  std::int64_t batch_stride, head_stride, row_stride;
-  __device__ __forceinline__ T& at(std::int64_t b, std::int64_t row, std::int64_t h) const {
-    return data[b * batch_stride + h * head_stride + row * row_stride];
-  }
-};
-
-template <class T>
-LseView<T> lse_of(const TensorView& view) {
-  const bool packed = view.rank == 2;
-  return {static_cast<T*>(view.data), packed ? 0 : view.stride[0], view.stride[packed ? 0 : 1],
-          view.stride[packed ? 1 : 2]};
-}
-
-// A per-head tensor [B, T, H] (packed [N, H]) such as a gate.
+// One value per (batch, token, head), any strides: a gate [B, T, H] (packed [N, H]) or, through lse_of, a
+// log-sum-exp-like row tensor [B, H, T] (packed [H, N]) such as lse and delta.
 template <class T>
 struct PerHead {
   T* data;
@@ -75,6 +59,17 @@ PerHead<T> per_head_of(const TensorView& view) {
   const bool packed = view.rank == 2;
   return {static_cast<T*>(view.data), packed ? 0 : view.stride[0], view.stride[packed ? 0 : 1],
           view.stride[packed ? 1 : 2]};
+}
+
+// The same view over a tensor laid out like lse: [B, H, T] (packed [H, N]).
+template <class T>
+using LseView = PerHead<T>;
+
+template <class T>
+LseView<T> lse_of(const TensorView& view) {
+  const bool packed = view.rank == 2;
+  return {static_cast<T*>(view.data), packed ? 0 : view.stride[0], view.stride[packed ? 1 : 2],
+          view.stride[packed ? 0 : 1]};
 }
 
 // Throws if the last launch failed to start (bad configuration). Asynchronous faults surface later, at

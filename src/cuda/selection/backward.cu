@@ -554,7 +554,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
   float* const delta_ws = reinterpret_cast<float*>(ws + plan.delta);
   const LseView<const float> delta = given_delta.present()
                                          ? lse_of<const float>(given_delta)
-                                         : LseView<const float>{delta_ws, s.rows * plan.heads_q, 1, plan.heads_q};
+                                         : LseView<const float>{delta_ws, s.rows * plan.heads_q, plan.heads_q, 1};
   // The P factor: an NSA branch gate folded into this backward (api/branch_backward.h); null: 1.
   const LseView<const float> p_scale = options.d_o_scale.present() ? lse_of<const float>(options.d_o_scale)
                                                                    : LseView<const float>{nullptr, 0, 0, 0};
