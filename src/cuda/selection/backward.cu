@@ -1,10 +1,11 @@
 // selected_attention backward on tensor cores (mma.sync m16n8k16, fp32 accumulation).
 //
 // dQ has two paths, picked on the host from shapes by selection::use_kv_outer_dq (backward_plan.h):
-//  - query-outer (here): one CTA (4 warps) per (token t, KV head h, chunk of 16 query heads of the group),
-//    like the query-outer forward (forward_query.cu): warp w computes scores for keys [16w, 16w+16) of a
-//    64-key tile and accumulates dQ columns [w*Dqk/4, (w+1)*Dqk/4). The G heads of a token are its 16 mma
-//    rows, so small groups waste most of the tile and every token re-reads its n blocks' K and V;
+//  - query-outer (query_outer.cu, like the query-outer forward): one warp per (token t, KV head h, chunk of 16
+//    query heads of the group), the heads its 16 mma rows, so small groups waste most of the tile and every token
+//    re-reads its n blocks' K and V. (It replaced a kernel of four warps per token that split each 64-key tile's
+//    keys and dQ's columns among them, exchanged dS through shared memory and waited for every tile's K and V
+//    right after issuing their copies: H100, 64/4, T = 64K: 20.9 -> see bench at the next commit.)
 //  - KV-block-outer (dq_kv.cu, the FSA forward's design): per selected block, gathered query rows of many
 //    tokens, compact partial dQ per (token, query head, slot), merged in slot order. H100, bf16, D = 128,
 //    T = 64K, n = 16, block 64, NSA-like indices, dQ time query-outer -> KV-block-outer (sort + kernel +
@@ -47,6 +48,7 @@
 #include "cuda/selection/dkv_wgmma.cuh"
 #include "cuda/selection/dq_kv.h"
 #include "cuda/selection/inverse_index.h"
+#include "cuda/selection/kernels.h"
 #include "cuda/selection/launch.cuh"
 #include "cuda/selection/ops.h"
 #include "cuda/selection/tile.cuh"
@@ -57,14 +59,11 @@ namespace {
 
 using selection::DkvConfig;
 using selection::IndexView;
-using selection::kLn2;
 using selection::kLog2e;
 using selection::SeqTable;
 using selection::SmemTile;
 
 constexpr int kThreads = 128;
-constexpr int kWarps = 4;
-constexpr int kRows = 16;     // query heads per CTA (mma M)
 constexpr int kKeys = 64;     // keys per tile (16 per warp)
 constexpr int kGather = 32;   // (token, head) rows per gathered chunk in the dK/dV kernel
 
@@ -83,156 +82,6 @@ __global__ void delta_kernel(Tokens<const T> o, Tokens<const T> d_o, float* delt
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (threadIdx.x % 32 == 0) delta[item] = sum;
-}
-
-struct BwdConfig {
-  std::int64_t heads_kv, group, chunks, num_idx, block, rows;  // rows: T (batched) or N (packed)
-  float scale, scale_log2;
-  bool accumulate_dq;  // dq += the gradient
-};
-
-template <class T, int DQK, int DV>
-struct DqSmem {
-  using Q = SmemTile<T, kRows, DQK>;
-  using DO = SmemTile<T, kRows, DV>;
-  using K = SmemTile<T, kKeys, DQK>;
-  using V = SmemTile<T, kKeys, DV>;
-  using DS = SmemTile<T, kRows, kKeys>;
-  static constexpr std::size_t kElements = Q::kElements + DO::kElements + K::kElements + V::kElements + DS::kElements;
-  static constexpr std::size_t kBytes = kElements * sizeof(T) + 3 * kRows * sizeof(float);
-};
-
-// CTAs per SM that shared memory allows on H100 up to 192/128 (56 KB); registers are capped to match.
-template <class T, int DQK, int DV>
-__global__ void __launch_bounds__(kThreads, DQK + DV <= 320 ? 4 : 2) selected_dq_kernel(Tokens<const T> q, Tokens<const T> k,
-                                                               Tokens<const T> v, IndexView indices,
-                                                               LseView<const float> lse, Tokens<const T> d_o,
-                                                               LseView<const float> delta,
-                                                               LseView<const float> p_scale, Tokens<T> dq,
-                                                               SeqTable seqs, BwdConfig c) {
-  using S = DqSmem<T, DQK, DV>;
-  extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernel of this unit declares it
-  T* base = reinterpret_cast<T*>(smem_raw);
-  const typename S::Q qs{base};
-  const typename S::DO dos{qs.base + S::Q::kElements};
-  const typename S::K ks{dos.base + S::DO::kElements};
-  const typename S::V vs{ks.base + S::K::kElements};
-  const typename S::DS dss{vs.base + S::V::kElements};
-  float* lse_s = reinterpret_cast<float*>(dss.base + S::DS::kElements);  // log2 domain, +inf: no gradient
-  float* delta_s = lse_s + kRows;   // g delta (dS = g P (dP - delta) = P (g dP - g delta))
-  float* scale_s = delta_s + kRows;  // g: the P factor (p_scale_at)
-
-  const std::int64_t t = blockIdx.x, h = blockIdx.y / c.chunks, chunk = blockIdx.y % c.chunks;
-  const auto seq = seqs[blockIdx.z];
-  if (t >= seq.length) return;
-  const std::int64_t row = seq.begin + t;
-  const std::int64_t g0 = chunk * kRows;
-  const int rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - g0));
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t hq0 = h * c.group + g0;
-  selection::load_rows<T, kRows, DQK, kThreads>(
-      qs, [&](int r) { return r < rows_here ? q.row(seq.batch, row, hq0 + r) : nullptr; }, q.row(seq.batch, row, hq0));
-  selection::load_rows<T, kRows, DV, kThreads>(
-      dos, [&](int r) { return r < rows_here ? d_o.row(seq.batch, row, hq0 + r) : nullptr; },
-      d_o.row(seq.batch, row, hq0));
-  cp_async_commit();
-  if (threadIdx.x < kRows) {
-    const int r = threadIdx.x;
-    float value = INFINITY, dl = 0.f, g = 0.f;
-    if (r < rows_here) {
-      const float x = lse.at(seq.batch, row, hq0 + r);
-      if (x != -INFINITY) value = x * kLog2e;
-      g = selection::p_scale_at(p_scale, seq.batch, row, hq0 + r);
-      dl = g * delta.at(seq.batch, row, hq0 + r);
-    }
-    lse_s[r] = value;
-    delta_s[r] = dl;
-    scale_s[r] = g;
-  }
-
-  constexpr int kOutCols = DQK / kWarps;
-  float acc[kOutCols / 8][4] = {};
-  const int r_lo = lane / 4, r_hi = lane / 4 + 8;
-  const std::int32_t* idx = indices.row(seq.batch, row, h);
-  const T* const k_head = k.row(seq.batch, seq.begin, h);  // the sequence's token 0 of KV head h
-  const T* const v_head = v.row(seq.batch, seq.begin, h);
-  for (std::int64_t j = 0; j < c.num_idx; ++j) {
-    const std::int64_t b = idx[j];
-    if (b < 0) break;
-    const std::int64_t first = b * c.block;
-    if (first > t) continue;
-    const std::int64_t end = min(first + c.block, t + 1);
-    for (std::int64_t s0 = first; s0 < end; s0 += kKeys) {
-      __syncthreads();
-      const int valid = static_cast<int>(end - s0);
-      selection::load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + s0 * k.row_stride, k.row_stride, valid,
-                                                            k_head);
-      selection::load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + s0 * v.row_stride, v.row_stride, valid,
-                                                           v_head);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();
-
-      float s[2][4] = {}, dp[2][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < DQK / 16; ++kk) {
-        std::uint32_t a[4], bk[4];
-        selection::load_a(a, qs, 0, kk * 16);
-        selection::load_b_rows(bk, ks, warp * 16, kk * 16);
-        selection::mma_pair<T>(s[0], s[1], a, bk);
-      }
-#pragma unroll
-      for (int kk = 0; kk < DV / 16; ++kk) {
-        std::uint32_t a[4], bv[4];
-        selection::load_a(a, dos, 0, kk * 16);
-        selection::load_b_rows(bv, vs, warp * 16, kk * 16);
-        selection::mma_pair<T>(dp[0], dp[1], a, bv);
-      }
-      const float lse_r[2] = {lse_s[r_lo], lse_s[r_hi]};
-      const float delta_r[2] = {delta_s[r_lo], delta_s[r_hi]};
-      const float g_r[2] = {scale_s[r_lo], scale_s[r_hi]};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        float ds[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = warp * 16 + nt * 8 + 2 * (lane % 4) + (e & 1);
-          const float p = s0 + col < end ? fast_exp2(fmaf(s[nt][e], c.scale_log2, -lse_r[e / 2])) : 0.f;
-          ds[e] = p * fmaf(g_r[e / 2], dp[nt][e], -delta_r[e / 2]);
-        }
-        const int col = warp * 16 + nt * 8 + 2 * (lane % 4);
-        *reinterpret_cast<std::uint32_t*>(dss.at(r_lo, col)) = pack2<T>(ds[0], ds[1]);
-        *reinterpret_cast<std::uint32_t*>(dss.at(r_hi, col)) = pack2<T>(ds[2], ds[3]);
-      }
-      __syncthreads();
-#pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) {
-        std::uint32_t a[4];
-        selection::load_a(a, dss, 0, kk * 16);
-#pragma unroll
-        for (int np = 0; np < kOutCols / 16; ++np) {
-          std::uint32_t bk[4];
-          selection::load_b_cols(bk, ks, kk * 16, warp * kOutCols + np * 16);
-          selection::mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bk);
-        }
-      }
-    }
-  }
-  cp_async_wait<0>();
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = i == 0 ? r_lo : r_hi;
-    if (r >= rows_here) continue;
-    T* dst = dq.row(seq.batch, row, hq0 + r);
-#pragma unroll
-    for (int nt = 0; nt < kOutCols / 8; ++nt) {
-      const int col = warp * kOutCols + nt * 8 + 2 * (lane % 4);
-      auto* pair = reinterpret_cast<std::uint32_t*>(dst + col);
-      float x = acc[nt][2 * i] * c.scale, y = acc[nt][2 * i + 1] * c.scale;
-      if (c.accumulate_dq) add_unpacked<T>(*pair, x, y);
-      *pair = pack2<T>(x, y);
-    }
-  }
 }
 
 // ------------------------------------------------------------------------------------------------ dK / dV
@@ -568,7 +417,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
   auto* counts = reinterpret_cast<std::uint64_t*>(ws + plan.counts);
   auto* scan = reinterpret_cast<std::uint64_t*>(ws + plan.scan);
   auto* partials = reinterpret_cast<float*>(ws + plan.partials);
-  const std::int64_t group = plan.heads_q / plan.heads_kv, chunks = (group + kRows - 1) / kRows;
+  const std::int64_t group = plan.heads_q / plan.heads_kv;
   const double scale = softmax_scale(p.scale, dqk);
   const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const SeqTable table = selection::seq_table(s, p.seqs);
@@ -599,20 +448,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
     selection::dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
       // 3. dQ, query-outer (or KV-block-outer after step 4).
-      if (!plan.dq_kv) {
-        const BwdConfig c{plan.heads_kv, group, chunks, plan.num_idx, plan.block, s.rows,
-                          static_cast<float>(scale), scale_log2, options.accumulate_dq};
-        auto kernel = selected_dq_kernel<T, DQK, DV>;
-        const std::size_t smem = DqSmem<T, DQK, DV>::kBytes;
-        selection::set_smem(kernel, smem);
-        const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(plan.heads_kv * chunks),
-                        static_cast<unsigned>(s.batch));
-        kernel<<<grid, kThreads, smem, stream>>>(tokens_of<const T>(p.q), tokens_of<const T>(p.k),
-                                                 tokens_of<const T>(p.v), selection::index_of(p.indices),
-                                                 lse_of<const float>(p.lse), tokens_of<const T>(p.d_o),
-                                                 delta, p_scale, tokens_of<T>(p.dq), table, c);
-        check_launch("selected_dq_kernel");
-      }
+      if (!plan.dq_kv) selection::dq_query_outer(p, delta, p_scale, options.accumulate_dq);
       // 4. dK, dV, KV-block-outer over the inverse index cut into chunks (chunks.cuh).
       {
         constexpr int SPLIT = DQK > 128 ? 2 : 1;

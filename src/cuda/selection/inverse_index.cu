@@ -1,6 +1,7 @@
 // The inverse index of selected attention (see inverse_index.h).
 #include "cuda/selection/inverse_index.h"
 
+#include <algorithm>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <stdexcept>
@@ -34,14 +35,19 @@ __global__ void block_offsets_kernel(const std::int32_t* cu_seqlens, std::int64_
 
 // One thread per entry (pair, slot j), so that consecutive threads read and write consecutive slots: the key
 // h * blocks_bound + global block if the slot lists a block that starts at or before the token, the sentinel
-// otherwise and from the first -1 of the row on; either with the entry's chunk above it.
+// otherwise and from the first -1 of the row on; either with the entry's chunk above it. I is the type of the
+// entry, pair and row arithmetic: 32-bit where all of it fits (launch_make_keys), as 64-bit divisions were most
+// of the kernel's time.
+template <class I>
 __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqlens, const std::int32_t* offsets,
                                  KeyConfig c, std::uint32_t* keys, std::int32_t* values) {
-  const std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (e >= c.pair_count * c.num_idx) return;
-  const std::int64_t local = e / c.num_idx, pair = c.pair0 + local, j = e % c.num_idx;
-  const std::int64_t chunk = local / c.chunk_pairs;
-  const std::int64_t h = pair / c.total_rows, row_g = pair % c.total_rows;
+  const I e = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const I num_idx = static_cast<I>(c.num_idx);
+  if (e >= static_cast<I>(c.pair_count) * num_idx) return;
+  const I local = e / num_idx, j = e - local * num_idx;
+  const I chunk = local / static_cast<I>(c.chunk_pairs);
+  const I pair = static_cast<I>(c.pair0) + local;
+  const I h = pair / static_cast<I>(c.total_rows), row_g = pair - h * static_cast<I>(c.total_rows);
   std::int64_t t = 0, batch = 0, row = row_g, block_base = 0;
   bool valid = true;
   if (c.packed) {
@@ -53,20 +59,22 @@ __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqle
       block_base = offsets[seq];
     }
   } else {
-    batch = row_g / c.rows;
-    row = t = row_g % c.rows;
+    const I b = row_g / static_cast<I>(c.rows);
+    batch = b;
+    row = t = row_g - b * static_cast<I>(c.rows);
     block_base = batch * c.blocks_per_seq;
   }
   std::uint32_t key = c.sentinel;
   if (valid) {
-    const std::int32_t* idx = indices.row(batch, row, h);
+    const std::int32_t* idx = indices.row(batch, row, static_cast<std::int64_t>(h));
     const std::int64_t b = idx[j];
     bool listed = b >= 0;
-    for (std::int64_t i = 0; i < j; ++i) listed = listed && idx[i] >= 0;  // L1 hits: the row's earlier slots
-    if (listed && b * c.block <= t) key = static_cast<std::uint32_t>(h * c.blocks_bound + block_base + b);
+    for (I i = 0; i < j; ++i) listed = listed && idx[i] >= 0;  // L1 hits: the row's earlier slots
+    if (listed && b * c.block <= t) key = static_cast<std::uint32_t>(static_cast<std::int64_t>(h) * c.blocks_bound +
+                                                                     block_base + b);
   }
   keys[e] = key | static_cast<std::uint32_t>(static_cast<std::uint64_t>(chunk) << c.chunk_shift);
-  values[e] = static_cast<std::int32_t>(c.value_is_entry ? e - chunk * c.chunk_pairs * c.num_idx : t);
+  values[e] = static_cast<std::int32_t>(c.value_is_entry ? e - chunk * static_cast<I>(c.chunk_pairs) * num_idx : t);
 }
 
 __global__ void segments_kernel(const std::uint32_t* keys, std::int64_t count, std::uint32_t sentinel,
@@ -97,8 +105,15 @@ void launch_make_keys(const IndexView& indices, const std::int32_t* cu_seqlens, 
                       const KeyConfig& c, std::uint32_t* keys, std::int32_t* values, cudaStream_t stream) {
   const std::int64_t entries = c.pair_count * c.num_idx;
   if (entries <= 0) return;
-  make_keys_kernel<<<static_cast<unsigned>(ceil_div(entries, 256)), 256, 0, stream>>>(indices, cu_seqlens, offsets,
-                                                                                     c, keys, values);
+  const unsigned blocks = static_cast<unsigned>(ceil_div(entries, 256));
+  // Every entry index (with the last block's padding threads) and pair index below 2^32: 32-bit arithmetic.
+  const bool narrow = std::int64_t{blocks} * 256 <= std::int64_t{UINT32_MAX} &&
+                      c.pair0 + c.pair_count <= std::int64_t{UINT32_MAX} / std::max<std::int64_t>(1, c.num_idx);
+  if (narrow) {
+    make_keys_kernel<std::uint32_t><<<blocks, 256, 0, stream>>>(indices, cu_seqlens, offsets, c, keys, values);
+  } else {
+    make_keys_kernel<std::uint64_t><<<blocks, 256, 0, stream>>>(indices, cu_seqlens, offsets, c, keys, values);
+  }
   check_launch("make_keys_kernel");
 }
 

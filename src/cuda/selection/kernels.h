@@ -11,8 +11,12 @@
 
 namespace sparseattn::cuda::selection {
 
-// Query-outer forward (forward_query.cu); no workspace.
+// Query-outer forward (query_outer.cu); no workspace.
 void forward_query_outer(const SelectedAttentionParams& p);
+// Query-outer dQ (query_outer.cu): p.dq = (or += with accumulate_dq) the gradient of p.q, from delta = rowsum(dO
+// O) and the P factor (null data: 1) laid out like lse (backward.cu); no workspace.
+void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
+                    const LseView<const float>& p_scale, bool accumulate_dq);
 
 // Workspace of the KV-block-outer forward, from shapes only: byte offsets of each slice from the 256-byte
 // aligned base (see forward_kv.cu for what they hold).

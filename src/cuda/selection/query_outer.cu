@@ -1,0 +1,480 @@
+// The query-outer kernels of selected_attention on tensor cores (mma.sync m16n8k16, fp32 accumulation): the
+// forward and the dQ of the backward. Both are chosen for large groups (full tiles; forward_plan.h and
+// backward_plan.h) and need no workspace.
+//
+// One warp per (token t, KV head h, chunk of 16 query heads of the group): the chunk's heads are the 16 rows
+// of the mma tile (padded with zero rows when G < 16). The warp walks the key tiles of the selected blocks of
+// indices[t, h] (tokens <= t only; blocks starting after t are skipped; the first -1 ends the list), kKeys keys
+// per tile, and does everything of a tile itself, its row operands (Q, and dO in the dQ) in registers:
+//  - forward: S = Q K^T, the online softmax in registers (softmax.cuh), P as the A operand straight from the
+//    accumulators, O += P V over all Dv columns;
+//  - dQ: dP = dO V^T, S = Q K^T, dS = P (g dP - g delta) in registers (g: the P factor of a folded NSA gate,
+//    1 otherwise), dS as the A operand straight from the accumulators, dQ += dS K over all Dqk columns.
+// Nothing is exchanged between warps, so there is no barrier; K and V have one shared-memory buffer each,
+// refilled (cp.async) as soon as the warp is done with it, so loads overlap the math. CTAs hold one warp:
+// shared memory alone (32 KB at D = 128, seven warps per SM) sets how many run per SM.
+//
+// Every (token, block) pair re-reads the block's K and V rows from L2 (98% hits), which is what these kernels
+// spend their time on. H100, 64/4, T = 64K, n = 16: the forward took 26.0 ms with padded shared-memory rows,
+// 16.0 ms with the swizzled tiles of tile.cuh (the padded rows made L2 serve 1.4x the sectors for the same
+// requests; a Triton kernel of the same structure takes 16.5 ms).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <optional>
+
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/selection/common.cuh"
+#include "cuda/selection/kernels.h"
+#include "cuda/selection/launch.cuh"
+#include "cuda/selection/tile.cuh"
+
+namespace sparseattn::cuda::selection {
+
+namespace {
+
+constexpr int kThreads = 32;
+constexpr int kRows = 16;  // query heads per warp (mma M)
+
+struct QueryOuterConfig {
+  std::int64_t heads_kv, group, chunks, num_idx, block;
+  float scale, scale_log2;
+  bool accumulate_dq;  // dQ only: dq += the gradient
+};
+
+QueryOuterConfig config_of(const TensorView& q, const TensorView& k, const TensorView& indices, int block,
+                           const std::optional<double>& scale, bool accumulate_dq) {
+  const std::int64_t heads_q = q.shape[q.rank - 2], heads_kv = k.shape[k.rank - 2], dqk = q.shape[q.rank - 1];
+  const std::int64_t group = heads_q / heads_kv;
+  const double softmax = softmax_scale(scale, dqk);
+  return {heads_kv, group, (group + kRows - 1) / kRows, indices.shape[indices.rank - 1], block,
+          static_cast<float>(softmax), static_cast<float>(softmax * 1.4426950408889634), accumulate_dq};
+}
+
+// The A fragments of the chunk's query heads h0 .. h0 + rows_here - 1 of one token row of x (D / 16 k-steps of
+// 16 columns; rows past the chunk's heads: zero).
+template <class T, int D>
+__device__ __forceinline__ void load_head_fragments(std::uint32_t (&frag)[D / 16][4], const Tokens<const T>& x,
+                                                    std::int64_t batch, std::int64_t row, std::int64_t h0,
+                                                    int rows_here) {
+  const int lane = threadIdx.x, r = lane / 4, col = 2 * (lane % 4);  // one-warp CTAs
+  const T* lo = x.row(batch, row, h0 + min(r, rows_here - 1));
+  const T* hi = x.row(batch, row, h0 + min(r + 8, rows_here - 1));
+  const bool lo_ok = r < rows_here, hi_ok = r + 8 < rows_here;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c0 = kk * 16 + col;
+    frag[kk][0] = lo_ok ? *reinterpret_cast<const std::uint32_t*>(lo + c0) : 0u;
+    frag[kk][1] = hi_ok ? *reinterpret_cast<const std::uint32_t*>(hi + c0) : 0u;
+    frag[kk][2] = lo_ok ? *reinterpret_cast<const std::uint32_t*>(lo + c0 + 8) : 0u;
+    frag[kk][3] = hi_ok ? *reinterpret_cast<const std::uint32_t*>(hi + c0 + 8) : 0u;
+  }
+}
+
+// Keys per tile: 64, or 32 at Dqk = 192 and 256 (where Q takes 48 or 64 registers of the fragments).
+template <int DQK>
+inline constexpr int kKeysOf = DQK <= 128 ? 64 : 32;
+
+// One K and one V tile per warp: 32 KB at D = 128, so seven warps fit an SM.
+template <class T, int DQK, int DV>
+struct FwdSmem {
+  static constexpr int kKeys = kKeysOf<DQK>;
+  using K = SmemTile<T, kKeys, DQK>;
+  using V = SmemTile<T, kKeys, DV>;
+  static constexpr std::size_t kBytes = (K::kElements + V::kElements) * sizeof(T);
+};
+
+// The key tiles of one token's selected blocks, in slot order: [s0, end) of at most kKeys keys, all <= t. The
+// warp walks them together (every lane calls next()); the slots' block indices sit in registers, lane i holding
+// slot chunk_base + i, so finding the next tile costs a shuffle, not a global load on the path to the next tile's
+// K load.
+template <int kKeys>
+struct KeyTiles {
+  const std::int32_t* idx;
+  std::int64_t num_idx, block, t;
+  std::int64_t slot = -1, s0 = 0, end = 0;  // the current tile; slot == num_idx: no more
+  std::int64_t chunk_base = 0;
+  std::int32_t lane_block = -1;
+
+  __device__ __forceinline__ KeyTiles(const std::int32_t* idx_, std::int64_t num_idx_, std::int64_t block_,
+                                      std::int64_t t_)
+      : idx(idx_), num_idx(num_idx_), block(block_), t(t_) {
+    const int lane = threadIdx.x % 32;
+    if (lane < num_idx) lane_block = idx[lane];
+  }
+
+  // Moves to the next tile (the rest of the current block, else the next visible block).
+  __device__ __forceinline__ bool next() {
+    if (slot >= 0 && s0 + kKeys < end) {
+      s0 += kKeys;
+      return true;
+    }
+    while (++slot < num_idx) {
+      if (slot - chunk_base == 32) {
+        chunk_base += 32;
+        const std::int64_t mine = chunk_base + threadIdx.x % 32;
+        lane_block = mine < num_idx ? idx[mine] : -1;
+      }
+      const std::int64_t b = __shfl_sync(0xffffffffu, lane_block, static_cast<int>(slot - chunk_base));
+      if (b < 0) break;
+      const std::int64_t first = b * block;
+      if (first > t) continue;  // starts after t (or out of range): contributes nothing
+      s0 = first;
+      end = min(first + block, t + 1);
+      return true;
+    }
+    slot = num_idx;
+    return false;
+  }
+  __device__ __forceinline__ int keys() const { return static_cast<int>(min(end - s0, std::int64_t{kKeys})); }
+};
+
+template <class T, int DQK, int DV>
+__global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const T> q, Tokens<const T> k,
+                                                                    Tokens<const T> v, IndexView indices,
+                                                                    Tokens<T> o, LseView<float> lse, SeqTable seqs,
+                                                                    QueryOuterConfig c) {
+  using S = FwdSmem<T, DQK, DV>;
+  constexpr int kKeys = S::kKeys;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const typename S::K ks{reinterpret_cast<T*>(smem_raw)};
+  const typename S::V vs{ks.base + S::K::kElements};
+
+  const std::int64_t t = blockIdx.x, h = blockIdx.y / c.chunks, chunk = blockIdx.y % c.chunks;
+  const auto seq = seqs[blockIdx.z];
+  if (t >= seq.length) return;
+  const std::int64_t row = seq.begin + t;
+  const std::int64_t g0 = chunk * kRows;
+  const int rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - g0));
+  const int lane = threadIdx.x;
+
+  const T* const k_head = k.row(seq.batch, seq.begin, h);  // the sequence's token 0 of KV head h
+  const T* const v_head = v.row(seq.batch, seq.begin, h);
+  auto load_k = [&](const KeyTiles<kKeys>& tile) {
+    load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + tile.s0 * k.row_stride, k.row_stride, tile.keys(), k_head);
+  };
+  auto load_v = [&](const KeyTiles<kKeys>& tile) {
+    load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + tile.s0 * v.row_stride, v.row_stride, tile.keys(), v_head);
+  };
+  KeyTiles<kKeys> tile{indices.row(seq.batch, row, h), c.num_idx, c.block, t};
+  bool has_tile = tile.next();
+  // K and V have one buffer each, and every buffer is refilled as soon as the warp is done with it: the next
+  // tile's K loads during this tile's softmax and P V, its V during its own scores (groups in order K0 V0 K1
+  // V1 ...; with empty groups past the last tile, "wait until one group is pending" always means "the buffer
+  // about to be read has landed").
+  if (has_tile) load_k(tile);
+  cp_async_commit();
+  if (has_tile) load_v(tile);
+  cp_async_commit();
+
+  // Q stays in registers as the A fragments of the Dqk / 16 k-steps.
+  std::uint32_t qa[DQK / 16][4];
+  load_head_fragments<T, DQK>(qa, q, seq.batch, row, h * c.group + g0, rows_here);
+
+  float acc[DV / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  while (has_tile) {
+    cp_async_wait<1>();  // K of this tile
+    __syncwarp();
+    float s[kKeys / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kKeys / 16; ++np) {
+        std::uint32_t bk[4];
+        load_b_rows(bk, ks, np * 16, kk * 16);
+        mma_pair<T>(s[2 * np], s[2 * np + 1], qa[kk], bk);
+      }
+    }
+    const int keys = tile.keys();
+    KeyTiles<kKeys> next = tile;
+    const bool has_next = next.next();
+    __syncwarp();  // every lane has read K
+    if (has_next) load_k(next);
+    cp_async_commit();
+
+    with_mask(keys < kKeys, [&](auto masked) {
+      const int col_lo[2] = {0, 0}, col_hi[2] = {keys - 1, keys - 1};
+      online_softmax_step<kKeys, DV, decltype(masked)::value>(s, acc, m, l, col_lo, col_hi, c.scale_log2);
+    });
+    cp_async_wait<1>();  // V of this tile
+    __syncwarp();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      // P's accumulator columns [16kk, 16kk + 16) are the A fragment of k-step kk.
+      const std::uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                  pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < DV / 16; ++np) {
+        std::uint32_t bv[4];
+        load_b_cols(bv, vs, kk * 16, np * 16);
+        mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bv);
+      }
+    }
+    __syncwarp();  // every lane has read V
+    if (has_next) load_v(next);
+    cp_async_commit();
+    tile = next;
+    has_tile = has_next;
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = lane / 4 + 8 * i;
+    l[i] = quad_sum(l[i]);
+    if (r >= rows_here) continue;
+    const std::int64_t hq = h * c.group + g0 + r;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    T* dst = o.row(seq.batch, row, hq);
+    const bool pairs_aligned = reinterpret_cast<std::uintptr_t>(dst) % 4 == 0;  // any stride is allowed
+#pragma unroll
+    for (int nt = 0; nt < DV / 8; ++nt) {
+      const int col = nt * 8 + 2 * (lane % 4);
+      if (pairs_aligned) {
+        *reinterpret_cast<std::uint32_t*>(dst + col) = pack2<T>(acc[nt][2 * i] * inv, acc[nt][2 * i + 1] * inv);
+      } else {
+        dst[col] = from_float<T>(acc[nt][2 * i] * inv);
+        dst[col + 1] = from_float<T>(acc[nt][2 * i + 1] * inv);
+      }
+    }
+    if (lane % 4 == 0) lse.at(seq.batch, row, hq) = l[i] > 0.f ? (m[i] + log2f(l[i])) * kLn2 : -INFINITY;
+  }
+}
+
+
+// dQ's shared memory: one K and one V tile (as the forward), and from 192/128 on the token's Q and dO rows, whose
+// fragments are read from there each tile: in registers with dQ's accumulators and the tile's S and dP they would
+// spill (about 290 registers per thread at 256/256, 260 at 192/128). Holding only dO there at 192/128 (Q in
+// registers, no spills) made the kernel 1.4x slower (H100, 64/4, T = 64K: 37.5 against 27.4 ms).
+template <class T, int DQK, int DV>
+struct DqSmem {
+  static constexpr int kKeys = kKeysOf<DQK>;
+  static constexpr bool kRowsInSmem = DQK + DV > 256;
+  using K = SmemTile<T, kKeys, DQK>;
+  using V = SmemTile<T, kKeys, DV>;
+  using Q = SmemTile<T, kRows, DQK>;
+  using DO = SmemTile<T, kRows, DV>;
+  static constexpr std::size_t kBytes =
+      (K::kElements + V::kElements + (kRowsInSmem ? Q::kElements + DO::kElements : 0)) * sizeof(T);
+};
+
+// Per tile: dP first (its V landed one step earlier), then S once K has landed; V is refilled after dP and K
+// after dQ += dS K, so the next V loads during this tile's S, dS and dQ products and the next K during the
+// next dP. Registers at 128/128: Q and dO fragments 32 each, dQ 64, S and dP 32 each (248 in all).
+template <class T, int DQK, int DV>
+__global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q, Tokens<const T> k,
+                                                               Tokens<const T> v, IndexView indices,
+                                                               LseView<const float> lse, Tokens<const T> d_o,
+                                                               LseView<const float> delta,
+                                                               LseView<const float> p_scale, Tokens<T> dq,
+                                                               SeqTable seqs, QueryOuterConfig c) {
+  using S = DqSmem<T, DQK, DV>;
+  constexpr int kKeys = S::kKeys;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const typename S::K ks{reinterpret_cast<T*>(smem_raw)};
+  const typename S::V vs{ks.base + S::K::kElements};
+  const typename S::Q qs{vs.base + S::V::kElements};  // used if S::kRowsInSmem
+  const typename S::DO dos{qs.base + S::Q::kElements};
+
+  const std::int64_t t = blockIdx.x, h = blockIdx.y / c.chunks, chunk = blockIdx.y % c.chunks;
+  const auto seq = seqs[blockIdx.z];
+  if (t >= seq.length) return;
+  const std::int64_t row = seq.begin + t;
+  const std::int64_t hq0 = h * c.group + chunk * kRows;
+  const int rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - chunk * kRows));
+  const int lane = threadIdx.x;
+
+  const T* const k_head = k.row(seq.batch, seq.begin, h);  // the sequence's token 0 of KV head h
+  const T* const v_head = v.row(seq.batch, seq.begin, h);
+  auto load_k = [&](const KeyTiles<kKeys>& tile) {
+    load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + tile.s0 * k.row_stride, k.row_stride, tile.keys(), k_head);
+  };
+  auto load_v = [&](const KeyTiles<kKeys>& tile) {
+    load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + tile.s0 * v.row_stride, v.row_stride, tile.keys(), v_head);
+  };
+  KeyTiles<kKeys> tile{indices.row(seq.batch, row, h), c.num_idx, c.block, t};
+  bool has_tile = tile.next();
+  // Copy groups in the order they are needed (the rows of Q and dO that shared memory holds, V0, K0, then per tile
+  // V next, K next), so that "wait until one group is pending" first means "V has landed" and, after the next V's
+  // issue, "K has landed".
+  if constexpr (S::kRowsInSmem) {
+    load_rows<T, kRows, DQK, kThreads>(
+        qs, [&](int r) { return r < rows_here ? q.row(seq.batch, row, hq0 + r) : nullptr; },
+        q.row(seq.batch, row, hq0));
+    load_rows<T, kRows, DV, kThreads>(
+        dos, [&](int r) { return r < rows_here ? d_o.row(seq.batch, row, hq0 + r) : nullptr; },
+        d_o.row(seq.batch, row, hq0));
+  }
+  if (has_tile) load_v(tile);
+  cp_async_commit();
+  if (has_tile) load_k(tile);
+  cp_async_commit();
+
+  // Q's and dO's A fragments: held in registers, or read from shared memory per k-step (DqSmem).
+  constexpr bool kHeld = !S::kRowsInSmem;
+  std::uint32_t qa[kHeld ? DQK / 16 : 1][4], doa[kHeld ? DV / 16 : 1][4];
+  if constexpr (kHeld) {
+    load_head_fragments<T, DQK>(qa, q, seq.batch, row, hq0, rows_here);
+    load_head_fragments<T, DV>(doa, d_o, seq.batch, row, hq0, rows_here);
+  }
+  const auto row_fragment = [&](std::uint32_t(&a)[4], const auto& tile, const auto& held, int kk) {
+    if constexpr (kHeld) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[e] = held[kk][e];
+    } else {
+      load_a(a, tile, 0, kk * 16);
+    }
+  };
+  // Rows lane / 4 and lane / 4 + 8: lse in the log2 domain (+inf where it is -inf or the row is padding: P = 0),
+  // the P factor g and g delta (dS = g P (dP - delta) = P (g dP - g delta)).
+  float lse2[2], g[2], g_delta[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = lane / 4 + 8 * i;
+    const bool used = r < rows_here;
+    const float x = used ? lse.at(seq.batch, row, hq0 + r) : -INFINITY;
+    lse2[i] = x == -INFINITY ? INFINITY : x * kLog2e;
+    g[i] = used ? p_scale_at(p_scale, seq.batch, row, hq0 + r) : 0.f;
+    g_delta[i] = used ? g[i] * delta.at(seq.batch, row, hq0 + r) : 0.f;
+  }
+
+  float acc[DQK / 8][4] = {};
+  while (has_tile) {
+    cp_async_wait<1>();  // V of this tile (and dO's rows)
+    __syncwarp();
+    float dp[kKeys / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DV / 16; ++kk) {
+      std::uint32_t a[4];
+      row_fragment(a, dos, doa, kk);
+#pragma unroll
+      for (int np = 0; np < kKeys / 16; ++np) {
+        std::uint32_t bv[4];
+        load_b_rows(bv, vs, np * 16, kk * 16);
+        mma_pair<T>(dp[2 * np], dp[2 * np + 1], a, bv);
+      }
+    }
+    KeyTiles<kKeys> next = tile;
+    const bool has_next = next.next();
+    __syncwarp();  // every lane has read V
+    if (has_next) load_v(next);
+    cp_async_commit();
+    cp_async_wait<1>();  // K of this tile
+    __syncwarp();
+    float s[kKeys / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+      std::uint32_t a[4];
+      row_fragment(a, qs, qa, kk);
+#pragma unroll
+      for (int np = 0; np < kKeys / 16; ++np) {
+        std::uint32_t bk[4];
+        load_b_rows(bk, ks, np * 16, kk * 16);
+        mma_pair<T>(s[2 * np], s[2 * np + 1], a, bk);
+      }
+    }
+    // dS (without the softmax scale) in place of S; columns past the tile's keys get P = 0.
+    const int keys = tile.keys();
+    with_mask(keys < kKeys, [&](auto masked) {
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = fast_exp2(fmaf(s[n][e], c.scale_log2, -lse2[e / 2]));
+          if constexpr (decltype(masked)::value) {
+            if (n * 8 + 2 * (lane % 4) + (e & 1) >= keys) p = 0.f;
+          }
+          s[n][e] = p * fmaf(g[e / 2], dp[n][e], -g_delta[e / 2]);
+        }
+      }
+    });
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      // dS's accumulator columns [16kk, 16kk + 16) are the A fragment of k-step kk.
+      const std::uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                  pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < DQK / 16; ++np) {
+        std::uint32_t bk[4];
+        load_b_cols(bk, ks, kk * 16, np * 16);
+        mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bk);
+      }
+    }
+    __syncwarp();  // every lane has read K
+    if (has_next) load_k(next);
+    cp_async_commit();
+    tile = next;
+    has_tile = has_next;
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = lane / 4 + 8 * i;
+    if (r >= rows_here) continue;
+    T* dst = dq.row(seq.batch, row, hq0 + r);
+#pragma unroll
+    for (int nt = 0; nt < DQK / 8; ++nt) {
+      auto* pair = reinterpret_cast<std::uint32_t*>(dst + nt * 8 + 2 * (lane % 4));
+      float x = acc[nt][2 * i] * c.scale, y = acc[nt][2 * i + 1] * c.scale;
+      if (c.accumulate_dq) add_unpacked<T>(*pair, x, y);
+      *pair = pack2<T>(x, y);
+    }
+  }
+}
+
+}  // namespace
+
+void forward_query_outer(const SelectedAttentionParams& p) {
+  const HostShape s = host_shape(p.q, p.seqs);
+  const std::int64_t heads_q = p.q.shape[p.q.rank - 2], dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+  if (s.batch <= 0 || s.max_len <= 0 || heads_q <= 0) return;
+  const QueryOuterConfig c = config_of(p.q, p.k, p.indices, p.block, p.scale, false);
+  const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(c.heads_kv * c.chunks),
+                  static_cast<unsigned>(s.batch));
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
+      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+      auto kernel = selected_forward_kernel<T, DQK, DV>;
+      const std::size_t smem = FwdSmem<T, DQK, DV>::kBytes;
+      set_smem(kernel, smem);
+      kernel<<<grid, kThreads, smem, stream>>>(tokens_of<const T>(p.q), tokens_of<const T>(p.k),
+                                               tokens_of<const T>(p.v), index_of(p.indices), tokens_of<T>(p.o),
+                                               lse_of<float>(p.lse), seq_table(s, p.seqs), c);
+      check_launch("selected_forward_kernel");
+    });
+  });
+}
+
+void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
+                    const LseView<const float>& p_scale, bool accumulate_dq) {
+  const HostShape s = host_shape(p.q, p.seqs);
+  const std::int64_t heads_q = p.q.shape[p.q.rank - 2], dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+  if (s.batch <= 0 || s.max_len <= 0 || heads_q <= 0) return;
+  const QueryOuterConfig c = config_of(p.q, p.k, p.indices, p.block, p.scale, accumulate_dq);
+  const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(c.heads_kv * c.chunks),
+                  static_cast<unsigned>(s.batch));
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
+      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+      auto kernel = selected_dq_kernel<T, DQK, DV>;
+      const std::size_t smem = DqSmem<T, DQK, DV>::kBytes;
+      set_smem(kernel, smem);
+      kernel<<<grid, kThreads, smem, stream>>>(tokens_of<const T>(p.q), tokens_of<const T>(p.k),
+                                               tokens_of<const T>(p.v), index_of(p.indices), lse_of<const float>(p.lse),
+                                               tokens_of<const T>(p.d_o), delta, p_scale, tokens_of<T>(p.dq),
+                                               seq_table(s, p.seqs), c);
+      check_launch("selected_dq_kernel");
+    });
+  });
+}
+
+}  // namespace sparseattn::cuda::selection
