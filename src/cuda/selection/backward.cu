@@ -5,7 +5,8 @@
 //    query heads of the group), the heads its 16 mma rows, so small groups waste most of the tile and every token
 //    re-reads its n blocks' K and V. (It replaced a kernel of four warps per token that split each 64-key tile's
 //    keys and dQ's columns among them, exchanged dS through shared memory and waited for every tile's K and V
-//    right after issuing their copies: H100, 64/4, T = 64K: 20.9 -> see bench at the next commit.)
+//    right after issuing their copies: H100, D = 128, 64/4, T = 64K: 21.3 -> 16.4 ms, T = 8K: 2.33 -> 1.73 ms;
+//    192/128, 64K: 29.7 -> 27.4 ms);
 //  - KV-block-outer (dq_kv.cu, the FSA forward's design): per selected block, gathered query rows of many
 //    tokens, compact partial dQ per (token, query head, slot), merged in slot order. H100, bf16, D = 128,
 //    T = 64K, n = 16, block 64, NSA-like indices, dQ time query-outer -> KV-block-outer (sort + kernel +

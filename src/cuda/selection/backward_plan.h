@@ -54,7 +54,9 @@ inline bool dq_kv_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int64_
 // backward with the query-outer dQ / with this one on wgmma (dq_kv_wgmma.cuh), T = 16K and 64K: G = 1
 // 3.65-4.02x, G = 4 1.62-1.66x, G = 6 1.24x, G = 8 1.04-1.05x, G = 12 0.84x, G = 16 0.73x (with the mma.sync
 // kernel it was G = 6 1.02-1.04x, G = 7 0.94-0.96x: the limit was 6). After the head-major chunks (dq_kv.cu),
-// the dQ kernels alone: G = 8 1.05-1.06x, G = 9 0.98x, G = 10 0.91-0.92x. Short sequences: the forward's limit.
+// the dQ kernels alone: G = 8 1.05-1.06x, G = 9 0.98x, G = 10 0.91-0.92x. After the one-warp query-outer dQ
+// (1.3x faster at G = 16; scripts/measure_selected_dq.py, whole backward, T = 16K / 64K): G = 7 1.16 / 1.16x,
+// G = 8 1.03 / 1.14x, G = 9 0.96 / 1.02x, G = 12 0.83 / 0.84x. Short sequences: the forward's limit.
 inline constexpr std::int64_t kDqKvMaxGroup = 8;
 inline constexpr std::int64_t kDqKvMinTokens = 1024;
 inline constexpr std::int64_t kDqKvMaxDimQk = 192;  // Dqk = 256: its tiles spill
