@@ -85,6 +85,26 @@ struct FwdSmem {
   static constexpr std::size_t kBytes = (K::kElements + V::kElements) * sizeof(T);
 };
 
+// acc (16 x N) += X B: X (16 x kKeys) in mma accumulator layout, whose columns [16kk, 16kk + 16) packed to T are
+// the A fragment of k-step kk, and B = rows [0, kKeys) x columns [0, N) of `tile` (P V in the forward, dS K in
+// the dQ).
+template <class T, int kKeys, int N, class Tile>
+__device__ __forceinline__ void accumulate_product(float (&acc)[N / 8][4], const float (&x)[kKeys / 8][4],
+                                                   const Tile& tile) {
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
+    const std::uint32_t a[4] = {pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
+                                pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
+                                pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      std::uint32_t b[4];
+      load_b_cols(b, tile, kk * 16, np * 16);
+      mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, b);
+    }
+  }
+}
+
 // The key tiles of one token's selected blocks, in slot order: [s0, end) of at most kKeys keys, all <= t. The
 // warp walks them together (every lane calls next()); the slots' block indices sit in registers, lane i holding
 // slot chunk_base + i, so finding the next tile costs a shuffle, not a global load on the path to the next tile's
@@ -200,19 +220,7 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
     });
     cp_async_wait<1>();  // V of this tile
     __syncwarp();
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      // P's accumulator columns [16kk, 16kk + 16) are the A fragment of k-step kk.
-      const std::uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                  pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int np = 0; np < DV / 16; ++np) {
-        std::uint32_t bv[4];
-        load_b_cols(bv, vs, kk * 16, np * 16);
-        mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bv);
-      }
-    }
+    accumulate_product<T, kKeys, DV>(acc, s, vs);  // O += P V
     __syncwarp();  // every lane has read V
     if (has_next) load_v(next);
     cp_async_commit();
@@ -391,19 +399,7 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
         }
       }
     });
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      // dS's accumulator columns [16kk, 16kk + 16) are the A fragment of k-step kk.
-      const std::uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                  pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int np = 0; np < DQK / 16; ++np) {
-        std::uint32_t bk[4];
-        load_b_cols(bk, ks, kk * 16, np * 16);
-        mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, bk);
-      }
-    }
+    accumulate_product<T, kKeys, DQK>(acc, s, ks);  // dQ += dS K
     __syncwarp();  // every lane has read K
     if (has_next) load_k(next);
     cp_async_commit();
