@@ -43,13 +43,28 @@ struct QueryOuterConfig {
   bool accumulate_dq;  // dQ only: dq += the gradient
 };
 
-QueryOuterConfig config_of(const TensorView& q, const TensorView& k, const TensorView& indices, int block,
-                           const std::optional<double>& scale, bool accumulate_dq) {
+// What both launchers derive from the shapes: the configuration, the grid (token, KV head x chunk of 16 query
+// heads, sequence) and the sequence table; empty: nothing to launch.
+struct QueryOuterLaunch {
+  QueryOuterConfig config;
+  dim3 grid;
+  SeqTable table;
+  std::int64_t dqk, dv;
+  bool empty;
+};
+
+QueryOuterLaunch launch_of(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& indices,
+                           const Sequences& seqs, int block, const std::optional<double>& scale, bool accumulate_dq) {
+  const HostShape s = host_shape(q, seqs);
   const std::int64_t heads_q = q.shape[q.rank - 2], heads_kv = k.shape[k.rank - 2], dqk = q.shape[q.rank - 1];
-  const std::int64_t group = heads_q / heads_kv;
+  const std::int64_t group = heads_kv > 0 ? heads_q / heads_kv : 0, chunks = (group + kRows - 1) / kRows;
   const double softmax = softmax_scale(scale, dqk);
-  return {heads_kv, group, (group + kRows - 1) / kRows, indices.shape[indices.rank - 1], block,
-          static_cast<float>(softmax), static_cast<float>(softmax * 1.4426950408889634), accumulate_dq};
+  const QueryOuterConfig c{heads_kv, group, chunks, indices.shape[indices.rank - 1], block,
+                           static_cast<float>(softmax), static_cast<float>(softmax * 1.4426950408889634),
+                           accumulate_dq};
+  const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(heads_kv * chunks),
+                  static_cast<unsigned>(s.batch));
+  return {c, grid, seq_table(s, seqs), dqk, v.shape[v.rank - 1], s.batch <= 0 || s.max_len <= 0 || heads_q <= 0};
 }
 
 // The A fragments of the chunk's query heads h0 .. h0 + rows_here - 1 of one token row of x (D / 16 k-steps of
@@ -426,23 +441,18 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
 }  // namespace
 
 void forward_query_outer(const SelectedAttentionParams& p) {
-  const HostShape s = host_shape(p.q, p.seqs);
-  const std::int64_t heads_q = p.q.shape[p.q.rank - 2], dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
-  if (s.batch <= 0 || s.max_len <= 0 || heads_q <= 0) return;
-  const QueryOuterConfig c = config_of(p.q, p.k, p.indices, p.block, p.scale, false);
-  const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(c.heads_kv * c.chunks),
-                  static_cast<unsigned>(s.batch));
-  const auto stream = static_cast<cudaStream_t>(p.stream);
+  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.block, p.scale, false);
+  if (l.empty) return;
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
+    dispatch_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
       auto kernel = selected_forward_kernel<T, DQK, DV>;
       const std::size_t smem = FwdSmem<T, DQK, DV>::kBytes;
       set_smem(kernel, smem);
-      kernel<<<grid, kThreads, smem, stream>>>(tokens_of<const T>(p.q), tokens_of<const T>(p.k),
-                                               tokens_of<const T>(p.v), index_of(p.indices), tokens_of<T>(p.o),
-                                               lse_of<float>(p.lse), seq_table(s, p.seqs), c);
+      kernel<<<l.grid, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
+          tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), index_of(p.indices),
+          tokens_of<T>(p.o), lse_of<float>(p.lse), l.table, l.config);
       check_launch("selected_forward_kernel");
     });
   });
@@ -450,24 +460,19 @@ void forward_query_outer(const SelectedAttentionParams& p) {
 
 void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
                     const LseView<const float>& p_scale, bool accumulate_dq) {
-  const HostShape s = host_shape(p.q, p.seqs);
-  const std::int64_t heads_q = p.q.shape[p.q.rank - 2], dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
-  if (s.batch <= 0 || s.max_len <= 0 || heads_q <= 0) return;
-  const QueryOuterConfig c = config_of(p.q, p.k, p.indices, p.block, p.scale, accumulate_dq);
-  const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(c.heads_kv * c.chunks),
-                  static_cast<unsigned>(s.batch));
-  const auto stream = static_cast<cudaStream_t>(p.stream);
+  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.block, p.scale, accumulate_dq);
+  if (l.empty) return;
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
+    dispatch_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
       auto kernel = selected_dq_kernel<T, DQK, DV>;
       const std::size_t smem = DqSmem<T, DQK, DV>::kBytes;
       set_smem(kernel, smem);
-      kernel<<<grid, kThreads, smem, stream>>>(tokens_of<const T>(p.q), tokens_of<const T>(p.k),
-                                               tokens_of<const T>(p.v), index_of(p.indices), lse_of<const float>(p.lse),
-                                               tokens_of<const T>(p.d_o), delta, p_scale, tokens_of<T>(p.dq),
-                                               seq_table(s, p.seqs), c);
+      kernel<<<l.grid, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
+          tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), index_of(p.indices),
+          lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, p_scale, tokens_of<T>(p.dq), l.table,
+          l.config);
       check_launch("selected_dq_kernel");
     });
   });
