@@ -68,6 +68,11 @@ int main() {
     std::vector<std::byte> workspace(sa::nsa_workspace_size(params));
     params.workspace = workspace.data();
     params.workspace_bytes = workspace.size();
+    // Temporary memory of the forward alone (0 bytes on the CPU; on CUDA the selection steps' working memory
+    // where the workspace cannot hold it).
+    std::vector<std::byte> forward_scratch(sa::nsa_forward_scratch_size(params));
+    params.scratch = forward_scratch.data();
+    params.scratch_bytes = forward_scratch.size();
     sa::nsa_attention(params);
     std::printf("sparseattn %s (CUDA kernels: %s)\n", sa::kVersion, sa::built_with_cuda() ? "yes" : "no");
     std::printf("nsa_attention forward:  o %s  |o| = %.6f  (workspace %zu bytes)\n",

@@ -42,11 +42,14 @@ struct NsaParams {
   void* workspace = nullptr;  // on q's device, 16-byte aligned, nsa_workspace_size(params) bytes, any
                               // contents (every byte is written: deterministic); the backward reads it
   std::size_t workspace_bytes = 0;
+  void* scratch = nullptr;    // on q's device, 16-byte aligned, nsa_forward_scratch_size(params) bytes (often 0):
+                              // temporary memory of the forward, free again once it returns
+  std::size_t scratch_bytes = 0;
   Stream stream = nullptr;
 };
 
 struct NsaBackwardParams {
-  NsaParams forward;          // exactly as passed to nsa_attention (o, workspace unchanged since)
+  NsaParams forward;          // as passed to nsa_attention (o, workspace unchanged since; scratch not read)
   TensorView d_o;             // like o
   TensorView dq, dk, dv;      // out: like q, k, v
   TensorView dk_cmp, dv_cmp;  // out iff k_cmp/v_cmp were supplied: like them
@@ -58,6 +61,9 @@ struct NsaBackwardParams {
 // Bytes of the workspace nsa_attention fills and nsa_attention_backward reads (intermediate outputs,
 // log-sum-exps and indices). Depends on shapes, dtypes, config and which branches/inputs are present.
 std::size_t nsa_workspace_size(const NsaParams& params);
+// Bytes of temporary memory nsa_attention needs besides the workspace: the working memory of block selection
+// and of the selected attention where the sliding window's output slice of the workspace cannot hold it.
+std::size_t nsa_forward_scratch_size(const NsaParams& params);
 // Bytes of temporary memory nsa_attention_backward needs beyond the forward workspace.
 std::size_t nsa_backward_scratch_size(const NsaParams& params);
 

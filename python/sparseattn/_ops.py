@@ -573,9 +573,13 @@ def nsa_attention(
     # Empty: nsa_attention writes every byte (what no step writes, it zero-fills), so this output does not
     # change from run to run (determinism; torch.library.opcheck checks it).
     workspace = torch.empty((size,), dtype=torch.uint8, device=q.device)
+    # The steps' temporary memory where the workspace cannot hold it: freed (to the cache) on return.
+    scratch_size = _nsa_size(_C.nsa_forward_scratch_size, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa,
+                             o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+    scratch = torch.empty((scratch_size,), dtype=torch.uint8, device=q.device)
     _C.nsa_attention(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
                      _arr(g_slc), _arr(g_swa), o, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, *config,
-                     workspace, _stream(q))
+                     workspace, scratch, _stream(q))
     return o, workspace
 
 

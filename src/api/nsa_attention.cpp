@@ -51,19 +51,21 @@ ForwardSteps forward_steps(const detail::NsaPlan& plan, const NsaParams& p, cons
   return steps;
 }
 
-// The workspace views, the last slice sized for the largest step workspace (found from shape-only views).
-detail::NsaWorkspace workspace_for(const detail::NsaPlan& plan, const NsaParams& params, void* base) {
-  const ForwardSteps sizing = forward_steps(plan, params, detail::nsa_workspace(plan, nullptr, 0));
+// The workspace views, the step workspace sized for the largest one a step asks for (found from shape-only
+// views) and placed in the window's output slice or in `scratch`.
+detail::NsaWorkspace workspace_for(const detail::NsaPlan& plan, const NsaParams& params, void* base, void* scratch) {
+  const ForwardSteps sizing = forward_steps(plan, params, detail::nsa_workspace(plan, nullptr, 0, nullptr));
   std::size_t bytes = 0;
   if (plan.run_selection) bytes = std::max(bytes, select_blocks_workspace_size(sizing.select));
   if (plan.branch[1]) bytes = std::max(bytes, selected_attention_workspace_size(sizing.slc));
-  return detail::nsa_workspace(plan, base, bytes);
+  return detail::nsa_workspace(plan, base, bytes, scratch);
 }
 
-// Validates the forward params and the workspace; returns the plan and the workspace views.
+// Validates the forward params and the workspace; returns the plan and the workspace views (the step
+// workspace's view is only valid in the forward, which alone checks the scratch holding it).
 std::pair<detail::NsaPlan, detail::NsaWorkspace> prepare(const detail::Check& check, const NsaParams& params) {
   detail::NsaPlan plan = detail::plan_nsa(check, params, /*read_contents=*/true);
-  detail::NsaWorkspace workspace = workspace_for(plan, params, params.workspace);
+  detail::NsaWorkspace workspace = workspace_for(plan, params, params.workspace, params.scratch);
   check.buffer(params.workspace, params.workspace_bytes, workspace.bytes, "workspace", "nsa_workspace_size");
   return {plan, workspace};
 }
@@ -165,18 +167,25 @@ detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, 
 
 std::size_t nsa_workspace_size(const NsaParams& params) {
   const detail::Check check("nsa_workspace_size");
-  return workspace_for(detail::plan_nsa(check, params, /*read_contents=*/false), params, nullptr).bytes;
+  return workspace_for(detail::plan_nsa(check, params, /*read_contents=*/false), params, nullptr, nullptr).bytes;
+}
+
+std::size_t nsa_forward_scratch_size(const NsaParams& params) {
+  const detail::Check check("nsa_forward_scratch_size");
+  const detail::NsaPlan plan = detail::plan_nsa(check, params, /*read_contents=*/false);
+  return workspace_for(plan, params, nullptr, nullptr).scratch_bytes;
 }
 
 std::size_t nsa_backward_scratch_size(const NsaParams& params) {
   const detail::Check check("nsa_backward_scratch_size");
   const detail::NsaPlan plan = detail::plan_nsa(check, params, /*read_contents=*/false);
-  return scratch_for(plan, params, workspace_for(plan, params, nullptr), nullptr).bytes;
+  return scratch_for(plan, params, workspace_for(plan, params, nullptr, nullptr), nullptr).bytes;
 }
 
 void nsa_attention(const NsaParams& params) {
   const detail::Check check("nsa_attention");
   const auto [plan, ws] = prepare(check, params);
+  check.buffer(params.scratch, params.scratch_bytes, ws.scratch_bytes, "scratch", "nsa_forward_scratch_size");
   check_backend(check, params.q);
 
   const NsaConfig& c = params.config;
@@ -205,7 +214,6 @@ void nsa_attention(const NsaParams& params) {
   const ForwardSteps steps = forward_steps(plan, params, ws);
   if (plan.run_selection) select_blocks(steps.select);
   if (plan.branch[1]) selected_attention(steps.slc);
-  zero(ws.step_extent);  // its own slice, done with: the steps' scratch is not part of the result
   if (plan.branch[2]) {
     flash_attention({.q = params.q, .k = params.k, .v = params.v, .mask = {}, .bias = {}, .o = ws.o[2],
                      .lse = ws.lse[2], .seqs_q = params.seqs, .seqs_k = params.seqs, .causal = true,

@@ -41,16 +41,17 @@ struct NsaWorkspace {
   TensorView indices;                              // when selection runs
   TensorView combined;  // packed layout: combine's output, whose rows of sequences are then copied to o
                         // (combine writes every row; rows past cu_seqlens[B] of o must stay untouched)
-  TensorView step_workspace;  // uint8: the workspace of select_blocks and then selected_attention (in the
-                              // sliding window's output slice when that is large enough)
+  // uint8: the workspace of select_blocks and then selected_attention, in the sliding window's output slice
+  // when that is large enough (the window runs after them), else in the caller's forward scratch: it is not
+  // kept for the backward.
+  TensorView step_workspace;
   // What the steps leave unwritten, as float16 views the forward zero-fills so that every byte of the
-  // workspace is deterministic: the alignment gaps after the slices, the step workspace's whole extent when it
-  // has its own slice (zeroed after its last use), and, for the packed layout (whose rows outside the
-  // sequences no step writes), the whole workspace.
+  // workspace is deterministic: the alignment gaps after the slices and, for the packed layout (whose rows
+  // outside the sequences no step writes), the whole workspace.
   std::vector<TensorView> unwritten;
-  TensorView step_extent;  // absent when the step workspace lives in the window's slice (or there is none)
   TensorView whole;
   std::size_t bytes = 0;
+  std::size_t scratch_bytes = 0;  // the forward scratch the step workspace needs (0 where it is in the window's)
 };
 
 // The backward's temporaries. The branches run one after another, so on the CPU one output-gradient buffer
@@ -72,8 +73,9 @@ struct NsaScratch {
 
 // Views carved from `base` (null: sizes only, views with null data). Slices start at 256-byte offsets
 // from `base`, which must be 16-byte aligned (checked by nsa_attention).
-// `step_workspace_bytes`: the largest workspace a forward step asks for (0 while sizing).
-NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes);
+// `step_workspace_bytes`: the largest workspace a forward step asks for (0 while sizing); `scratch`: the
+// forward scratch that holds it where the window's output slice does not (null: sizes only).
+NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes, void* scratch);
 // `branch_workspace_bytes`: the largest workspace a branch's backward asks for (0 while sizing).
 NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_workspace_bytes);
 

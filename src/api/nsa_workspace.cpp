@@ -37,9 +37,9 @@ class Carver {
     return t;
   }
 
-  // The bytes [offset, offset + bytes) as a float16 view (bytes even: every slice but a byte-sized step
-  // workspace, whose extent is zeroed whole, ends on an even offset): rows of 256 bytes where they divide
-  // it (a 16-byte vector per thread when it is zeroed), else one row.
+  // The bytes [offset, offset + bytes) as a float16 view (bytes even: every slice holds 2- or 4-byte
+  // elements): rows of 256 bytes where they divide it (a 16-byte vector per thread when it is zeroed), else
+  // one row.
   TensorView bytes_at(std::size_t offset, std::size_t bytes) const {
     TensorView t;
     t.dtype = DType::float16;
@@ -67,7 +67,7 @@ class Carver {
 
 }  // namespace
 
-NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes) {
+NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes, void* scratch) {
   Carver carve(plan, base);
   const TokenLayout& layout = plan.layout;
   NsaWorkspace ws;
@@ -89,19 +89,18 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_wor
     const bool fits = window.present() && window.numel() * element_size(window.dtype) >= step_workspace_bytes;
     if (fits) {
       ws.step_workspace = window;
-      ws.step_workspace.dtype = DType::boolean;
-      ws.step_workspace.rank = 1;
-      ws.step_workspace.shape[0] = static_cast<std::int64_t>(step_workspace_bytes);
-      ws.step_workspace.stride[0] = 1;
     } else {
-      ws.unwritten = carve.take_padding();
-      const std::size_t start = carve.bytes();
-      ws.step_workspace = carve.take(DType::boolean, {static_cast<std::int64_t>(step_workspace_bytes)});
-      ws.step_extent = carve.bytes_at(start, carve.bytes() - start);
-      carve.take_padding();
+      ws.step_workspace.data = scratch;
+      ws.step_workspace.device = plan.device;
+      ws.step_workspace.device_index = plan.device_index;
+      ws.scratch_bytes = step_workspace_bytes;
     }
+    ws.step_workspace.dtype = DType::boolean;
+    ws.step_workspace.rank = 1;
+    ws.step_workspace.shape[0] = static_cast<std::int64_t>(step_workspace_bytes);
+    ws.step_workspace.stride[0] = 1;
   }
-  for (TensorView& gap : carve.take_padding()) ws.unwritten.push_back(gap);
+  ws.unwritten = carve.take_padding();
   ws.bytes = carve.bytes();
   ws.whole = carve.bytes_at(0, ws.bytes);
   return ws;

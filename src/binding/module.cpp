@@ -512,41 +512,28 @@ NB_MODULE(_C, m) {
   // ---- nsa_attention ----
   // Sizes from shapes only (usable from fake/meta implementations): every tensor is None or a
   // (dtype name, shape) pair; `device` is "cpu" or "cuda".
-  m.def(
-      "nsa_workspace_size",
-      [](const std::string& device, int device_index, nb::handle q, nb::handle k, nb::handle v, nb::handle k_cmp,
-         nb::handle v_cmp, nb::handle block_indices, nb::handle g_cmp, nb::handle g_slc, nb::handle g_swa,
-         nb::handle o, nb::handle cu_seqlens, nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block,
-         int cmp_stride, int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
-         std::optional<double> scale) {
-        const OpName op_name("nsa_workspace_size");
-        return nsa_workspace_size(nsa_spec_params(device, device_index, q, k, v, k_cmp, v_cmp, block_indices,
-                                                  g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen,
-                                                  cmp_block, cmp_stride, sel_block, num_selected, num_init,
-                                                  num_local, window, scale));
-      },
-      "device"_a, "device_index"_a, "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(),
-      "block_indices"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(), "g_swa"_a.none(), "o"_a,
-      "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a,
-      "sel_block"_a, "num_selected"_a, "num_init"_a, "num_local"_a, "window"_a, "scale"_a.none());
-  m.def(
-      "nsa_backward_scratch_size",
-      [](const std::string& device, int device_index, nb::handle q, nb::handle k, nb::handle v, nb::handle k_cmp,
-         nb::handle v_cmp, nb::handle block_indices, nb::handle g_cmp, nb::handle g_slc, nb::handle g_swa,
-         nb::handle o, nb::handle cu_seqlens, nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block,
-         int cmp_stride, int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
-         std::optional<double> scale) {
-        const OpName op_name("nsa_backward_scratch_size");
-        return nsa_backward_scratch_size(nsa_spec_params(device, device_index, q, k, v, k_cmp, v_cmp,
-                                                         block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens,
-                                                         cu_seqlens_cmp, max_seqlen, cmp_block, cmp_stride,
-                                                         sel_block, num_selected, num_init, num_local, window,
-                                                         scale));
-      },
-      "device"_a, "device_index"_a, "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(),
-      "block_indices"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(), "g_swa"_a.none(), "o"_a,
-      "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a,
-      "sel_block"_a, "num_selected"_a, "num_init"_a, "num_local"_a, "window"_a, "scale"_a.none());
+  const auto def_nsa_size = [&m](const char* name, std::size_t (*size_of)(const NsaParams&)) {
+    m.def(
+        name,
+        [name, size_of](const std::string& device, int device_index, nb::handle q, nb::handle k, nb::handle v,
+                        nb::handle k_cmp, nb::handle v_cmp, nb::handle block_indices, nb::handle g_cmp,
+                        nb::handle g_slc, nb::handle g_swa, nb::handle o, nb::handle cu_seqlens,
+                        nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride,
+                        int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
+                        std::optional<double> scale) {
+          const OpName op_name(name);
+          return size_of(nsa_spec_params(device, device_index, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc,
+                                         g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block, cmp_stride,
+                                         sel_block, num_selected, num_init, num_local, window, scale));
+        },
+        "device"_a, "device_index"_a, "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(),
+        "block_indices"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(), "g_swa"_a.none(), "o"_a,
+        "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a,
+        "sel_block"_a, "num_selected"_a, "num_init"_a, "num_local"_a, "window"_a, "scale"_a.none());
+  };
+  def_nsa_size("nsa_workspace_size", nsa_workspace_size);
+  def_nsa_size("nsa_forward_scratch_size", nsa_forward_scratch_size);
+  def_nsa_size("nsa_backward_scratch_size", nsa_backward_scratch_size);
 
   m.def(
       "nsa_attention",
@@ -554,7 +541,8 @@ NB_MODULE(_C, m) {
          const OptArray& block_indices, const OptArray& g_cmp, const OptArray& g_slc, const OptArray& g_swa,
          const Array& o, const OptArray& cu_seqlens, const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen,
          int cmp_block, int cmp_stride, int sel_block, int num_selected, int num_init, int num_local,
-         std::int64_t window, std::optional<double> scale, const OptArray& workspace, std::uintptr_t stream) {
+         std::int64_t window, std::optional<double> scale, const OptArray& workspace, const OptArray& scratch,
+         std::uintptr_t stream) {
         const OpName op_name("nsa_attention");
         NsaParams p;
         p.q = view(q, "q");
@@ -569,13 +557,14 @@ NB_MODULE(_C, m) {
         p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
         p.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
         std::tie(p.workspace, p.workspace_bytes) = bytes(workspace, "workspace");
+        std::tie(p.scratch, p.scratch_bytes) = bytes(scratch, "scratch");
         p.stream = as_stream(stream);
         run(nsa_attention, p);
       },
       "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(), "block_indices"_a.none(), "g_cmp"_a.none(),
       "g_slc"_a.none(), "g_swa"_a.none(), "o"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
       "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
-      "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "stream"_a);
+      "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "scratch"_a.none(), "stream"_a);
   m.def(
       "nsa_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const OptArray& k_cmp, const OptArray& v_cmp,

@@ -278,10 +278,12 @@ TEST(NsaValidation, SizeQueriesNeedNoData) {
     const NsaParams p = c.params(o, workspace);
     EXPECT_EQ(nsa_workspace_size(shapes_only(p)), nsa_workspace_size(p));
     EXPECT_EQ(nsa_backward_scratch_size(shapes_only(p)), nsa_backward_scratch_size(p));
+    EXPECT_EQ(nsa_forward_scratch_size(p), 0u);  // the CPU steps keep their working memory on the host
     NsaParams bad = shapes_only(p);
     bad.v.shape[1] += 1;
     expect_error([&] { nsa_workspace_size(bad); }, ErrorKind::shape, "v", "nsa_workspace_size");
     expect_error([&] { nsa_backward_scratch_size(bad); }, ErrorKind::shape, "v", "nsa_backward_scratch_size");
+    expect_error([&] { nsa_forward_scratch_size(bad); }, ErrorKind::shape, "v", "nsa_forward_scratch_size");
   }
 }
 

@@ -138,3 +138,25 @@ def test_nsa_float32_on_cuda_is_a_clear_error():
     q = torch.randn(1, 64, 2, 64, device="cuda")
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="bfloat16 or float16"):
         sparseattn.nsa_attention(q, q, q, g_swa=torch.rand(1, 64, 2, device="cuda"))
+
+
+def test_forward_scratch_is_separate_from_the_kept_workspace():
+    """Where the window's output slice cannot hold the selection steps' working memory (the KV-block-outer
+    partials at G <= 9), it lives in a forward scratch that is freed on return, not in the kept workspace;
+    a call without it is a clear error."""
+    from sparseattn import _C, _ops
+    T, Hq, Hkv, D = 2048, 8, 2, 64
+    c = sparseattn.NSAConfig()
+    config = (c.cmp_block, c.cmp_stride, c.sel_block, c.num_selected, c.num_init, c.num_local, c.window, c.scale)
+    q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) for H in (Hq, Hkv, Hkv))
+    g = torch.rand(3, 1, T, Hq, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty_like(q)
+    sizes = {query: _ops._nsa_size(getattr(_C, query), q, k, v, None, None, None, *g, o, None, None, T, config)
+             for query in ("nsa_workspace_size", "nsa_forward_scratch_size")}
+    branch_output = T * Hq * D * 2  # the window's output slice, one of three such slices of the workspace
+    assert sizes["nsa_forward_scratch_size"] > branch_output
+    assert sizes["nsa_workspace_size"] < 4 * branch_output  # the rest: lse, indices and compressed K/V
+    workspace = torch.empty(sizes["nsa_workspace_size"], dtype=torch.uint8, device="cuda")
+    with pytest.raises(sparseattn.SparseAttnError, match="scratch.*nsa_forward_scratch_size"):
+        _C.nsa_attention(q, k, v, None, None, None, *g, o, None, None, T, *config, workspace, None,
+                         torch.cuda.current_stream().cuda_stream)
