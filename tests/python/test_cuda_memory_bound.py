@@ -34,7 +34,7 @@ def assert_close(got, ref, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block,stride", [(32, 16), (64, 64), (8, 4)])
 def test_compress_kv_batched(dtype, block, stride):
-    B, T, H, Dk, Dv = 2, 301, 3, 192, 128
+    B, T, H, Dk, Dv = 2, 301, 11, 192, 128  # 11 heads: the backward's warps take runs of 8 and 3
     k = torch.randn(B, T, H, Dk, dtype=dtype, device="cuda", requires_grad=True)
     v = torch.randn(B, T, H, Dv, dtype=dtype, device="cuda", requires_grad=True)
     poison_allocator()
@@ -97,9 +97,12 @@ def test_compress_kv_packed(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("present", [(True, True, True), (False, True, True), (True, False, False)])
 @pytest.mark.parametrize("packed", [False, True])
-def test_combine(dtype, present, packed):
+@pytest.mark.parametrize("heads_dim", [(7, 128), (20, 40), (9, 264)], ids=lambda s: f"H{s[0]}-D{s[1]}")
+def test_combine(dtype, present, packed, heads_dim):
+    # Lane groups take runs of up to 8 heads of a token: one short run, runs of 8 then 4 with 4 groups per warp
+    # (groups of different tokens in a warp), and rows longer than a warp's 16-byte pieces.
     lead = (1000,) if packed else (2, 333)
-    H, Dv = 7, 128
+    H, Dv = heads_dim
     outs = [torch.randn(*lead, H, Dv, dtype=dtype, device="cuda", requires_grad=True) if p else None for p in present]
     gates = [torch.rand(*lead, H, dtype=dtype, device="cuda", requires_grad=True) if p else None for p in present]
     poison_allocator()
