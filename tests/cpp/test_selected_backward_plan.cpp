@@ -80,9 +80,11 @@ TEST(SelectedBackwardPlan, DqChunksBoundThePartials) {
 }
 
 TEST(SelectedBackwardPlan, DkvChunksSplitOnlyLongSegmentsAndBoundThePartials) {
-  // The examples of the comment: T = 64K, n = 16, block 64, D = 128 at Hkv = 4 (G = 16) and Hkv = 32 (G = 1).
+  // The examples of the comment: T = 64K, n = 16, block 64, D = 128 at Hkv = 4 (G = 16) and Hkv = 32 (G = 1)
+  // (the partials' cap decides), and T = 8K at 64/4 (half the mean segment: 512 tokens).
   EXPECT_EQ(dkv_chunk_tokens(std::int64_t{65536} * 4 * 16, 16, 16, 64, 128, 128), 2048);
   EXPECT_EQ(dkv_chunk_tokens(std::int64_t{65536} * 32 * 16, 1, 16, 64, 128, 128), 16384);
+  EXPECT_EQ(dkv_chunk_tokens(std::int64_t{8192} * 4 * 16, 16, 16, 64, 128, 128), 512);
   struct Case {
     std::int64_t entries, group, n, block, dqk, dv;
   };
@@ -90,7 +92,7 @@ TEST(SelectedBackwardPlan, DkvChunksSplitOnlyLongSegmentsAndBoundThePartials) {
                         Case{1 << 20, 32, 16, 64, 128, 128}, Case{777, 7, 5, 48, 64, 64}}) {
     const std::int64_t tokens = dkv_chunk_tokens(c.entries, c.group, c.n, c.block, c.dqk, c.dv);
     EXPECT_EQ(tokens % 32, 0);
-    EXPECT_GE(tokens, 2 * c.n * c.block);               // only segments longer than twice the mean are split
+    EXPECT_GE(tokens, c.n * c.block / 2);               // only segments longer than half the mean are split
     EXPECT_GE(tokens * c.group, kDkvMinChunkRows);      // enough query rows per chunk
     const std::int64_t slots = 2 * c.entries / tokens;  // the backward's bound on the partial slots
     EXPECT_LE(static_cast<std::size_t>(slots * c.block * (c.dqk + c.dv) * 4), kDkvPartialCap);

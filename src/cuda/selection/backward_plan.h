@@ -99,9 +99,12 @@ inline std::int64_t dq_kv_chunk_pairs(std::int64_t total_pairs, std::int64_t gro
 // ------------------------------------------------------------------------------------------ dK/dV chunks
 
 // The dK/dV chunk length in tokens (a multiple of 32, so that chunks hold whole 32-row gathers for any G):
-//  - at least kDkvMinChunkRows query rows and twice the mean segment length (n * block tokens: a block is
-//    selected by about n * block tokens on average), so that only the long segments (block 0, the local
-//    blocks of long sequences) are split and the partial traffic stays small;
+//  - at least kDkvMinChunkRows query rows and half the mean segment length (n * block tokens: a block is
+//    selected by about n * block tokens on average), so that the long segments (block 0, the early blocks
+//    that many tokens choose) are split into pieces of about the usual work, while the partial traffic stays
+//    small. H100, 64/4, selected dK/dV and reduce at 2x / 1x / 0.5x the mean: 8K 1.82 / 1.66 / 1.49 ms, 16K
+//    3.32 / 3.06 / 2.95 (a few hundred segments over 132 SMs: the long chunks set the tail), 64K 12.5 / 12.3 /
+//    12.4 (the cap below decides there); 32/8, 8K 0.90 / 0.84 / 0.85;
 //  - large enough that the partial slots fit kDkvPartialCap: a segment of L > C tokens makes ceil(L / C) <
 //    2 L / C partials, and the segments hold at most `entries` tokens in all, so there are fewer than
 //    2 * entries / C slots of block * (Dqk + Dv) * 4 bytes each. E.g. T = 64K, n = 16, block 64, D = 128:
@@ -115,7 +118,7 @@ inline std::int64_t dkv_chunk_tokens(std::int64_t entries, std::int64_t group, s
   const std::int64_t slot_bytes = block * (dim_qk + dim_v) * 4;
   const std::int64_t max_slots = std::max<std::int64_t>(1, static_cast<std::int64_t>(kDkvPartialCap) / slot_bytes);
   std::int64_t c = std::max<std::int64_t>(ceil_div(kDkvMinChunkRows, std::max<std::int64_t>(1, group)),
-                                          2 * num_idx * block);
+                                          num_idx * block / 2);
   c = std::max(c, ceil_div(2 * entries, max_slots));
   return std::max<std::int64_t>(32, ceil_div(c, 32) * 32);
 }
