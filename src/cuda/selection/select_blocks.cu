@@ -107,29 +107,44 @@ __device__ __forceinline__ std::uint64_t warp_max(std::uint64_t key) {
   return key;
 }
 
-// The n-th largest (1 <= n <= 32) of the lanes' values: a bitonic sort across the warp, descending.
-__device__ __forceinline__ float warp_nth_largest(float value, int n) {
+// The n-th largest (1 <= n <= 32 * kPerLane) of the warp's values (element e * 32 + lane is value[e]): a
+// bitonic sort of them across the warp, descending.
+template <int kPerLane>
+__device__ __forceinline__ float warp_nth_largest(float (&value)[kPerLane], int n) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int k = 2; k <= 32; k *= 2) {
+  for (int k = 2; k <= 32 * kPerLane; k *= 2) {
 #pragma unroll
     for (int j = k / 2; j > 0; j /= 2) {
-      const float other = __shfl_xor_sync(0xffffffffu, value, j);
-      const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
-      value = keep_max ? fmaxf(other, value) : fminf(other, value);
+      if (j == 32) {  // kPerLane == 2, k == 64: a lane's two elements are the pair, the first keeps the max
+        const float larger = fmaxf(value[0], value[1]);
+        value[1] = fminf(value[0], value[1]);
+        value[0] = larger;
+        continue;
+      }
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        const int i = e * 32 + lane;
+        const float other = __shfl_xor_sync(0xffffffffu, value[e], j);
+        const bool keep_max = ((i & j) == 0) == ((i & k) == 0);
+        value[e] = keep_max ? fmaxf(other, value[e]) : fminf(other, value[e]);
+      }
     }
   }
-  return __shfl_sync(0xffffffffu, value, n - 1);
+  return __shfl_sync(0xffffffffu, n <= 32 ? value[0] : value[kPerLane - 1], (n - 1) % 32);
 }
 
 // Top-n of one token's pooled row (`row`, `candidates` blocks) by one warp; writes `out[0..n)` ascending, -1
 // padded. The forced blocks (the first init, the last local) go straight to their places; `need` more come
-// from the blocks between them, [init, local_lo). Lane l owns the blocks b = l (mod 32).
-//  - Usual path (need <= 32): the need-th largest of the 32 lanes' best rank values is a threshold that at least
-//    need blocks reach, so the chosen blocks are among those at or above it. With scores of any spread these are
-//    few (about need + need / 2 for random rows): they are compacted into `list` (ascending block order) as
-//    candidate keys and each is ranked against the others. The two passes over the row compare floats; only the
-//    few kept blocks build a 64-bit key.
+// from the blocks between them, [init, local_lo).
+//  - Usual path (need <= 32): the blocks fall into classes by their offset from init, modulo 32 (need <= 16) or
+//    64 (need <= 32; lane l holds the classes l and l + 32). The need-th largest of the classes' best rank values
+//    is a threshold that at least need blocks reach, so the chosen blocks are among those at or above it. With
+//    scores of any spread these are few (about need + need / 2 for random rows; with 32 classes and need = 29,
+//    about 70, more than the list holds, and the argmax rounds made select_blocks at 32/32, T = 64K, n = 32 take
+//    21.4 ms against 11.2 at n = 16): they are compacted into `list` (ascending block order) as candidate keys
+//    and each is ranked against the others. The two passes over the row compare floats; only the few kept blocks
+//    build a 64-bit key.
 //  - Otherwise (need > 32, or more than kListCap blocks reach the threshold: ties, or the best blocks sharing
 //    a lane): need rounds of warp argmax, each marking its block (-inf) and rescanning only the owner's blocks.
 __device__ void choose_blocks(float* row, int candidates, const Config& c, std::int32_t* out, std::uint64_t* list) {
@@ -143,9 +158,20 @@ __device__ void choose_blocks(float* row, int candidates, const Config& c, std::
   for (i64 i = count + lane; i < c.num_selected; i += 32) out[i] = -1;
   if (need == 0) return;
   if (need <= 32) {
-    float best = -INFINITY;  // stays -inf for a lane without blocks; [init, local_lo) covers >= need lanes
-    for (int b = init + lane; b < local_lo; b += 32) best = fmaxf(best, rank_value(row[b]));
-    const float threshold = warp_nth_largest(best, need);
+    // A class without blocks keeps -inf; [init, local_lo) holds >= need consecutive blocks, so >= need classes.
+    float threshold;
+    if (need <= 16) {
+      float best[1] = {-INFINITY};
+      for (int b = init + lane; b < local_lo; b += 32) best[0] = fmaxf(best[0], rank_value(row[b]));
+      threshold = warp_nth_largest(best, need);
+    } else {
+      float best[2] = {-INFINITY, -INFINITY};
+      for (int b = init + lane; b < local_lo; b += 64) {
+        best[0] = fmaxf(best[0], rank_value(row[b]));
+        if (b + 32 < local_lo) best[1] = fmaxf(best[1], rank_value(row[b + 32]));
+      }
+      threshold = warp_nth_largest(best, need);
+    }
     int size = 0;
     for (int base = init; base < local_lo; base += 32) {
       const int b = base + lane;
