@@ -153,16 +153,17 @@ def test_select_blocks(attention_mma, dtype, lengths, packed, Hq, Hkv, D, sel_bl
     _check_selection(got, ref, q, kc, lse, kw, cu, cu_cmp)
 
 
-@pytest.mark.parametrize("case", ["many_selected", "tied_scores", "wide_list", "classes_64"])
+@pytest.mark.parametrize("case", ["many_selected", "nearly_all", "tied_scores", "wide_list", "classes_64"])
 def test_select_blocks_top_n_paths(case):
     """The kernel's top-n has a usual path (a threshold from the best blocks of 32 block classes, or 64 from 17
-    blocks to choose on, then ranks among the blocks that reach it) and argmax rounds for the rest: more than 32
-    blocks to choose besides the forced ones, and rows of exactly tied scores (zero keys: every block reaches the
-    threshold; ties go to the lower block, so the indices must equal the reference's exactly). wide_list: 31
-    blocks to choose, so that more than 32 blocks reach the threshold and the usual path ranks two per lane;
-    classes_64: 21 blocks to choose, the 64 classes' path with one list entry per lane."""
+    blocks to choose on, then ranks among the blocks that reach it) and a radix select for the rest: more than 32
+    blocks to choose besides the forced ones (37; nearly_all: 61 of the last rows' 62), and rows of exactly tied
+    scores (zero keys: every block reaches the threshold; ties go to the lower block, so the indices must equal
+    the reference's exactly). wide_list: 31 blocks to choose, so that more than 32 blocks reach the threshold and
+    the usual path ranks two per lane; classes_64: 21 blocks to choose, the 64 classes' path with one list entry
+    per lane."""
     q, kc, lse, _, _ = _selection_inputs([4097], 8, 2, 64, torch.bfloat16, False)
-    n = {"many_selected": 40, "tied_scores": 16, "wide_list": 34, "classes_64": 24}[case]
+    n = {"many_selected": 40, "nearly_all": 64, "tied_scores": 16, "wide_list": 34, "classes_64": 24}[case]
     if case == "tied_scores":
         kc = torch.zeros_like(kc)
         _, lse = sa.compressed_attention(q.double(), kc.double(), kc.double(), block=32, stride=16)
