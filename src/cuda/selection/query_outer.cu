@@ -165,6 +165,47 @@ struct KeyTiles {
   __device__ __forceinline__ int keys() const { return static_cast<int>(min(end - s0, std::int64_t{kKeys})); }
 };
 
+// What both kernels take from their CTA's coordinates: token t of sequence blockIdx.z (its row), KV head h and
+// the chunk's first query head hq0 and rows, the key tiles of indices[row, h], and the copies of a tile's K and
+// V rows into the warp's shared-memory tiles. valid: t lies within the sequence.
+template <class T, int kKeys, int DQK, int DV>
+struct TokenTask {
+  SeqTable::Seq seq;
+  std::int64_t t, h, row, hq0;
+  int rows_here;
+  bool valid;
+  const T* k_head;  // the sequence's token 0 of KV head h
+  const T* v_head;
+  std::int64_t k_stride, v_stride;
+
+  __device__ __forceinline__ TokenTask(const Tokens<const T>& k, const Tokens<const T>& v, const SeqTable& seqs,
+                                       const QueryOuterConfig& c) {
+    h = blockIdx.y / c.chunks;
+    const std::int64_t chunk = blockIdx.y - h * c.chunks;
+    seq = seqs[blockIdx.z];
+    t = blockIdx.x;
+    row = seq.begin + t;
+    hq0 = h * c.group + chunk * kRows;
+    rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - chunk * kRows));
+    valid = t < seq.length;
+    k_head = k.row(seq.batch, seq.begin, h);
+    v_head = v.row(seq.batch, seq.begin, h);
+    k_stride = k.row_stride;
+    v_stride = v.row_stride;
+  }
+  __device__ __forceinline__ KeyTiles<kKeys> key_tiles(const IndexView& indices, const QueryOuterConfig& c) const {
+    return {indices.row(seq.batch, row, h), c.num_idx, c.block, t};
+  }
+  template <class Tile>
+  __device__ __forceinline__ void copy_k(const Tile& ks, const KeyTiles<kKeys>& tile) const {
+    load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + tile.s0 * k_stride, k_stride, tile.keys(), k_head);
+  }
+  template <class Tile>
+  __device__ __forceinline__ void copy_v(const Tile& vs, const KeyTiles<kKeys>& tile) const {
+    load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + tile.s0 * v_stride, v_stride, tile.keys(), v_head);
+  }
+};
+
 template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const T> q, Tokens<const T> k,
                                                                     Tokens<const T> v, IndexView indices,
@@ -176,23 +217,15 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
   const typename S::K ks{reinterpret_cast<T*>(smem_raw)};
   const typename S::V vs{ks.base + S::K::kElements};
 
-  const std::int64_t t = blockIdx.x, h = blockIdx.y / c.chunks, chunk = blockIdx.y % c.chunks;
-  const auto seq = seqs[blockIdx.z];
-  if (t >= seq.length) return;
-  const std::int64_t row = seq.begin + t;
-  const std::int64_t g0 = chunk * kRows;
-  const int rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - g0));
+  const TokenTask<T, kKeys, DQK, DV> task(k, v, seqs, c);
+  if (!task.valid) return;
+  const auto& seq = task.seq;
+  const std::int64_t row = task.row;
+  const int rows_here = task.rows_here;
   const int lane = threadIdx.x;
-
-  const T* const k_head = k.row(seq.batch, seq.begin, h);  // the sequence's token 0 of KV head h
-  const T* const v_head = v.row(seq.batch, seq.begin, h);
-  auto load_k = [&](const KeyTiles<kKeys>& tile) {
-    load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + tile.s0 * k.row_stride, k.row_stride, tile.keys(), k_head);
-  };
-  auto load_v = [&](const KeyTiles<kKeys>& tile) {
-    load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + tile.s0 * v.row_stride, v.row_stride, tile.keys(), v_head);
-  };
-  KeyTiles<kKeys> tile{indices.row(seq.batch, row, h), c.num_idx, c.block, t};
+  auto load_k = [&](const KeyTiles<kKeys>& tile) { task.copy_k(ks, tile); };
+  auto load_v = [&](const KeyTiles<kKeys>& tile) { task.copy_v(vs, tile); };
+  KeyTiles<kKeys> tile = task.key_tiles(indices, c);
   bool has_tile = tile.next();
   // K and V have one buffer each, and every buffer is refilled as soon as the warp is done with it: the next
   // tile's K loads during this tile's softmax and P V, its V during its own scores (groups in order K0 V0 K1
@@ -205,7 +238,7 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
 
   // Q stays in registers as the A fragments of the Dqk / 16 k-steps.
   std::uint32_t qa[DQK / 16][4];
-  load_head_fragments<T, DQK>(qa, q, seq.batch, row, h * c.group + g0, rows_here);
+  load_head_fragments<T, DQK>(qa, q, seq.batch, row, task.hq0, rows_here);
 
   float acc[DV / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -249,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
     const int r = lane / 4 + 8 * i;
     l[i] = quad_sum(l[i]);
     if (r >= rows_here) continue;
-    const std::int64_t hq = h * c.group + g0 + r;
+    const std::int64_t hq = task.hq0 + r;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     T* dst = o.row(seq.batch, row, hq);
     const bool pairs_aligned = reinterpret_cast<std::uintptr_t>(dst) % 4 == 0;  // any stride is allowed
@@ -302,23 +335,15 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
   const typename S::Q qs{vs.base + S::V::kElements};  // used if S::kRowsInSmem
   const typename S::DO dos{qs.base + S::Q::kElements};
 
-  const std::int64_t t = blockIdx.x, h = blockIdx.y / c.chunks, chunk = blockIdx.y % c.chunks;
-  const auto seq = seqs[blockIdx.z];
-  if (t >= seq.length) return;
-  const std::int64_t row = seq.begin + t;
-  const std::int64_t hq0 = h * c.group + chunk * kRows;
-  const int rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - chunk * kRows));
+  const TokenTask<T, kKeys, DQK, DV> task(k, v, seqs, c);
+  if (!task.valid) return;
+  const auto& seq = task.seq;
+  const std::int64_t row = task.row, hq0 = task.hq0;
+  const int rows_here = task.rows_here;
   const int lane = threadIdx.x;
-
-  const T* const k_head = k.row(seq.batch, seq.begin, h);  // the sequence's token 0 of KV head h
-  const T* const v_head = v.row(seq.batch, seq.begin, h);
-  auto load_k = [&](const KeyTiles<kKeys>& tile) {
-    load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + tile.s0 * k.row_stride, k.row_stride, tile.keys(), k_head);
-  };
-  auto load_v = [&](const KeyTiles<kKeys>& tile) {
-    load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + tile.s0 * v.row_stride, v.row_stride, tile.keys(), v_head);
-  };
-  KeyTiles<kKeys> tile{indices.row(seq.batch, row, h), c.num_idx, c.block, t};
+  auto load_k = [&](const KeyTiles<kKeys>& tile) { task.copy_k(ks, tile); };
+  auto load_v = [&](const KeyTiles<kKeys>& tile) { task.copy_v(vs, tile); };
+  KeyTiles<kKeys> tile = task.key_tiles(indices, c);
   bool has_tile = tile.next();
   // Copy groups in the order they are needed (the rows of Q and dO that shared memory holds, V0, K0, then per tile
   // V next, K next), so that "wait until one group is pending" first means "V has landed" and, after the next V's
