@@ -100,6 +100,23 @@ struct FwdSmem {
   static constexpr std::size_t kBytes = (K::kElements + V::kElements) * sizeof(T);
 };
 
+// acc (16 x kKeys) += A B^T over D columns: A's fragment of k-step kk from a_of(a, kk), B = rows [0, kKeys) of
+// `tile` (S = Q K^T, and dP = dO V^T in the dQ).
+template <class T, int kKeys, int D, class Tile, class AOf>
+__device__ __forceinline__ void accumulate_scores(float (&acc)[kKeys / 8][4], AOf a_of, const Tile& tile) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    std::uint32_t a[4];
+    a_of(a, kk);
+#pragma unroll
+    for (int np = 0; np < kKeys / 16; ++np) {
+      std::uint32_t b[4];
+      load_b_rows(b, tile, np * 16, kk * 16);
+      mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, b);
+    }
+  }
+}
+
 // acc (16 x N) += X B: X (16 x kKeys) in mma accumulator layout, whose columns [16kk, 16kk + 16) packed to T are
 // the A fragment of k-step kk, and B = rows [0, kKeys) x columns [0, N) of `tile` (P V in the forward, dS K in
 // the dQ).
@@ -246,15 +263,13 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
     cp_async_wait<1>();  // K of this tile
     __syncwarp();
     float s[kKeys / 8][4] = {};
+    accumulate_scores<T, kKeys, DQK>(
+        s,
+        [&](std::uint32_t(&a)[4], int kk) {
 #pragma unroll
-    for (int kk = 0; kk < DQK / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < kKeys / 16; ++np) {
-        std::uint32_t bk[4];
-        load_b_rows(bk, ks, np * 16, kk * 16);
-        mma_pair<T>(s[2 * np], s[2 * np + 1], qa[kk], bk);
-      }
-    }
+          for (int e = 0; e < 4; ++e) a[e] = qa[kk][e];
+        },
+        ks);  // S = Q K^T
     const int keys = tile.keys();
     KeyTiles<kKeys> next = tile;
     const bool has_next = next.next();
@@ -394,17 +409,7 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
     cp_async_wait<1>();  // V of this tile (and dO's rows)
     __syncwarp();
     float dp[kKeys / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < DV / 16; ++kk) {
-      std::uint32_t a[4];
-      row_fragment(a, dos, doa, kk);
-#pragma unroll
-      for (int np = 0; np < kKeys / 16; ++np) {
-        std::uint32_t bv[4];
-        load_b_rows(bv, vs, np * 16, kk * 16);
-        mma_pair<T>(dp[2 * np], dp[2 * np + 1], a, bv);
-      }
-    }
+    accumulate_scores<T, kKeys, DV>(dp, [&](std::uint32_t(&a)[4], int kk) { row_fragment(a, dos, doa, kk); }, vs);
     KeyTiles<kKeys> next = tile;
     const bool has_next = next.next();
     __syncwarp();  // every lane has read V
@@ -413,17 +418,7 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
     cp_async_wait<1>();  // K of this tile
     __syncwarp();
     float s[kKeys / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < DQK / 16; ++kk) {
-      std::uint32_t a[4];
-      row_fragment(a, qs, qa, kk);
-#pragma unroll
-      for (int np = 0; np < kKeys / 16; ++np) {
-        std::uint32_t bk[4];
-        load_b_rows(bk, ks, np * 16, kk * 16);
-        mma_pair<T>(s[2 * np], s[2 * np + 1], a, bk);
-      }
-    }
+    accumulate_scores<T, kKeys, DQK>(s, [&](std::uint32_t(&a)[4], int kk) { row_fragment(a, qs, qa, kk); }, ks);
     // dS (without the softmax scale) in place of S; columns past the tile's keys get P = 0.
     const int keys = tile.keys();
     with_mask(keys < kKeys, [&](auto masked) {
