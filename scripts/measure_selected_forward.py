@@ -1,5 +1,5 @@
-"""Times the two CUDA forwards of selected_attention (query-outer, KV-block-outer on wgmma and on mma.sync)
-over group sizes, on NSA indices from select_blocks: the measurements behind the heuristic of
+"""Times the CUDA forwards of selected_attention (query-outer per token and in its group form, KV-block-outer on
+wgmma and on mma.sync) over group sizes, on NSA indices from select_blocks: the measurements behind the heuristic of
 src/cuda/selection/forward_plan.h.
 
     python scripts/measure_selected_forward.py [--seqlens 16K 64K] [--groups 1 2 4 8 12 16 32]
@@ -14,6 +14,7 @@ import sparseattn as sa
 from sparseattn.bench import parse_seqlen
 
 VARIANTS = {"query": {"SPARSEATTN_SELECTED_FORWARD": "query"},
+            "group": {"SPARSEATTN_SELECTED_FORWARD": "group"},
             "kv wgmma": {"SPARSEATTN_SELECTED_FORWARD": "kv"},
             "kv mma.sync": {"SPARSEATTN_SELECTED_FORWARD": "kv", "SPARSEATTN_ATTENTION_MMA": "sync"}}
 

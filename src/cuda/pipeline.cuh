@@ -36,6 +36,16 @@ __device__ __forceinline__ void arrive(std::uint64_t* barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(barrier)) : "memory");
 }
 
+// `count` arrivals at once (count >= 1).
+__device__ __forceinline__ void arrive(std::uint64_t* barrier, int count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(count)
+               : "memory");
+#else  // sm_80 arrives one at a time
+  for (int i = 0; i < count; ++i) arrive(barrier);
+#endif
+}
+
 // This thread's arrival, triggered once all of its earlier cp.async copies have landed.
 __device__ __forceinline__ void arrive_on_copies(std::uint64_t* barrier) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier)) : "memory");
@@ -46,10 +56,17 @@ __device__ __forceinline__ void wait(std::uint64_t* barrier, int parity) {
   const std::uint32_t address = shared_address(barrier);
   std::uint32_t done = 0;
   do {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done)
                  : "r"(address), "r"(parity)
                  : "memory");
+#else  // sm_80 has only the non-blocking test
+    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(address), "r"(parity)
+                 : "memory");
+#endif
   } while (done == 0);
 }
 
@@ -78,6 +95,8 @@ class Ring {
   // Consumer: wait until the slot of this use is full; release it once nothing reads it any more.
   __device__ __forceinline__ void wait_full(unsigned use) const { wait(full_ + slot(use), parity(use)); }
   __device__ __forceinline__ void release(unsigned use) const { arrive(empty_ + slot(use)); }
+  // `count` releases at once: for consumers that do not read this use of the slot.
+  __device__ __forceinline__ void release(unsigned use, int count) const { arrive(empty_ + slot(use), count); }
 
  private:
   __device__ __forceinline__ static int parity(unsigned use) { return static_cast<int>((use / kSlots) & 1u); }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "test_util.h"
 #include "cuda/selection/forward_plan.h"
@@ -44,9 +45,42 @@ TEST(SelectedForwardPlan, BlockAndSharedMemoryLimits) {
   EXPECT_EQ(kv_forward_smem_bytes(128, 128, 50), kv_forward_smem_bytes(128, 128, 64));
 }
 
+TEST(SelectedForwardPlan, GroupFormForShortSequencesAt128) {
+  EXPECT_TRUE(use_group_forward(128, 128, 8192, kH100));
+  EXPECT_TRUE(use_group_forward(128, 128, kGroupMaxLen, kH100));
+  EXPECT_TRUE(use_group_forward(128, 128, 1, kH100));
+  EXPECT_FALSE(use_group_forward(128, 128, kGroupMaxLen + 1, kH100));  // L2-bound: the one-token forward is faster
+  EXPECT_FALSE(use_group_forward(128, 128, 0, kH100));
+  EXPECT_FALSE(use_group_forward(192, 128, 8192, kH100));  // measured slower
+  EXPECT_FALSE(use_group_forward(64, 64, 8192, kH100));    // not measured
+  EXPECT_FALSE(use_group_forward(128, 128, 8192, kA100));  // its stages need more than 163 KB
+  for (auto dims : {std::pair<int, int>{64, 64}, {128, 128}, {192, 128}, {256, 256}}) {
+    EXPECT_TRUE(group_forward_supported(dims.first, dims.second, kH100)) << dims.first;
+    EXPECT_LE(group_forward_smem_bytes(dims.first, dims.second), 227u * 1024) << dims.first;
+  }
+}
+
+TEST(SelectedForwardPlan, ChooseForward) {
+  const auto choose = [](PathChoice choice, std::int64_t group, std::int64_t dim, std::int64_t max_len,
+                         std::size_t smem) {
+    return choose_forward(choice, group, dim, dim, max_len, max_len, 16, 64, smem);
+  };
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 8192, kH100), ForwardPath::query_group);
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 65536, kH100), ForwardPath::query_outer);
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 8192, kA100), ForwardPath::query_outer);
+  EXPECT_EQ(choose(PathChoice::automatic, 4, 128, 8192, kH100), ForwardPath::kv_outer);
+  EXPECT_EQ(choose(PathChoice::automatic, 4, 128, 512, kH100), ForwardPath::query_group);  // too short for kv
+  EXPECT_EQ(choose(PathChoice::query_outer, 16, 128, 8192, kH100), ForwardPath::query_outer);
+  EXPECT_EQ(choose(PathChoice::query_group, 16, 256, 65536, kH100), ForwardPath::query_group);
+  EXPECT_EQ(choose(PathChoice::query_group, 4, 128, 65536, kH100), ForwardPath::query_group);
+  EXPECT_EQ(choose(PathChoice::query_group, 16, 128, 8192, kA100), ForwardPath::query_outer);  // unsupported
+  EXPECT_EQ(choose(PathChoice::kv_outer, 16, 128, 8192, kH100), ForwardPath::kv_outer);
+}
+
 TEST(SelectedForwardPlan, OverrideSwitch) {
   EXPECT_EQ(parse_path_choice(nullptr), PathChoice::automatic);
   EXPECT_EQ(parse_path_choice("query"), PathChoice::query_outer);
+  EXPECT_EQ(parse_path_choice("group"), PathChoice::query_group);
   EXPECT_EQ(parse_path_choice("kv"), PathChoice::kv_outer);
   EXPECT_EQ(parse_path_choice("auto"), PathChoice::automatic);
   EXPECT_EQ(parse_path_choice("KV "), PathChoice::automatic);
@@ -55,6 +89,7 @@ TEST(SelectedForwardPlan, OverrideSwitch) {
   EXPECT_FALSE(choose_kv_outer(PathChoice::kv_outer, 1, 128, 128, 65536, 16, 256, kH100));
   EXPECT_FALSE(choose_kv_outer(PathChoice::kv_outer, 1, 128, 128, 0, 16, 64, kH100));
   EXPECT_FALSE(choose_kv_outer(PathChoice::query_outer, 1, 128, 128, 65536, 16, 64, kH100));
+  EXPECT_FALSE(choose_kv_outer(PathChoice::query_group, 1, 128, 128, 65536, 16, 64, kH100));
   EXPECT_EQ(choose_kv_outer(PathChoice::automatic, 2, 128, 128, 65536, 16, 64, kH100),
             use_kv_outer_forward(2, 128, 128, 65536, 16, 64, kH100));
 }

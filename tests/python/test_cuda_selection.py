@@ -249,14 +249,15 @@ SELECTED_CASES = [
     (torch.float16, [1, 130, 0, 257, 47], True, 60, 30, 256, 256, 64, 64, False),
 ]
 
-# The two CUDA forwards (src/cuda/selection/forward_plan.h): the switch is read on the host by the CUDA entry
-# points, so setting it in this process selects the forward of the calls that follow. The KV-block-outer one
+# The CUDA forwards (src/cuda/selection/forward_plan.h): the switch is read on the host by the CUDA entry points,
+# so setting it in this process selects the forward of the calls that follow ("group": the query-outer forward's
+# group form, 8 tokens per CTA sharing K/V tiles). The KV-block-outer one
 # runs on wgmma where it can (sm_90a, Dv <= 128); "kv-sync" forces its mma.sync kernel, and the mma.sync
 # dK/dV kernel of the backward (the other forwards' backward runs the wgmma one where it can: 64/64, 128/128 and
 # 192/128).
 FORWARD_ENV = "SPARSEATTN_SELECTED_FORWARD"
 MMA_ENV = "SPARSEATTN_ATTENTION_MMA"
-FORWARDS = ["query", "kv", "kv-sync"]
+FORWARDS = ["query", "group", "kv", "kv-sync"]
 
 
 @pytest.fixture(params=FORWARDS)
@@ -417,7 +418,7 @@ def test_selected_attention_backward_long_segments(monkeypatch, dq, dtype, lengt
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("path,uses_workspace", [("kv", True), ("query", False), ("auto", True)])
+@pytest.mark.parametrize("path,uses_workspace", [("kv", True), ("query", False), ("group", False), ("auto", True)])
 def test_selected_forward_switch(monkeypatch, path, uses_workspace):
     """The switch picks the forward: only the KV-block-outer one asks for a workspace (its partials and
     inverse index); left to the heuristic, G = 2 over 4096 tokens runs it too."""

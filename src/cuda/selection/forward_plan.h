@@ -2,10 +2,11 @@
 // memory the KV-block-outer kernel needs, and how its workspace is cut into chunks. Plain C++ (no CUDA
 // headers) so that tests/cpp checks it on machines without a GPU.
 //
-// The two forwards (see selected_attention.cu):
+// The forwards (see selected_attention.cu):
 //  - query-outer: one CTA per (token, KV head, 16 query heads of the group); the G heads of one token are
 //    the 16 rows of an mma tile, padded with zero rows, so G = 1 does 16x the useful math and every token
-//    re-reads all K/V rows of its n selected blocks;
+//    re-reads all K/V rows of its n selected blocks; its group form runs 8 consecutive tokens per CTA, which
+//    load each K/V tile of the union of their blocks once (use_group_forward below);
 //  - KV-block-outer (the FSA design): the (token, slot) pairs are sorted by (KV head, selected block); a CTA
 //    loads one block's K and V once and packs the query rows (token x group head) of many tokens into full
 //    tiles (16 rows per warp on mma.sync, 64 per warpgroup on wgmma), writing a partial (o, lse) per (token,
@@ -82,25 +83,56 @@ inline bool use_kv_outer_forward(std::int64_t group, std::int64_t dim_qk, std::i
   return group <= kKvMaxGroup && tokens >= kKvMinTokens;
 }
 
+// Where the query-outer forward runs, its group form (query_group.cu: 8 consecutive tokens per CTA load each
+// K/V tile of the union of their blocks once) is faster while the tile stream is short of L2 bandwidth, and
+// slower once it is bound by it (H100, bf16, 64/4, n = 16, block 64, indices from select_blocks; one-token ->
+// group forward: 128/128 T = 8K 1.63 -> 1.39 ms, 16K 3.60 -> 3.32, 64K 15.8 -> 16.1; 28/4 16K 3.56 -> 3.17;
+// 192/128 16K 4.73 -> 6.78, whose larger tiles leave fewer stages). So it runs for Dqk = Dv = 128 up to
+// sequences of kGroupMaxLen tokens (`max_len`: the longest sequence of the batch).
+// It needs about 225 KB of shared memory per CTA (an H100's, not an A100's 163 KB).
+inline constexpr std::int64_t kGroupMaxLen = 16384;
+inline constexpr int kGroupTokens = 8;  // consecutive tokens per CTA (query_group.cu)
+
+// Shared memory of the group forward: a ring of stages, each one key tile's K and V rows (64 keys, 32 from Dqk =
+// 192 on), of 224 KB or 16 stages at most, the ring's full and empty barriers, and per token a queue of
+// (use, keys) entries and its count.
+inline constexpr std::size_t group_forward_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v) {
+  const std::size_t stage = static_cast<std::size_t>((dim_qk <= 128 ? 64 : 32) * (dim_qk + dim_v) * 2);
+  const std::size_t stages = std::min<std::size_t>(224 * 1024 / stage, 16);
+  return stages * stage + 2 * stages * 8 + kGroupTokens * (2 * stages + 1) * 4;
+}
+
+inline bool group_forward_supported(std::int64_t dim_qk, std::int64_t dim_v, std::size_t smem_limit) {
+  return group_forward_smem_bytes(dim_qk, dim_v) <= smem_limit;
+}
+
+inline bool use_group_forward(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len, std::size_t smem_limit) {
+  return dim_qk == 128 && dim_v == 128 && max_len >= 1 && max_len <= kGroupMaxLen &&
+         group_forward_supported(dim_qk, dim_v, smem_limit);
+}
+
 // Internal switches for tests and measurements: an environment variable, read on the host by the CUDA entry
-// points (size query and launch alike, so both agree), forces one of two paths: "query" or "kv" ("kv" only
-// where that path is supported); anything else (or unset) leaves the choice to the heuristic. The forward's is
-// SPARSEATTN_SELECTED_FORWARD (choose_kv_outer), the backward's dQ has SPARSEATTN_SELECTED_DQ (backward_plan.h).
-enum class PathChoice { automatic, query_outer, kv_outer };
+// points (size query and launch alike, so both agree), forces a path: "query" (the one-token query-outer
+// kernel), "group" (the forward's group kernel; for the dQ the same as "query") or "kv" ("kv" only where that
+// path is supported); anything else (or unset) leaves the choice to the heuristic. The forward's is
+// SPARSEATTN_SELECTED_FORWARD (choose_forward), the backward's dQ has SPARSEATTN_SELECTED_DQ (backward_plan.h).
+enum class PathChoice { automatic, query_outer, query_group, kv_outer };
 inline constexpr const char* kForwardEnv = "SPARSEATTN_SELECTED_FORWARD";
 
 inline PathChoice parse_path_choice(const char* value) {
   if (value == nullptr) return PathChoice::automatic;
   if (std::strcmp(value, "query") == 0) return PathChoice::query_outer;
+  if (std::strcmp(value, "group") == 0) return PathChoice::query_group;
   if (std::strcmp(value, "kv") == 0) return PathChoice::kv_outer;
   return PathChoice::automatic;
 }
 
-// Whether a KV-block-outer path runs under `choice`: never when the query-outer one is forced, wherever it is
+// Whether a KV-block-outer path runs under `choice`: never when a query-outer one is forced, wherever it is
 // `supported` when forced, else where the heuristic `prefers` it. Shared by the forward and the dQ.
 inline bool kv_outer_by_choice(PathChoice choice, bool supported, bool prefers) {
   switch (choice) {
-    case PathChoice::query_outer: return false;
+    case PathChoice::query_outer:
+    case PathChoice::query_group: return false;
     case PathChoice::kv_outer: return supported;
     case PathChoice::automatic: break;
   }
@@ -113,6 +145,21 @@ inline bool choose_kv_outer(PathChoice choice, std::int64_t group, std::int64_t 
   if (group < 1 || num_idx < 1 || tokens < 1) return false;
   return kv_outer_by_choice(choice, kv_forward_supported(dim_qk, dim_v, block, smem_limit),
                             use_kv_outer_forward(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit));
+}
+
+// Which forward runs: the KV-block-outer one as choose_kv_outer decides; otherwise the group form where it is
+// forced and supported or the heuristic prefers it, else the one-token query-outer forward. `max_len`: the
+// longest sequence; the other arguments as for choose_kv_outer.
+enum class ForwardPath { query_outer, query_group, kv_outer };
+inline ForwardPath choose_forward(PathChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
+                                  std::int64_t tokens, std::int64_t max_len, std::int64_t num_idx, std::int64_t block,
+                                  std::size_t smem_limit) {
+  if (choose_kv_outer(choice, group, dim_qk, dim_v, tokens, num_idx, block, smem_limit)) return ForwardPath::kv_outer;
+  const bool group_form =
+      choice == PathChoice::query_group ? group_forward_supported(dim_qk, dim_v, smem_limit)
+                                        : choice == PathChoice::automatic &&
+                                              use_group_forward(dim_qk, dim_v, max_len, smem_limit);
+  return group_form ? ForwardPath::query_group : ForwardPath::query_outer;
 }
 
 // --------------------------------------------------------------------------------------- workspace chunks

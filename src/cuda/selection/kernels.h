@@ -11,8 +11,10 @@
 
 namespace sparseattn::cuda::selection {
 
-// Query-outer forward (query_outer.cu); no workspace.
+// Query-outer forwards, no workspace: one token per warp (query_outer.cu), or consecutive tokens per CTA sharing
+// their K/V tiles (query_group.cu).
 void forward_query_outer(const SelectedAttentionParams& p);
+void forward_query_group(const SelectedAttentionParams& p);
 // Query-outer dQ (query_outer.cu): p.dq = (or += with accumulate_dq) the gradient of p.q, from delta = rowsum(dO
 // O) and the P factor (null data: 1) laid out like lse (backward.cu); no workspace.
 void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,

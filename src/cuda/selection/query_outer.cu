@@ -18,78 +18,16 @@
 // spend their time on. H100, 64/4, T = 64K, n = 16: the forward took 26.0 ms with padded shared-memory rows,
 // 16.0 ms with the swizzled tiles of tile.cuh (the padded rows made L2 serve 1.4x the sectors for the same
 // requests; a Triton kernel of the same structure takes 16.5 ms).
-#include <cuda_runtime.h>
-
-#include <cmath>
-#include <optional>
-
-#include "cuda/common.cuh"
-#include "cuda/mma.cuh"
-#include "cuda/selection/common.cuh"
 #include "cuda/selection/kernels.h"
-#include "cuda/selection/launch.cuh"
-#include "cuda/selection/tile.cuh"
+#include "cuda/selection/query_outer.cuh"
 
 namespace sparseattn::cuda::selection {
 
 namespace {
 
+using namespace query_outer;
+
 constexpr int kThreads = 32;
-constexpr int kRows = 16;  // query heads per warp (mma M)
-
-struct QueryOuterConfig {
-  std::int64_t heads_kv, group, chunks, num_idx, block;
-  float scale, scale_log2;
-  bool accumulate_dq;  // dQ only: dq += the gradient
-};
-
-// What both launchers derive from the shapes: the configuration, the grid (token, KV head x chunk of 16 query
-// heads, sequence) and the sequence table; empty: nothing to launch.
-struct QueryOuterLaunch {
-  QueryOuterConfig config;
-  dim3 grid;
-  SeqTable table;
-  std::int64_t dqk, dv;
-  bool empty;
-};
-
-QueryOuterLaunch launch_of(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& indices,
-                           const Sequences& seqs, int block, const std::optional<double>& scale, bool accumulate_dq) {
-  const HostShape s = host_shape(q, seqs);
-  const std::int64_t heads_q = q.shape[q.rank - 2], heads_kv = k.shape[k.rank - 2], dqk = q.shape[q.rank - 1];
-  const std::int64_t group = heads_kv > 0 ? heads_q / heads_kv : 0, chunks = (group + kRows - 1) / kRows;
-  const double softmax = softmax_scale(scale, dqk);
-  const QueryOuterConfig c{heads_kv, group, chunks, indices.shape[indices.rank - 1], block,
-                           static_cast<float>(softmax), static_cast<float>(softmax * 1.4426950408889634),
-                           accumulate_dq};
-  const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(heads_kv * chunks),
-                  static_cast<unsigned>(s.batch));
-  return {c, grid, seq_table(s, seqs), dqk, v.shape[v.rank - 1], s.batch <= 0 || s.max_len <= 0 || heads_q <= 0};
-}
-
-// The A fragments of the chunk's query heads h0 .. h0 + rows_here - 1 of one token row of x (D / 16 k-steps of
-// 16 columns; rows past the chunk's heads: zero).
-template <class T, int D>
-__device__ __forceinline__ void load_head_fragments(std::uint32_t (&frag)[D / 16][4], const Tokens<const T>& x,
-                                                    std::int64_t batch, std::int64_t row, std::int64_t h0,
-                                                    int rows_here) {
-  const int lane = threadIdx.x, r = lane / 4, col = 2 * (lane % 4);  // one-warp CTAs
-  const T* lo = x.row(batch, row, h0 + min(r, rows_here - 1));
-  const T* hi = x.row(batch, row, h0 + min(r + 8, rows_here - 1));
-  const bool lo_ok = r < rows_here, hi_ok = r + 8 < rows_here;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const int c0 = kk * 16 + col;
-    frag[kk][0] = lo_ok ? *reinterpret_cast<const std::uint32_t*>(lo + c0) : 0u;
-    frag[kk][1] = hi_ok ? *reinterpret_cast<const std::uint32_t*>(hi + c0) : 0u;
-    frag[kk][2] = lo_ok ? *reinterpret_cast<const std::uint32_t*>(lo + c0 + 8) : 0u;
-    frag[kk][3] = hi_ok ? *reinterpret_cast<const std::uint32_t*>(hi + c0 + 8) : 0u;
-  }
-}
-
-// Keys per tile: 64, or 32 at Dqk = 192 and 256 (where Q takes 48 or 64 registers of the fragments).
-template <int DQK>
-inline constexpr int kKeysOf = DQK <= 128 ? 64 : 32;
 
 // One K and one V tile per warp: 32 KB at D = 128, so seven warps fit an SM.
 template <class T, int DQK, int DV>
@@ -99,43 +37,6 @@ struct FwdSmem {
   using V = SmemTile<T, kKeys, DV>;
   static constexpr std::size_t kBytes = (K::kElements + V::kElements) * sizeof(T);
 };
-
-// acc (16 x kKeys) += A B^T over D columns: A's fragment of k-step kk from a_of(a, kk), B = rows [0, kKeys) of
-// `tile` (S = Q K^T, and dP = dO V^T in the dQ).
-template <class T, int kKeys, int D, class Tile, class AOf>
-__device__ __forceinline__ void accumulate_scores(float (&acc)[kKeys / 8][4], AOf a_of, const Tile& tile) {
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    std::uint32_t a[4];
-    a_of(a, kk);
-#pragma unroll
-    for (int np = 0; np < kKeys / 16; ++np) {
-      std::uint32_t b[4];
-      load_b_rows(b, tile, np * 16, kk * 16);
-      mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, b);
-    }
-  }
-}
-
-// acc (16 x N) += X B: X (16 x kKeys) in mma accumulator layout, whose columns [16kk, 16kk + 16) packed to T are
-// the A fragment of k-step kk, and B = rows [0, kKeys) x columns [0, N) of `tile` (P V in the forward, dS K in
-// the dQ).
-template <class T, int kKeys, int N, class Tile>
-__device__ __forceinline__ void accumulate_product(float (&acc)[N / 8][4], const float (&x)[kKeys / 8][4],
-                                                   const Tile& tile) {
-#pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk) {
-    const std::uint32_t a[4] = {pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
-                                pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
-                                pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
-#pragma unroll
-    for (int np = 0; np < N / 16; ++np) {
-      std::uint32_t b[4];
-      load_b_cols(b, tile, kk * 16, np * 16);
-      mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, b);
-    }
-  }
-}
 
 // The key tiles of one token's selected blocks, in slot order: [s0, end) of at most kKeys keys, all <= t. The
 // warp walks them together (every lane calls next()); the slots' block indices sit in registers, lane i holding
@@ -239,7 +140,6 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
   const auto& seq = task.seq;
   const std::int64_t row = task.row;
   const int rows_here = task.rows_here;
-  const int lane = threadIdx.x;
   auto load_k = [&](const KeyTiles<kKeys>& tile) { task.copy_k(ks, tile); };
   auto load_v = [&](const KeyTiles<kKeys>& tile) { task.copy_v(vs, tile); };
   KeyTiles<kKeys> tile = task.key_tiles(indices, c);
@@ -292,29 +192,8 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
   }
   cp_async_wait<0>();
 
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = lane / 4 + 8 * i;
-    l[i] = quad_sum(l[i]);
-    if (r >= rows_here) continue;
-    const std::int64_t hq = task.hq0 + r;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    T* dst = o.row(seq.batch, row, hq);
-    const bool pairs_aligned = reinterpret_cast<std::uintptr_t>(dst) % 4 == 0;  // any stride is allowed
-#pragma unroll
-    for (int nt = 0; nt < DV / 8; ++nt) {
-      const int col = nt * 8 + 2 * (lane % 4);
-      if (pairs_aligned) {
-        *reinterpret_cast<std::uint32_t*>(dst + col) = pack2<T>(acc[nt][2 * i] * inv, acc[nt][2 * i + 1] * inv);
-      } else {
-        dst[col] = from_float<T>(acc[nt][2 * i] * inv);
-        dst[col + 1] = from_float<T>(acc[nt][2 * i + 1] * inv);
-      }
-    }
-    if (lane % 4 == 0) lse.at(seq.batch, row, hq) = l[i] > 0.f ? (m[i] + log2f(l[i])) * kLn2 : -INFINITY;
-  }
+  store_output<T, DV>(acc, m, l, o, lse, seq.batch, row, task.hq0, rows_here);
 }
-
 
 // dQ's shared memory: one K and one V tile (as the forward), and from 192/128 on the token's Q and dO rows, whose
 // fragments are read from there each tile: in registers with dQ's accumulators and the tile's S and dP they would

@@ -1,0 +1,143 @@
+// Shared pieces of the query-outer kernels of selected_attention (mma.sync m16n8k16, fp32 accumulation):
+// query_outer.cu (one warp per token: the forward and the dQ) and query_group.cu (the forward with consecutive
+// tokens per CTA sharing K/V tiles). A warp computes one token's chunk of 16 query heads of a KV head's group:
+// the heads are the 16 rows of the mma tile (padded with zero rows when G < 16), Q (and dO) in registers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <optional>
+
+#include "cuda/common.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/selection/common.cuh"
+#include "cuda/selection/launch.cuh"
+#include "cuda/selection/tile.cuh"
+
+namespace sparseattn::cuda::selection::query_outer {
+
+constexpr int kRows = 16;  // query heads per warp (mma M)
+
+struct QueryOuterConfig {
+  std::int64_t heads_kv, group, chunks, num_idx, block;
+  float scale, scale_log2;
+  bool accumulate_dq;  // dQ only: dq += the gradient
+};
+
+// What both launchers derive from the shapes: the configuration, the grid (token, KV head x chunk of 16 query
+// heads, sequence) and the sequence table; empty: nothing to launch.
+struct QueryOuterLaunch {
+  QueryOuterConfig config;
+  dim3 grid;
+  SeqTable table;
+  std::int64_t dqk, dv;
+  bool empty;
+};
+
+inline QueryOuterLaunch launch_of(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& indices,
+                           const Sequences& seqs, int block, const std::optional<double>& scale, bool accumulate_dq) {
+  const HostShape s = host_shape(q, seqs);
+  const std::int64_t heads_q = q.shape[q.rank - 2], heads_kv = k.shape[k.rank - 2], dqk = q.shape[q.rank - 1];
+  const std::int64_t group = heads_kv > 0 ? heads_q / heads_kv : 0, chunks = (group + kRows - 1) / kRows;
+  const double softmax = softmax_scale(scale, dqk);
+  const QueryOuterConfig c{heads_kv, group, chunks, indices.shape[indices.rank - 1], block,
+                           static_cast<float>(softmax), static_cast<float>(softmax * 1.4426950408889634),
+                           accumulate_dq};
+  const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(heads_kv * chunks),
+                  static_cast<unsigned>(s.batch));
+  return {c, grid, seq_table(s, seqs), dqk, v.shape[v.rank - 1], s.batch <= 0 || s.max_len <= 0 || heads_q <= 0};
+}
+
+// The A fragments of the chunk's query heads h0 .. h0 + rows_here - 1 of one token row of x (D / 16 k-steps of
+// 16 columns; rows past the chunk's heads: zero).
+template <class T, int D>
+__device__ __forceinline__ void load_head_fragments(std::uint32_t (&frag)[D / 16][4], const Tokens<const T>& x,
+                                                    std::int64_t batch, std::int64_t row, std::int64_t h0,
+                                                    int rows_here) {
+  const int lane = threadIdx.x % 32, r = lane / 4, col = 2 * (lane % 4);
+  const T* lo = x.row(batch, row, h0 + min(r, rows_here - 1));
+  const T* hi = x.row(batch, row, h0 + min(r + 8, rows_here - 1));
+  const bool lo_ok = r < rows_here, hi_ok = r + 8 < rows_here;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c0 = kk * 16 + col;
+    frag[kk][0] = lo_ok ? *reinterpret_cast<const std::uint32_t*>(lo + c0) : 0u;
+    frag[kk][1] = hi_ok ? *reinterpret_cast<const std::uint32_t*>(hi + c0) : 0u;
+    frag[kk][2] = lo_ok ? *reinterpret_cast<const std::uint32_t*>(lo + c0 + 8) : 0u;
+    frag[kk][3] = hi_ok ? *reinterpret_cast<const std::uint32_t*>(hi + c0 + 8) : 0u;
+  }
+}
+
+// Keys per tile: 64, or 32 at Dqk = 192 and 256 (where Q takes 48 or 64 registers of the fragments).
+template <int DQK>
+inline constexpr int kKeysOf = DQK <= 128 ? 64 : 32;
+
+// acc (16 x kKeys) += A B^T over D columns: A's fragment of k-step kk from a_of(a, kk), B = rows [0, kKeys) of
+// `tile` (S = Q K^T, and dP = dO V^T in the dQ).
+template <class T, int kKeys, int D, class Tile, class AOf>
+__device__ __forceinline__ void accumulate_scores(float (&acc)[kKeys / 8][4], AOf a_of, const Tile& tile) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    std::uint32_t a[4];
+    a_of(a, kk);
+#pragma unroll
+    for (int np = 0; np < kKeys / 16; ++np) {
+      std::uint32_t b[4];
+      load_b_rows(b, tile, np * 16, kk * 16);
+      mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, b);
+    }
+  }
+}
+
+// acc (16 x N) += X B: X (16 x kKeys) in mma accumulator layout, whose columns [16kk, 16kk + 16) packed to T are
+// the A fragment of k-step kk, and B = rows [0, kKeys) x columns [0, N) of `tile` (P V in the forward, dS K in
+// the dQ).
+template <class T, int kKeys, int N, class Tile>
+__device__ __forceinline__ void accumulate_product(float (&acc)[N / 8][4], const float (&x)[kKeys / 8][4],
+                                                   const Tile& tile) {
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
+    const std::uint32_t a[4] = {pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
+                                pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
+                                pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      std::uint32_t b[4];
+      load_b_cols(b, tile, kk * 16, np * 16);
+      mma_pair<T>(acc[2 * np], acc[2 * np + 1], a, b);
+    }
+  }
+}
+
+// A forward warp's epilogue: o = acc / l for its chunk's rows of token `row` (pairs of 16-bit values where the
+// row is 4-byte aligned: any stride is allowed) and lse (natural log; -inf for a row without keys).
+template <class T, int DV>
+__device__ __forceinline__ void store_output(const float (&acc)[DV / 8][4], const float (&m)[2], float (&l)[2],
+                                             const Tokens<T>& o, const LseView<float>& lse, std::int64_t batch,
+                                             std::int64_t row, std::int64_t hq0, int rows_here) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = lane / 4 + 8 * i;
+    l[i] = quad_sum(l[i]);
+    if (r >= rows_here) continue;
+    const std::int64_t hq = hq0 + r;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    T* dst = o.row(batch, row, hq);
+    const bool pairs_aligned = reinterpret_cast<std::uintptr_t>(dst) % 4 == 0;
+#pragma unroll
+    for (int nt = 0; nt < DV / 8; ++nt) {
+      const int col = nt * 8 + 2 * (lane % 4);
+      if (pairs_aligned) {
+        *reinterpret_cast<std::uint32_t*>(dst + col) = pack2<T>(acc[nt][2 * i] * inv, acc[nt][2 * i + 1] * inv);
+      } else {
+        dst[col] = from_float<T>(acc[nt][2 * i] * inv);
+        dst[col + 1] = from_float<T>(acc[nt][2 * i + 1] * inv);
+      }
+    }
+    if (lane % 4 == 0) lse.at(batch, row, hq) = l[i] > 0.f ? (m[i] + log2f(l[i])) * kLn2 : -INFINITY;
+  }
+}
+
+}  // namespace sparseattn::cuda::selection::query_outer
