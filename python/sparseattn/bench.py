@@ -10,7 +10,9 @@ Shapes are Hq/Hkv/Dqk/Dv; batch 1, causal, NSA defaults except --window. Cases r
 at one T, then the next T); JSON and markdown are rewritten after every case, so an interrupted run keeps what
 it measured, and the plot is drawn at the end.
 
-Timing: CUDA events around each run, 256 MB of L2-flushing writes before every timed run, median. A
+Timing: CUDA events around each run, 256 MB of L2-flushing writes and a 1 ms GPU sleep before every timed run
+(the sleep keeps the GPU busy while the host launches the run, so that a short stage is timed by its kernels,
+not by the host's launch overhead), median. A
 measurement is a first run (which also gives the peak memory of fwd+bwd: the most allocated on top of the
 inputs), one more to estimate the warm run time if the first was shorter than the target, untimed runs up to
 --warmup-ms, then timed runs up to --rep-ms in total (at least 1, at most --max-reps). "fwd" runs under
@@ -89,6 +91,9 @@ def seqlen_label(seqlen: int) -> str:
 # ------------------------------------------------------------------------------------------------- timing
 
 
+SLEEP_CYCLES = 2_000_000  # about 1 ms at an H100's 1.75-1.98 GHz
+
+
 class Timer:
     """Times callables with CUDA events and shares an optional wall-clock budget among the measurements left."""
 
@@ -129,6 +134,7 @@ class Timer:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for begin, finish in events:
             self._flush.zero_()
+            torch.cuda._sleep(SLEEP_CYCLES)
             begin.record()
             fn()
             finish.record()
