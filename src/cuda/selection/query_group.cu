@@ -257,34 +257,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   const std::int64_t t = task.t0 + token, row = task.seq.begin + t;
   const int rows_here = task.rows_here;
   if (t >= seq.length) return;  // past the sequence: no reads (the producer releases for it)
-  std::uint32_t qa[DQK / 16][4];
-  load_head_fragments<T, DQK>(qa, q, seq.batch, row, task.hq0, rows_here);
-
-  float acc[DV / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  ForwardRows<T, DQK, DV> rows(q, seq.batch, row, task.hq0, rows_here);
   unsigned use;
   int keys;
   for (unsigned n = 0; stages.pop(token, n, use, keys); ++n) {
     ring.wait_full(use);
-    const typename S::K ks = stages.k(ring.slot(use));
     float s[kKeys / 8][4] = {};
-    accumulate_scores<T, kKeys, DQK>(
-        s,
-        [&](std::uint32_t(&a)[4], int kk) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) a[e] = qa[kk][e];
-        },
-        ks);  // S = Q K^T
-    with_mask(keys < kKeys, [&](auto masked) {
-      const int col_lo[2] = {0, 0}, col_hi[2] = {keys - 1, keys - 1};
-      online_softmax_step<kKeys, DV, decltype(masked)::value>(s, acc, m, l, col_lo, col_hi, c.scale_log2);
-    });
-    accumulate_product<T, kKeys, DV>(acc, s, stages.v(ring.slot(use)));  // O += P V
+    rows.scores(s, stages.k(ring.slot(use)));  // S = Q K^T
+    rows.softmax(s, keys, c.scale_log2);
+    rows.product(s, stages.v(ring.slot(use)));  // O += P V
     __syncwarp();
     if (lane == 0) ring.release(use);
   }
 
-  store_output<T, DV>(acc, m, l, o, lse, seq.batch, row, task.hq0, rows_here);
+  rows.store(o, lse, seq.batch, row, task.hq0, rows_here);
 }
 
 }  // namespace
@@ -296,14 +282,9 @@ void forward_query_group(const SelectedAttentionParams& p) {
     using T = typename decltype(tag)::type;
     dispatch_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-      auto kernel = selected_group_forward_kernel<T, DQK, DV>;
-      const std::size_t smem = GroupStages<T, DQK, DV>::kBytes;
-      set_smem(kernel, smem);
       const dim3 grid((l.grid.x + kTokens - 1) / kTokens, l.grid.y, l.grid.z);
-      kernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
-          tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), index_of(p.indices),
-          tokens_of<T>(p.o), lse_of<float>(p.lse), l.table, l.config);
-      check_launch("selected_group_forward_kernel");
+      launch_forward<T>(selected_group_forward_kernel<T, DQK, DV>, grid, kThreads, GroupStages<T, DQK, DV>::kBytes, p,
+                        l, "selected_group_forward_kernel");
     });
   });
 }

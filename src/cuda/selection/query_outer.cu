@@ -153,23 +153,12 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
   if (has_tile) load_v(tile);
   cp_async_commit();
 
-  // Q stays in registers as the A fragments of the Dqk / 16 k-steps.
-  std::uint32_t qa[DQK / 16][4];
-  load_head_fragments<T, DQK>(qa, q, seq.batch, row, task.hq0, rows_here);
-
-  float acc[DV / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  ForwardRows<T, DQK, DV> rows(q, seq.batch, row, task.hq0, rows_here);
   while (has_tile) {
     cp_async_wait<1>();  // K of this tile
     __syncwarp();
     float s[kKeys / 8][4] = {};
-    accumulate_scores<T, kKeys, DQK>(
-        s,
-        [&](std::uint32_t(&a)[4], int kk) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) a[e] = qa[kk][e];
-        },
-        ks);  // S = Q K^T
+    rows.scores(s, ks);  // S = Q K^T
     const int keys = tile.keys();
     KeyTiles<kKeys> next = tile;
     const bool has_next = next.next();
@@ -177,13 +166,10 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
     if (has_next) load_k(next);
     cp_async_commit();
 
-    with_mask(keys < kKeys, [&](auto masked) {
-      const int col_lo[2] = {0, 0}, col_hi[2] = {keys - 1, keys - 1};
-      online_softmax_step<kKeys, DV, decltype(masked)::value>(s, acc, m, l, col_lo, col_hi, c.scale_log2);
-    });
+    rows.softmax(s, keys, c.scale_log2);
     cp_async_wait<1>();  // V of this tile
     __syncwarp();
-    accumulate_product<T, kKeys, DV>(acc, s, vs);  // O += P V
+    rows.product(s, vs);  // O += P V
     __syncwarp();  // every lane has read V
     if (has_next) load_v(next);
     cp_async_commit();
@@ -192,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
   }
   cp_async_wait<0>();
 
-  store_output<T, DV>(acc, m, l, o, lse, seq.batch, row, task.hq0, rows_here);
+  rows.store(o, lse, seq.batch, row, task.hq0, rows_here);
 }
 
 // dQ's shared memory: one K and one V tile (as the forward), and from 192/128 on the token's Q and dO rows, whose
@@ -346,13 +332,8 @@ void forward_query_outer(const SelectedAttentionParams& p) {
     using T = typename decltype(tag)::type;
     dispatch_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-      auto kernel = selected_forward_kernel<T, DQK, DV>;
-      const std::size_t smem = FwdSmem<T, DQK, DV>::kBytes;
-      set_smem(kernel, smem);
-      kernel<<<l.grid, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
-          tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), index_of(p.indices),
-          tokens_of<T>(p.o), lse_of<float>(p.lse), l.table, l.config);
-      check_launch("selected_forward_kernel");
+      launch_forward<T>(selected_forward_kernel<T, DQK, DV>, l.grid, kThreads, FwdSmem<T, DQK, DV>::kBytes, p, l,
+                        "selected_forward_kernel");
     });
   });
 }

@@ -110,34 +110,79 @@ __device__ __forceinline__ void accumulate_product(float (&acc)[N / 8][4], const
   }
 }
 
-// A forward warp's epilogue: o = acc / l for its chunk's rows of token `row` (pairs of 16-bit values where the
-// row is 4-byte aligned: any stride is allowed) and lse (natural log; -inf for a row without keys).
-template <class T, int DV>
-__device__ __forceinline__ void store_output(const float (&acc)[DV / 8][4], const float (&m)[2], float (&l)[2],
-                                             const Tokens<T>& o, const LseView<float>& lse, std::int64_t batch,
-                                             std::int64_t row, std::int64_t hq0, int rows_here) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = lane / 4 + 8 * i;
-    l[i] = quad_sum(l[i]);
-    if (r >= rows_here) continue;
-    const std::int64_t hq = hq0 + r;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    T* dst = o.row(batch, row, hq);
-    const bool pairs_aligned = reinterpret_cast<std::uintptr_t>(dst) % 4 == 0;
-#pragma unroll
-    for (int nt = 0; nt < DV / 8; ++nt) {
-      const int col = nt * 8 + 2 * (lane % 4);
-      if (pairs_aligned) {
-        *reinterpret_cast<std::uint32_t*>(dst + col) = pack2<T>(acc[nt][2 * i] * inv, acc[nt][2 * i + 1] * inv);
-      } else {
-        dst[col] = from_float<T>(acc[nt][2 * i] * inv);
-        dst[col + 1] = from_float<T>(acc[nt][2 * i + 1] * inv);
-      }
-    }
-    if (lane % 4 == 0) lse.at(batch, row, hq) = l[i] > 0.f ? (m[i] + log2f(l[i])) * kLn2 : -INFINITY;
+// A forward warp's rows (its chunk of query heads of one token): Q's A fragments over the Dqk / 16 k-steps, O's
+// accumulators, and the online softmax's running maxima and sums. Per key tile: scores (S = Q K^T), softmax (over
+// the tile's first `keys` columns: P in place of S), product (O += P V); at the end, store.
+template <class T, int DQK, int DV>
+struct ForwardRows {
+  static constexpr int kKeys = kKeysOf<DQK>;
+  std::uint32_t qa[DQK / 16][4];
+  float acc[DV / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  __device__ __forceinline__ ForwardRows(const Tokens<const T>& q, std::int64_t batch, std::int64_t row,
+                                         std::int64_t hq0, int rows_here) {
+    load_head_fragments<T, DQK>(qa, q, batch, row, hq0, rows_here);
   }
+  template <class KTile>
+  __device__ __forceinline__ void scores(float (&s)[kKeys / 8][4], const KTile& ks) const {
+    accumulate_scores<T, kKeys, DQK>(
+        s,
+        [&](std::uint32_t(&a)[4], int kk) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[e] = qa[kk][e];
+        },
+        ks);
+  }
+  __device__ __forceinline__ void softmax(float (&s)[kKeys / 8][4], int keys, float scale_log2) {
+    with_mask(keys < kKeys, [&](auto masked) {
+      const int col_lo[2] = {0, 0}, col_hi[2] = {keys - 1, keys - 1};
+      online_softmax_step<kKeys, DV, decltype(masked)::value>(s, acc, m, l, col_lo, col_hi, scale_log2);
+    });
+  }
+  template <class VTile>
+  __device__ __forceinline__ void product(const float (&s)[kKeys / 8][4], const VTile& vs) {
+    accumulate_product<T, kKeys, DV>(acc, s, vs);
+  }
+
+  // o = acc / l for the chunk's rows of token `row` (pairs of 16-bit values where the row is 4-byte aligned: any
+  // stride is allowed) and lse (natural log; -inf for a row without keys).
+  __device__ __forceinline__ void store(const Tokens<T>& o, const LseView<float>& lse, std::int64_t batch,
+                                        std::int64_t row, std::int64_t hq0, int rows_here) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = lane / 4 + 8 * i;
+      l[i] = quad_sum(l[i]);
+      if (r >= rows_here) continue;
+      const std::int64_t hq = hq0 + r;
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      T* dst = o.row(batch, row, hq);
+      const bool pairs_aligned = reinterpret_cast<std::uintptr_t>(dst) % 4 == 0;
+#pragma unroll
+      for (int nt = 0; nt < DV / 8; ++nt) {
+        const int col = nt * 8 + 2 * (lane % 4);
+        if (pairs_aligned) {
+          *reinterpret_cast<std::uint32_t*>(dst + col) = pack2<T>(acc[nt][2 * i] * inv, acc[nt][2 * i + 1] * inv);
+        } else {
+          dst[col] = from_float<T>(acc[nt][2 * i] * inv);
+          dst[col + 1] = from_float<T>(acc[nt][2 * i + 1] * inv);
+        }
+      }
+      if (lane % 4 == 0) lse.at(batch, row, hq) = l[i] > 0.f ? (m[i] + log2f(l[i])) * kLn2 : -INFINITY;
+    }
+  }
+};
+
+// Launches a forward kernel (one-token or group form) on p's tensors: grid, threads and shared memory as given.
+template <class T, class Kernel>
+void launch_forward(Kernel kernel, dim3 grid, int threads, std::size_t smem, const SelectedAttentionParams& p,
+                    const QueryOuterLaunch& l, const char* name) {
+  set_smem(kernel, smem);
+  kernel<<<grid, threads, smem, static_cast<cudaStream_t>(p.stream)>>>(
+      tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), index_of(p.indices),
+      tokens_of<T>(p.o), lse_of<float>(p.lse), l.table, l.config);
+  check_launch(name);
 }
 
 }  // namespace sparseattn::cuda::selection::query_outer
