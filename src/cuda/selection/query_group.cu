@@ -162,43 +162,25 @@ struct GroupStages {
   }
 };
 
-// What a group kernel takes from its CTA's coordinates: tokens t0 .. t0 + kTokens - 1 of sequence blockIdx.z,
-// KV head h and the chunk's first query head hq0 and rows; the walk over their key tiles, and the copies of a
-// tile's K and V rows by the producer warp (warp 0). valid: t0 lies within the sequence.
+// What a group kernel takes from its CTA's coordinates: HeadChunk's, and tokens t0 .. t0 + kTokens - 1 of the
+// sequence (blockIdx.x), the walk over their key tiles, and the copies of a tile's K and V rows by the producer
+// warpgroup. valid: t0 lies within the sequence.
 template <class T, int kKeys, int DQK, int DV>
-struct GroupTask {
-  SeqTable::Seq seq;
-  std::int64_t t0, h, hq0;
-  int rows_here;
+struct GroupTask : HeadChunk<T> {
+  std::int64_t t0;
   bool valid;
-  const T* k_head;  // the sequence's token 0 of KV head h
-  const T* v_head;
-  std::int64_t k_stride, v_stride;
 
   __device__ __forceinline__ GroupTask(const Tokens<const T>& k, const Tokens<const T>& v, const SeqTable& seqs,
-                                       const QueryOuterConfig& c) {
-    h = blockIdx.y / c.chunks;
-    const std::int64_t chunk = blockIdx.y - h * c.chunks;
-    seq = seqs[blockIdx.z];
-    t0 = std::int64_t{blockIdx.x} * kTokens;
-    hq0 = h * c.group + chunk * kRows;
-    rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - chunk * kRows));
-    valid = t0 < seq.length;
-    k_head = k.row(seq.batch, seq.begin, h);
-    v_head = v.row(seq.batch, seq.begin, h);
-    k_stride = k.row_stride;
-    v_stride = v.row_stride;
-  }
-  __device__ __forceinline__ GroupTiles<kKeys> tiles(const IndexView& indices,
-                                                             const QueryOuterConfig& c) const {
-    return {indices.row(seq.batch, seq.begin + t0, h), indices.row_stride, c.num_idx, c.block, t0,
-            min(t0 + kTokens, seq.length) - 1};
+                                       const QueryOuterConfig& c)
+      : HeadChunk<T>(k, v, seqs, c), t0(std::int64_t{blockIdx.x} * kTokens), valid(t0 < this->seq.length) {}
+  __device__ __forceinline__ GroupTiles<kKeys> tiles(const IndexView& indices, const QueryOuterConfig& c) const {
+    return {indices.row(this->seq.batch, this->seq.begin + t0, this->h), indices.row_stride, c.num_idx, c.block, t0,
+            min(t0 + kTokens, this->seq.length) - 1};
   }
   template <class KTile, class VTile>
   __device__ __forceinline__ void copy(const KTile& ks, const VTile& vs, const GroupTiles<kKeys>& tile) const {
-    load_strided_rows<T, kKeys, DQK, kProducerThreads>(ks, k_head + tile.s0 * k_stride, k_stride, tile.keys(),
-                                                       k_head);
-    load_strided_rows<T, kKeys, DV, kProducerThreads>(vs, v_head + tile.s0 * v_stride, v_stride, tile.keys(), v_head);
+    this->template copy_k<kKeys, DQK, kProducerThreads>(ks, tile.s0, tile.keys());
+    this->template copy_v<kKeys, DV, kProducerThreads>(vs, tile.s0, tile.keys());
   }
 };
 

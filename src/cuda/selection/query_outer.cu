@@ -83,44 +83,27 @@ struct KeyTiles {
   __device__ __forceinline__ int keys() const { return static_cast<int>(min(end - s0, std::int64_t{kKeys})); }
 };
 
-// What both kernels take from their CTA's coordinates: token t of sequence blockIdx.z (its row), KV head h and
-// the chunk's first query head hq0 and rows, the key tiles of indices[row, h], and the copies of a tile's K and
-// V rows into the warp's shared-memory tiles. valid: t lies within the sequence.
+// What both kernels take from their CTA's coordinates: HeadChunk's, and token t of the sequence (blockIdx.x; its
+// row), the key tiles of indices[row, h], and the copies of a tile's K and V rows into the warp's shared-memory
+// tiles. valid: t lies within the sequence.
 template <class T, int kKeys, int DQK, int DV>
-struct TokenTask {
-  SeqTable::Seq seq;
-  std::int64_t t, h, row, hq0;
-  int rows_here;
+struct TokenTask : HeadChunk<T> {
+  std::int64_t t, row;
   bool valid;
-  const T* k_head;  // the sequence's token 0 of KV head h
-  const T* v_head;
-  std::int64_t k_stride, v_stride;
 
   __device__ __forceinline__ TokenTask(const Tokens<const T>& k, const Tokens<const T>& v, const SeqTable& seqs,
-                                       const QueryOuterConfig& c) {
-    h = blockIdx.y / c.chunks;
-    const std::int64_t chunk = blockIdx.y - h * c.chunks;
-    seq = seqs[blockIdx.z];
-    t = blockIdx.x;
-    row = seq.begin + t;
-    hq0 = h * c.group + chunk * kRows;
-    rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - chunk * kRows));
-    valid = t < seq.length;
-    k_head = k.row(seq.batch, seq.begin, h);
-    v_head = v.row(seq.batch, seq.begin, h);
-    k_stride = k.row_stride;
-    v_stride = v.row_stride;
-  }
+                                       const QueryOuterConfig& c)
+      : HeadChunk<T>(k, v, seqs, c), t(blockIdx.x), row(this->seq.begin + t), valid(t < this->seq.length) {}
   __device__ __forceinline__ KeyTiles<kKeys> key_tiles(const IndexView& indices, const QueryOuterConfig& c) const {
-    return {indices.row(seq.batch, row, h), c.num_idx, c.block, t};
+    return {indices.row(this->seq.batch, row, this->h), c.num_idx, c.block, t};
   }
   template <class Tile>
   __device__ __forceinline__ void copy_k(const Tile& ks, const KeyTiles<kKeys>& tile) const {
-    load_strided_rows<T, kKeys, DQK, kThreads>(ks, k_head + tile.s0 * k_stride, k_stride, tile.keys(), k_head);
+    HeadChunk<T>::template copy_k<kKeys, DQK, kThreads>(ks, tile.s0, tile.keys());
   }
   template <class Tile>
   __device__ __forceinline__ void copy_v(const Tile& vs, const KeyTiles<kKeys>& tile) const {
-    load_strided_rows<T, kKeys, DV, kThreads>(vs, v_head + tile.s0 * v_stride, v_stride, tile.keys(), v_head);
+    HeadChunk<T>::template copy_v<kKeys, DV, kThreads>(vs, tile.s0, tile.keys());
   }
 };
 

@@ -35,8 +35,9 @@ struct QueryOuterLaunch {
   bool empty;
 };
 
-inline QueryOuterLaunch launch_of(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& indices,
-                           const Sequences& seqs, int block, const std::optional<double>& scale, bool accumulate_dq) {
+inline QueryOuterLaunch launch_of(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& indices, const Sequences& seqs, int block,
+                                  const std::optional<double>& scale, bool accumulate_dq) {
   const HostShape s = host_shape(q, seqs);
   const std::int64_t heads_q = q.shape[q.rank - 2], heads_kv = k.shape[k.rank - 2], dqk = q.shape[q.rank - 1];
   const std::int64_t group = heads_kv > 0 ? heads_q / heads_kv : 0, chunks = (group + kRows - 1) / kRows;
@@ -48,6 +49,41 @@ inline QueryOuterLaunch launch_of(const TensorView& q, const TensorView& k, cons
                   static_cast<unsigned>(s.batch));
   return {c, grid, seq_table(s, seqs), dqk, v.shape[v.rank - 1], s.batch <= 0 || s.max_len <= 0 || heads_q <= 0};
 }
+
+// What every query-outer kernel takes from blockIdx.y and .z: sequence blockIdx.z, KV head h, the chunk of query
+// heads (first hq0, rows_here of them), and K's and V's token 0 of head h in the sequence, with the copies of a
+// key tile's rows from there (rows [s0, s0 + keys) into a tile of kKeys rows, zero-filled past keys, by Threads
+// threads).
+template <class T>
+struct HeadChunk {
+  SeqTable::Seq seq;
+  std::int64_t h, hq0;
+  int rows_here;
+  const T* k_head;
+  const T* v_head;
+  std::int64_t k_stride, v_stride;
+
+  __device__ __forceinline__ HeadChunk(const Tokens<const T>& k, const Tokens<const T>& v, const SeqTable& seqs,
+                                       const QueryOuterConfig& c) {
+    h = blockIdx.y / c.chunks;
+    const std::int64_t chunk = blockIdx.y - h * c.chunks;
+    seq = seqs[blockIdx.z];
+    hq0 = h * c.group + chunk * kRows;
+    rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - chunk * kRows));
+    k_head = k.row(seq.batch, seq.begin, h);
+    v_head = v.row(seq.batch, seq.begin, h);
+    k_stride = k.row_stride;
+    v_stride = v.row_stride;
+  }
+  template <int kKeys, int D, int Threads, class Tile>
+  __device__ __forceinline__ void copy_k(const Tile& ks, std::int64_t s0, int keys) const {
+    load_strided_rows<T, kKeys, D, Threads>(ks, k_head + s0 * k_stride, k_stride, keys, k_head);
+  }
+  template <int kKeys, int D, int Threads, class Tile>
+  __device__ __forceinline__ void copy_v(const Tile& vs, std::int64_t s0, int keys) const {
+    load_strided_rows<T, kKeys, D, Threads>(vs, v_head + s0 * v_stride, v_stride, keys, v_head);
+  }
+};
 
 // The A fragments of the chunk's query heads h0 .. h0 + rows_here - 1 of one token row of x (D / 16 k-steps of
 // 16 columns; rows past the chunk's heads: zero).
