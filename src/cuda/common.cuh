@@ -82,6 +82,16 @@ inline void check_launch(const char* kernel) {
   }
 }
 
+// The device's SM count (the grid of persistent kernels); 1 if the query fails.
+inline int multiprocessors(int device_index) {
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return count > 1 ? count : 1;
+}
+
 // Makes the tensors' device current for the duration of a call (kernels launch on the current device).
 class DeviceGuard {
  public:

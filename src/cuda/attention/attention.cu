@@ -47,15 +47,6 @@ std::size_t delta_bytes(const TensorView& q) {
   return round256(static_cast<std::size_t>(rows * q.shape[q.rank - 2]) * sizeof(float));
 }
 
-int multiprocessors(int device_index) {
-  int count = 0;
-  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  return std::max(count, 1);
-}
-
 // Head splits of the dK/dV kernels: a CTA owns a block of keys of one KV head and loops over the queries of
 // its group's heads; with causal masks the first key blocks carry the most work, and a long sequence with few
 // KV heads gives few CTAs (compressed keys at T = 64K, 4 KV heads: 256 blocks of 64). Splitting the group's

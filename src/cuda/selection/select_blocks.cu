@@ -572,15 +572,6 @@ struct LaunchPlan {
   i64 dim = 0;
 };
 
-int multiprocessors(int device_index) {
-  int count = 0;
-  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  return std::max(count, 1);
-}
-
 // Everything from shapes, config and the device's SM count (select_plan.h): the workspace size query and the
 // launch agree.
 LaunchPlan plan_of(const SelectBlocksParams& p) {
