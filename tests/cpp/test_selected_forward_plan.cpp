@@ -45,19 +45,24 @@ TEST(SelectedForwardPlan, BlockAndSharedMemoryLimits) {
   EXPECT_EQ(kv_forward_smem_bytes(128, 128, 50), kv_forward_smem_bytes(128, 128, 64));
 }
 
-TEST(SelectedForwardPlan, GroupFormForShortSequencesAt128) {
-  EXPECT_TRUE(use_group_forward(128, 128, 8192, kH100));
-  EXPECT_TRUE(use_group_forward(128, 128, kGroupMaxLen, kH100));
-  EXPECT_TRUE(use_group_forward(128, 128, 1, kH100));
-  EXPECT_FALSE(use_group_forward(128, 128, kGroupMaxLen + 1, kH100));  // L2-bound: the one-token forward is faster
-  EXPECT_FALSE(use_group_forward(128, 128, 0, kH100));
-  EXPECT_FALSE(use_group_forward(192, 128, 8192, kH100));  // measured slower
-  EXPECT_FALSE(use_group_forward(64, 64, 8192, kH100));    // not measured
-  EXPECT_FALSE(use_group_forward(128, 128, 8192, kA100));  // its stages need more than 163 KB
+TEST(SelectedForwardPlan, GroupFormAt128UpTo64K) {
+  EXPECT_TRUE(use_group_forward(128, 128, 8192, 16, kH100));
+  EXPECT_TRUE(use_group_forward(128, 128, kGroupMaxLen, 16, kH100));
+  EXPECT_TRUE(use_group_forward(128, 128, 1, 16, kH100));
+  EXPECT_FALSE(use_group_forward(128, 128, kGroupMaxLen + 1, 16, kH100));  // longer: not measured
+  EXPECT_FALSE(use_group_forward(128, 128, 0, 16, kH100));
+  EXPECT_FALSE(use_group_forward(192, 128, 8192, 16, kH100));  // measured slower
+  EXPECT_FALSE(use_group_forward(64, 64, 8192, 16, kH100));    // not measured
+  EXPECT_FALSE(use_group_forward(128, 128, 8192, 16, kA100));  // its stages need more than 163 KB
   for (auto dims : {std::pair<int, int>{64, 64}, {128, 128}, {192, 128}, {256, 256}}) {
-    EXPECT_TRUE(group_forward_supported(dims.first, dims.second, kH100)) << dims.first;
-    EXPECT_LE(group_forward_smem_bytes(dims.first, dims.second), 227u * 1024) << dims.first;
+    EXPECT_TRUE(group_forward_supported(dims.first, dims.second, 16, kH100)) << dims.first;
+    EXPECT_LE(group_forward_smem_bytes(dims.first, dims.second, 16), 227u * 1024) << dims.first;
   }
+  // The index lists share the CTA's shared memory: 77 entries per token fit beside the stages, 78 do not.
+  EXPECT_TRUE(group_forward_supported(256, 256, 77, kH100));
+  EXPECT_FALSE(group_forward_supported(256, 256, 78, kH100));
+  EXPECT_FALSE(use_group_forward(128, 128, 8192, 1000, kH100));
+  EXPECT_EQ(group_forward_smem_bytes(128, 128, 16) - group_forward_smem_bytes(128, 128, 0), 8u * 16 * 4);
 }
 
 TEST(SelectedForwardPlan, ChooseForward) {
@@ -66,7 +71,8 @@ TEST(SelectedForwardPlan, ChooseForward) {
     return choose_forward(choice, group, dim, dim, max_len, max_len, 16, 64, smem);
   };
   EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 8192, kH100), ForwardPath::query_group);
-  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 65536, kH100), ForwardPath::query_outer);
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 65536, kH100), ForwardPath::query_group);
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 131072, kH100), ForwardPath::query_outer);
   EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 8192, kA100), ForwardPath::query_outer);
   EXPECT_EQ(choose(PathChoice::automatic, 4, 128, 8192, kH100), ForwardPath::kv_outer);
   EXPECT_EQ(choose(PathChoice::automatic, 4, 128, 512, kH100), ForwardPath::query_group);  // too short for kv

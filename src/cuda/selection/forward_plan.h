@@ -84,31 +84,34 @@ inline bool use_kv_outer_forward(std::int64_t group, std::int64_t dim_qk, std::i
 }
 
 // Where the query-outer forward runs, its group form (query_group.cu: 8 consecutive tokens per CTA load each
-// K/V tile of the union of their blocks once) is faster while the tile stream is short of L2 bandwidth, and
-// slower once it is bound by it (H100, bf16, 64/4, n = 16, block 64, indices from select_blocks; one-token ->
-// group forward: 128/128 T = 8K 1.63 -> 1.39 ms, 16K 3.60 -> 3.32, 64K 15.8 -> 16.1; 28/4 16K 3.56 -> 3.17;
-// 192/128 16K 4.73 -> 6.78, whose larger tiles leave fewer stages). So it runs for Dqk = Dv = 128 up to
-// sequences of kGroupMaxLen tokens (`max_len`: the longest sequence of the batch).
-// It needs about 225 KB of shared memory per CTA (an H100's, not an A100's 163 KB).
-inline constexpr std::int64_t kGroupMaxLen = 16384;
+// K/V tile of the union of their blocks once) is faster (H100, bf16, 64/4, n = 16, block 64, indices from
+// select_blocks; one-token -> group forward: 128/128 T = 8K 1.63 -> 1.31 ms, 16K 3.60 -> 3.12, 64K 15.9 -> 15.0;
+// 28/4 16K 3.56 -> 2.97), except at 192/128, whose larger tiles leave fewer stages (16K 4.71 -> 6.67). So it
+// runs for Dqk = Dv = 128 up to sequences of kGroupMaxLen tokens (`max_len`: the longest sequence of the batch;
+// longer ones are not measured). It needs about 227 KB of shared memory per CTA (an H100's, not an A100's
+// 163 KB), and index lists of at most 77 entries.
+inline constexpr std::int64_t kGroupMaxLen = 65536;
 inline constexpr int kGroupTokens = 8;  // consecutive tokens per CTA (query_group.cu)
 
 // Shared memory of the group forward: a ring of stages, each one key tile's K and V rows (64 keys, 32 from Dqk =
-// 192 on), of 224 KB or 16 stages at most, the ring's full and empty barriers, and per token a queue of
-// (use, keys) entries and its count.
-inline constexpr std::size_t group_forward_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v) {
+// 192 on), of 224 KB or 16 stages at most, the ring's full and empty barriers, per token a queue of (use, keys)
+// entries and its count, and the tokens' index lists (num_idx entries each).
+inline constexpr std::size_t group_forward_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t num_idx) {
   const std::size_t stage = static_cast<std::size_t>((dim_qk <= 128 ? 64 : 32) * (dim_qk + dim_v) * 2);
   const std::size_t stages = std::min<std::size_t>(224 * 1024 / stage, 16);
-  return stages * stage + 2 * stages * 8 + kGroupTokens * (2 * stages + 1) * 4;
+  return stages * stage + 2 * stages * 8 + kGroupTokens * (2 * stages + 1) * 4 +
+         kGroupTokens * static_cast<std::size_t>(num_idx) * 4;
 }
 
-inline bool group_forward_supported(std::int64_t dim_qk, std::int64_t dim_v, std::size_t smem_limit) {
-  return group_forward_smem_bytes(dim_qk, dim_v) <= smem_limit;
+inline bool group_forward_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t num_idx,
+                                    std::size_t smem_limit) {
+  return group_forward_smem_bytes(dim_qk, dim_v, num_idx) <= smem_limit;
 }
 
-inline bool use_group_forward(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len, std::size_t smem_limit) {
+inline bool use_group_forward(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len, std::int64_t num_idx,
+                              std::size_t smem_limit) {
   return dim_qk == 128 && dim_v == 128 && max_len >= 1 && max_len <= kGroupMaxLen &&
-         group_forward_supported(dim_qk, dim_v, smem_limit);
+         group_forward_supported(dim_qk, dim_v, num_idx, smem_limit);
 }
 
 // Internal switches for tests and measurements: an environment variable, read on the host by the CUDA entry
@@ -156,9 +159,9 @@ inline ForwardPath choose_forward(PathChoice choice, std::int64_t group, std::in
                                   std::size_t smem_limit) {
   if (choose_kv_outer(choice, group, dim_qk, dim_v, tokens, num_idx, block, smem_limit)) return ForwardPath::kv_outer;
   const bool group_form =
-      choice == PathChoice::query_group ? group_forward_supported(dim_qk, dim_v, smem_limit)
+      choice == PathChoice::query_group ? group_forward_supported(dim_qk, dim_v, num_idx, smem_limit)
                                         : choice == PathChoice::automatic &&
-                                              use_group_forward(dim_qk, dim_v, max_len, smem_limit);
+                                              use_group_forward(dim_qk, dim_v, max_len, num_idx, smem_limit);
   return group_form ? ForwardPath::query_group : ForwardPath::query_outer;
 }
 

@@ -7,12 +7,13 @@
 // stages it reads. Neighbouring tokens share the forced blocks (block 0 and the local ones), and with real
 // inputs often more: with random ones L2 serves 22% fewer sectors (Nsight Compute, 64/4, T = 64K).
 //
-// It wins where the stream of K/V tiles is short of L2 bandwidth, not where it is bound by it: the one-token
-// forward keeps L2 at 89% of its throughput at T = 64K, this one at 54%, because a consumer holds its stage
-// through its whole tile and so leaves less in flight (H100, 64/4, 128/128: 8K 1.63 -> 1.39 ms, 16K 3.60 ->
-// 3.32, 64K 15.8 -> 16.1; 192/128, 16K: 4.73 -> 6.78). forward_plan.h chooses it (use_group_forward).
-// Separate K and V stages (K released after S) made it slower (64K: 17.1 ms), and so did a round-robin walk
-// over the tokens that balances the consumers (19.0 ms).
+// The producer walks the tokens' index lists from shared memory (copied there at the start): read from global
+// memory, every step of the walk waited on a load, and the walk set the pace of the ring (H100, 64/4, 128/128,
+// group forward: 8K 1.40 -> 1.31 ms, 64K 16.2 -> 15.0). One-token -> group forward: 8K 1.63 -> 1.31 ms, 16K 3.60
+// -> 3.12, 64K 15.9 -> 15.0; 192/128, 16K: 4.71 -> 6.67 (its larger tiles leave fewer stages). forward_plan.h
+// chooses it (use_group_forward). Slower variants: separate K and V stages (K released after S; 64K: 17.1 ms), a
+// round-robin walk over the tokens that balances the consumers (19.0 ms), a persistent grid whose producer runs
+// on across work items (8K 1.51, 64K 18.9 ms, lists still read from global memory).
 #include "cuda/pipeline.cuh"
 #include "cuda/selection/forward_plan.h"
 #include "cuda/selection/kernels.h"
@@ -121,8 +122,9 @@ struct GroupStages {
   using Ring = pipeline::Ring<kCount>;
   static constexpr unsigned kDone = 1u << 31;  // in a queue's count: no more entries will come
   static constexpr std::size_t kQueueBytes = kTokens * (2 * kCount + 1) * sizeof(std::uint32_t);
-  static constexpr std::size_t kBytes = kCount * kStageBytes + Ring::kBarriers * 8 + kQueueBytes;
-  static_assert(kBytes == group_forward_smem_bytes(DQK, DV), "forward_plan.h sizes the same shared memory");
+  // Then the tokens' index lists: group_forward_smem_bytes(DQK, DV, num_idx) in all.
+  static constexpr std::size_t kFixedBytes = kCount * kStageBytes + Ring::kBarriers * 8 + kQueueBytes;
+  static_assert(kFixedBytes == group_forward_smem_bytes(DQK, DV, 0), "forward_plan.h sizes the same shared memory");
   unsigned char* base;
 
   __device__ __forceinline__ K k(int stage) const { return {reinterpret_cast<T*>(base + stage * kStageBytes)}; }
@@ -136,6 +138,10 @@ struct GroupStages {
   }
   __device__ __forceinline__ std::uint32_t* keys(int i) const { return uses(i) + kCount; }
   __device__ __forceinline__ volatile std::uint32_t* count(int i) const { return uses(kTokens) + i; }
+  // Token i's index list: lists() + i * num_idx.
+  __device__ __forceinline__ std::int32_t* lists() const {
+    return reinterpret_cast<std::int32_t*>(uses(kTokens) + kTokens);
+  }
 
   // By the producer's lane i: token i's entry number n.
   __device__ __forceinline__ void push(int i, unsigned n, unsigned use, int keys_here) const {
@@ -163,8 +169,8 @@ struct GroupStages {
 };
 
 // What a group kernel takes from its CTA's coordinates: HeadChunk's, and tokens t0 .. t0 + kTokens - 1 of the
-// sequence (blockIdx.x), the walk over their key tiles, and the copies of a tile's K and V rows by the producer
-// warpgroup. valid: t0 lies within the sequence.
+// sequence (blockIdx.x), their index lists staged in shared memory, the walk over their key tiles, and the copies
+// of a tile's K and V rows by the producer warpgroup. valid: t0 lies within the sequence.
 template <class T, int kKeys, int DQK, int DV>
 struct GroupTask : HeadChunk<T> {
   std::int64_t t0;
@@ -173,9 +179,19 @@ struct GroupTask : HeadChunk<T> {
   __device__ __forceinline__ GroupTask(const Tokens<const T>& k, const Tokens<const T>& v, const SeqTable& seqs,
                                        const QueryOuterConfig& c)
       : HeadChunk<T>(k, v, seqs, c), t0(std::int64_t{blockIdx.x} * kTokens), valid(t0 < this->seq.length) {}
-  __device__ __forceinline__ GroupTiles<kKeys> tiles(const IndexView& indices, const QueryOuterConfig& c) const {
-    return {indices.row(this->seq.batch, this->seq.begin + t0, this->h), indices.row_stride, c.num_idx, c.block, t0,
-            min(t0 + kTokens, this->seq.length) - 1};
+  __device__ __forceinline__ std::int64_t t_last() const { return min(t0 + kTokens, this->seq.length) - 1; }
+  // By the whole CTA: the lists of the tokens into `lists` (-1 for tokens past the sequence).
+  __device__ __forceinline__ void stage_lists(std::int32_t* lists, const IndexView& indices,
+                                              const QueryOuterConfig& c) const {
+    const std::int32_t* first = indices.row(this->seq.batch, this->seq.begin + t0, this->h);
+    const int num_idx = static_cast<int>(c.num_idx);
+    for (int e = static_cast<int>(threadIdx.x); e < kTokens * num_idx; e += static_cast<int>(blockDim.x)) {
+      const int token = e / num_idx;
+      lists[e] = t0 + token <= t_last() ? first[token * indices.row_stride + e % num_idx] : -1;
+    }
+  }
+  __device__ __forceinline__ GroupTiles<kKeys> tiles(const std::int32_t* lists, const QueryOuterConfig& c) const {
+    return {lists, c.num_idx, c.num_idx, c.block, t0, t_last()};
   }
   template <class KTile, class VTile>
   __device__ __forceinline__ void copy(const KTile& ks, const VTile& vs, const GroupTiles<kKeys>& tile) const {
@@ -190,9 +206,9 @@ struct GroupTask : HeadChunk<T> {
 // its readers' queues.
 template <class Task, class Stages>
 __device__ __forceinline__ void produce(const Task& task, const Stages& stages, const typename Stages::Ring& ring,
-                                        const IndexView& indices, const QueryOuterConfig& c) {
+                                        const QueryOuterConfig& c) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  auto tiles = task.tiles(indices, c);
+  auto tiles = task.tiles(stages.lists(), c);
   unsigned pushed = 0;  // lane i < kTokens: entries pushed to token i's queue
   for (unsigned use = 0; tiles.next();) {
     const unsigned readers = tiles.readers();
@@ -226,10 +242,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < kTokens; ++i) *stages.count(i) = 0;
     pipeline::fence_init();
   }
+  task.stage_lists(stages.lists(), indices, c);
   __syncthreads();
   if (threadIdx.x < kProducerThreads) {
     pipeline::release_registers<40>();
-    return produce(task, stages, ring, indices, c);
+    return produce(task, stages, ring, c);
   }
   pipeline::claim_registers<232>();
 
@@ -265,8 +282,8 @@ void forward_query_group(const SelectedAttentionParams& p) {
     dispatch_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
       const dim3 grid((l.grid.x + kTokens - 1) / kTokens, l.grid.y, l.grid.z);
-      launch_forward<T>(selected_group_forward_kernel<T, DQK, DV>, grid, kThreads, GroupStages<T, DQK, DV>::kBytes, p,
-                        l, "selected_group_forward_kernel");
+      launch_forward<T>(selected_group_forward_kernel<T, DQK, DV>, grid, kThreads,
+                        group_forward_smem_bytes(DQK, DV, l.config.num_idx), p, l, "selected_group_forward_kernel");
     });
   });
 }
