@@ -45,7 +45,7 @@ TEST(SelectedForwardPlan, BlockAndSharedMemoryLimits) {
   EXPECT_EQ(kv_forward_smem_bytes(128, 128, 50), kv_forward_smem_bytes(128, 128, 64));
 }
 
-TEST(SelectedForwardPlan, GroupFormAt128UpTo64K) {
+TEST(SelectedForwardPlan, GroupFormAt128UpTo128K) {
   EXPECT_TRUE(use_group_forward(128, 128, 8192, 16, kH100));
   EXPECT_TRUE(use_group_forward(128, 128, kGroupMaxLen, 16, kH100));
   EXPECT_TRUE(use_group_forward(128, 128, 1, 16, kH100));
@@ -72,7 +72,8 @@ TEST(SelectedForwardPlan, ChooseForward) {
   };
   EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 8192, kH100), ForwardPath::query_group);
   EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 65536, kH100), ForwardPath::query_group);
-  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 131072, kH100), ForwardPath::query_outer);
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 131072, kH100), ForwardPath::query_group);
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 262144, kH100), ForwardPath::query_outer);
   EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 8192, kA100), ForwardPath::query_outer);
   EXPECT_EQ(choose(PathChoice::automatic, 4, 128, 8192, kH100), ForwardPath::kv_outer);
   EXPECT_EQ(choose(PathChoice::automatic, 4, 128, 512, kH100), ForwardPath::query_group);  // too short for kv

@@ -85,12 +85,12 @@ inline bool use_kv_outer_forward(std::int64_t group, std::int64_t dim_qk, std::i
 
 // Where the query-outer forward runs, its group form (query_group.cu: 8 consecutive tokens per CTA load each
 // K/V tile of the union of their blocks once) is faster (H100, bf16, 64/4, n = 16, block 64, indices from
-// select_blocks; one-token -> group forward: 128/128 T = 8K 1.63 -> 1.31 ms, 16K 3.60 -> 3.12, 64K 15.9 -> 15.0;
-// 28/4 16K 3.56 -> 2.97), except at 192/128, whose larger tiles leave fewer stages (16K 4.71 -> 6.67). So it
-// runs for Dqk = Dv = 128 up to sequences of kGroupMaxLen tokens (`max_len`: the longest sequence of the batch;
-// longer ones are not measured). It needs about 227 KB of shared memory per CTA (an H100's, not an A100's
-// 163 KB), and index lists of at most 77 entries.
-inline constexpr std::int64_t kGroupMaxLen = 65536;
+// select_blocks; one-token -> group forward: 128/128 T = 8K 1.63 -> 1.31 ms, 16K 3.60 -> 3.12, 32K 7.65 -> 7.06,
+// 64K 15.9 -> 15.2, 128K 33.1 -> 32.5; 28/4 16K 3.56 -> 2.97), except at 192/128, whose larger tiles leave fewer
+// stages (16K 4.71 -> 6.67). So it runs for Dqk = Dv = 128 up to sequences of kGroupMaxLen tokens (`max_len`: the
+// longest sequence of the batch; longer ones are not measured). It needs about 227 KB of shared memory per CTA (an
+// H100's, not an A100's 163 KB), and index lists of at most 77 entries.
+inline constexpr std::int64_t kGroupMaxLen = 131072;
 inline constexpr int kGroupTokens = 8;  // consecutive tokens per CTA (query_group.cu)
 
 // Shared memory of the group forward: a ring of stages, each one key tile's K and V rows (64 keys, 32 from Dqk =
