@@ -9,8 +9,8 @@
 //
 // The producer walks the tokens' index lists from shared memory (copied there at the start): read from global
 // memory, every step of the walk waited on a load, and the walk set the pace of the ring (H100, 64/4, 128/128,
-// group forward: 8K 1.40 -> 1.31 ms, 64K 16.2 -> 15.0). One-token -> group forward: 8K 1.63 -> 1.31 ms, 16K 3.60
-// -> 3.12, 64K 15.9 -> 15.0; 192/128, 16K: 4.71 -> 6.67 (its larger tiles leave fewer stages). forward_plan.h
+// group forward: 8K 1.39 -> 1.31 ms, 64K 16.5 -> 15.2). One-token -> group forward: 8K 1.63 -> 1.31 ms, 16K 3.60
+// -> 3.12, 64K 15.9 -> 15.2, 128K 33.1 -> 32.5; 192/128, 16K: 4.71 -> 6.67 (its larger tiles leave fewer stages). forward_plan.h
 // chooses it (use_group_forward). Slower variants: separate K and V stages (K released after S; 64K: 17.1 ms), a
 // round-robin walk over the tokens that balances the consumers (19.0 ms), a persistent grid whose producer runs
 // on across work items (8K 1.51, 64K 18.9 ms, lists still read from global memory).
@@ -43,13 +43,12 @@ class GroupTiles {
   std::int64_t s0 = 0, end = 0;  // the current tile: keys [s0, min(s0 + kKeys, end))
   unsigned choosers = 0;         // bit i: token t0 + i chose the current tile's block
 
-  // first_list: token t0's list; list_stride: from one token's list to the next one's.
-  __device__ __forceinline__ GroupTiles(const std::int32_t* first_list, std::int64_t list_stride,
-                                        std::int64_t num_idx, std::int64_t block, std::int64_t t0,
-                                        std::int64_t t_last)
+  // lists: the tokens' lists, num_idx entries each (token t0's first).
+  __device__ __forceinline__ GroupTiles(const std::int32_t* lists, std::int64_t num_idx, std::int64_t block,
+                                        std::int64_t t0, std::int64_t t_last)
       : num_idx_(num_idx), block_(block), t0_(t0), t_last_(t_last) {
     const int lane = static_cast<int>(threadIdx.x % 32);
-    list_ = first_list + min(lane, static_cast<int>(t_last - t0)) * list_stride;
+    list_ = lists + min(lane, static_cast<int>(t_last - t0)) * num_idx;
     if (lane >= kTokens || t0 + lane > t_last) pos_ = num_idx;  // no list
     advance();
   }
@@ -191,7 +190,7 @@ struct GroupTask : HeadChunk<T> {
     }
   }
   __device__ __forceinline__ GroupTiles<kKeys> tiles(const std::int32_t* lists, const QueryOuterConfig& c) const {
-    return {lists, c.num_idx, c.num_idx, c.block, t0, t_last()};
+    return {lists, c.num_idx, c.block, t0, t_last()};
   }
   template <class KTile, class VTile>
   __device__ __forceinline__ void copy(const KTile& ks, const VTile& vs, const GroupTiles<kKeys>& tile) const {
