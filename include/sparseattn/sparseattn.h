@@ -6,6 +6,7 @@
 #include "sparseattn/compressed_attention.h"
 #include "sparseattn/error.h"
 #include "sparseattn/flash_attention.h"
+#include "sparseattn/head_dims.h"
 #include "sparseattn/nsa_attention.h"
 #include "sparseattn/select_blocks.h"
 #include "sparseattn/selected_attention.h"

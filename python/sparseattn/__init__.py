@@ -24,6 +24,10 @@ from .modules import NativeSparseAttention, NativeSparseAttentionCore  # noqa: E
 
 __version__ = _C.__version__
 
+#: The (Dqk, Dv) head-dim pairs with CUDA kernels, e.g. ``((64, 64), (128, 128), (192, 128), (256, 256))``; the CPU
+#: reference takes any head dims.
+CUDA_HEAD_DIMS: tuple[tuple[int, int], ...] = tuple(tuple(pair) for pair in _C.cuda_head_dims())
+
 
 def built_with_cuda() -> bool:
     """True when this build of the extension contains CUDA kernels."""
@@ -31,6 +35,7 @@ def built_with_cuda() -> bool:
 
 
 __all__ = [
+    "CUDA_HEAD_DIMS",
     "NSAConfig",
     "NativeSparseAttention",
     "NativeSparseAttentionCore",

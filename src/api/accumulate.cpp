@@ -6,7 +6,7 @@
 #include "api/check.h"
 #include "reference/accumulate.h"
 #ifdef SPARSEATTN_WITH_CUDA
-#include "cuda/ops.h"
+#include "cuda/accumulate/ops.h"
 #endif
 
 namespace sparseattn::detail {

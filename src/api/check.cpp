@@ -21,21 +21,6 @@ std::string device_string(const TensorView& t) {
 
 }  // namespace
 
-std::vector<std::int64_t> TokenLayout::tokens(std::int64_t heads, std::int64_t dim) const {
-  if (packed) return {rows, heads, dim};
-  return {batch, rows, heads, dim};
-}
-
-std::vector<std::int64_t> TokenLayout::lse(std::int64_t heads) const {
-  if (packed) return {heads, rows};
-  return {batch, heads, rows};
-}
-
-std::vector<std::int64_t> TokenLayout::per_head(std::int64_t heads) const {
-  if (packed) return {rows, heads};
-  return {batch, rows, heads};
-}
-
 void Check::fail(ErrorKind kind, const std::string& arg, const std::string& message) const {
   throw Error(kind, op_, arg, message);
 }

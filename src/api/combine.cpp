@@ -6,7 +6,7 @@
 #include "api/check.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
-#include "cuda/ops.h"
+#include "cuda/combine/ops.h"
 #endif
 
 namespace sparseattn {

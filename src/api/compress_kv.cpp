@@ -8,7 +8,7 @@
 #include "api/check.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
-#include "cuda/ops.h"
+#include "cuda/compress_kv/ops.h"
 #endif
 
 namespace sparseattn {

@@ -88,10 +88,7 @@ CompressedShapes check_common(const detail::Check& check, const Params& params) 
 template <class Params>
 void check_cuda_compressed(const detail::Check& check, const Params& params, const CompressedShapes& shapes) {
   detail::check_cuda_half(check, params.q);
-#ifdef SPARSEATTN_WITH_CUDA
-  detail::check_cuda_head_dims(check, cuda::attention_head_dims_supported(shapes.dim_qk, shapes.dim_v), shapes.dim_qk,
-                               shapes.dim_v);
-#endif
+  detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);
   detail::check_cuda_rows(check, params.q, "q");
   detail::check_cuda_rows(check, params.k_cmp, "k_cmp");
   detail::check_cuda_rows(check, params.v_cmp, "v_cmp");

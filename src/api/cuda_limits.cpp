@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "sparseattn/head_dims.h"
+
 namespace sparseattn::detail {
 
 void check_cuda_half(const Check& check, const TensorView& q) {
@@ -10,11 +12,11 @@ void check_cuda_half(const Check& check, const TensorView& q) {
                     "; the CUDA attention kernels take float16 or bfloat16 (float32 and float64 run on the CPU)");
 }
 
-void check_cuda_head_dims(const Check& check, bool supported, std::int64_t dim_qk, std::int64_t dim_v) {
-  const bool qk_known = dim_qk == 64 || dim_qk == 128 || dim_qk == 192 || dim_qk == 256;
-  check.require(supported, ErrorKind::unsupported, qk_known ? "v" : "q",
+void check_cuda_head_dims(const Check& check, std::int64_t dim_qk, std::int64_t dim_v) {
+  check.require(cuda_head_dims_supported(dim_qk, dim_v), ErrorKind::unsupported,
+                cuda_head_dim_qk_supported(dim_qk) ? "v" : "q",
                 "head dims (Dqk, Dv) = (" + std::to_string(dim_qk) + ", " + std::to_string(dim_v) +
-                    ") have no CUDA kernel; supported: (64, 64), (128, 128), (192, 128), (256, 256)");
+                    ") have no CUDA kernel; supported: " + cuda_head_dims_list());
 }
 
 void check_cuda_rows(const Check& check, const TensorView& t, const std::string& arg) {

@@ -13,8 +13,8 @@ namespace sparseattn::detail {
 // q is float16 or bfloat16 (float32 and float64 run on the CPU reference).
 void check_cuda_half(const Check& check, const TensorView& q);
 
-// (Dqk, Dv) has a kernel (`supported`, from the kernel family); names v when Dqk alone is fine.
-void check_cuda_head_dims(const Check& check, bool supported, std::int64_t dim_qk, std::int64_t dim_v);
+// (Dqk, Dv) is one of the pairs with kernels (sparseattn/head_dims.h); names v when Dqk alone is fine.
+void check_cuda_head_dims(const Check& check, std::int64_t dim_qk, std::int64_t dim_v);
 
 // t's rows can be copied in 16-byte pieces (cp.async): 16-byte aligned data and every stride but the
 // innermost a multiple of 8 elements. Absent tensors pass.

@@ -93,10 +93,7 @@ void check_cuda_flash(const detail::Check& check, const Params& params, const Fl
   check.require(!params.bias.present(), ErrorKind::unsupported, "bias",
                 "is not supported on CUDA yet (the CUDA kernels have no bias); use CPU tensors");
   detail::check_cuda_half(check, params.q);
-#ifdef SPARSEATTN_WITH_CUDA
-  detail::check_cuda_head_dims(check, cuda::attention_head_dims_supported(shapes.dim_qk, shapes.dim_v), shapes.dim_qk,
-                               shapes.dim_v);
-#endif
+  detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);
   detail::check_cuda_rows(check, params.q, "q");
   detail::check_cuda_rows(check, params.k, "k");
   detail::check_cuda_rows(check, params.v, "v");

@@ -7,7 +7,8 @@
 #include "api/cuda_limits.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
-#include "cuda/selection/ops.h"
+#include "sparseattn/head_dims.h"
+#include "cuda/select_blocks/ops.h"
 #endif
 
 namespace sparseattn {
@@ -58,8 +59,9 @@ void select_blocks(const SelectBlocksParams& params) {
 #ifdef SPARSEATTN_WITH_CUDA
   if (backend == detail::Backend::cuda) {
     detail::check_cuda_half(check, params.q);
-    check.require(dim == 64 || dim == 128 || dim == 192 || dim == 256, ErrorKind::unsupported, "q",
-                  "head dim " + std::to_string(dim) + " has no CUDA kernel (64, 128, 192 or 256)");
+    check.require(cuda_head_dim_qk_supported(dim), ErrorKind::unsupported, "q",
+                  "head dim " + std::to_string(dim) + " has no CUDA kernel; the (Dqk, Dv) pairs with kernels are " +
+                      cuda_head_dims_list());
     detail::check_cuda_rows(check, params.q, "q");
     detail::check_cuda_rows(check, params.k_cmp, "k_cmp");
     check.require(heads_q / heads_kv <= cuda::kSelectMaxGroup, ErrorKind::unsupported, "k_cmp",

@@ -11,7 +11,7 @@
 #include "api/cuda_limits.h"
 #include "reference/reference.h"
 #ifdef SPARSEATTN_WITH_CUDA
-#include "cuda/selection/ops.h"
+#include "cuda/selected_attention/ops.h"
 #endif
 
 namespace sparseattn {
@@ -74,8 +74,7 @@ void check_cuda(const detail::Check& check, const SelectedShapes& shapes, const 
                 const std::initializer_list<std::pair<const TensorView*, const char*>>& rows, std::int64_t count) {
 #ifdef SPARSEATTN_WITH_CUDA
   detail::check_cuda_half(check, q);
-  detail::check_cuda_head_dims(check, cuda::selected_attention_supports(shapes.dim_qk, shapes.dim_v), shapes.dim_qk,
-                               shapes.dim_v);
+  detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);
   for (const auto& [tensor, name] : rows) detail::check_cuda_rows(check, *tensor, name);
   const std::int64_t total_rows = shapes.layout.packed ? shapes.layout.rows : shapes.layout.batch * shapes.layout.rows;
   check.require(total_rows * shapes.kv_heads * count < (std::int64_t{1} << 31) - 1, ErrorKind::unsupported, "indices",

@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -237,6 +238,11 @@ NB_MODULE(_C, m) {
   m.doc() = "sparseattn C++ API binding (torch-free; tensors via DLPack). Use the `sparseattn` package.";
   m.attr("__version__") = kVersion;
   m.def("built_with_cuda", &sparseattn::built_with_cuda);
+  m.def("cuda_head_dims", [] {
+    std::vector<std::pair<int, int>> pairs;
+    for (const HeadDims& d : kCudaHeadDims) pairs.emplace_back(d.qk, d.v);
+    return pairs;
+  });
   m.def("_set_error_types", &set_error_types, "base"_a, "dtype"_a, "unsupported"_a);
   nb::register_exception_translator(&translate);
 

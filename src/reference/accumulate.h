@@ -1,7 +1,7 @@
 // The reference backend of the internal accumulate operation (src/api/accumulate.h).
 #pragma once
 
-#include "api/accumulate.h"
+#include "core/accumulate_params.h"
 
 namespace sparseattn::reference {
 

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "api/check.h"
+#include "core/token_layout.h"
 #include "sparseattn/sequences.h"
 #include "sparseattn/tensor.h"
 

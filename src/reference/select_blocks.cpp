@@ -66,7 +66,7 @@ void select_blocks(const SelectBlocksParams& params) {
 
   const std::int64_t heads_q = q.dim(2), dim = q.dim(3), heads_kv = k_cmp.dim(2);
   const std::int64_t group = heads_q / heads_kv;
-  const double scale = detail::resolve_scale(detail::Check("select_blocks"), params.scale, dim);
+  const double scale = softmax_scale(params.scale, dim);
   const TensorView covered = covered_rows(params.indices, params.seqs.cu_seqlens);
   std::vector<std::int32_t> indices(static_cast<std::size_t>(covered.numel()));
 

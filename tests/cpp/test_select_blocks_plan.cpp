@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <numeric>
 
-#include "cuda/selection/select_plan.h"
+#include "cuda/select_blocks/plan.h"
 
 namespace sparseattn::test {
 namespace {

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "cuda/selection/backward_plan.h"
+#include "cuda/selected_attention/backward_plan.h"
 #include "test_util.h"
 
 namespace sparseattn::test {

@@ -6,7 +6,8 @@
 #include <utility>
 
 #include "test_util.h"
-#include "cuda/selection/forward_plan.h"
+#include "cuda/selected_attention/forward_plan.h"
+#include "sparseattn/head_dims.h"
 
 namespace sparseattn::test {
 namespace {
@@ -54,9 +55,9 @@ TEST(SelectedForwardPlan, GroupFormAt128UpTo128K) {
   EXPECT_FALSE(use_group_forward(192, 128, 8192, 16, kH100));  // measured slower
   EXPECT_FALSE(use_group_forward(64, 64, 8192, 16, kH100));    // not measured
   EXPECT_FALSE(use_group_forward(128, 128, 8192, 16, kA100));  // its stages need more than 163 KB
-  for (auto dims : {std::pair<int, int>{64, 64}, {128, 128}, {192, 128}, {256, 256}}) {
-    EXPECT_TRUE(group_forward_supported(dims.first, dims.second, 16, kH100)) << dims.first;
-    EXPECT_LE(group_forward_smem_bytes(dims.first, dims.second, 16), 227u * 1024) << dims.first;
+  for (const sparseattn::HeadDims& dims : sparseattn::kCudaHeadDims) {
+    EXPECT_TRUE(group_forward_supported(dims.qk, dims.v, 16, kH100)) << dims.qk;
+    EXPECT_LE(group_forward_smem_bytes(dims.qk, dims.v, 16), 227u * 1024) << dims.qk;
   }
   // The index lists share the CTA's shared memory: 77 entries per token fit beside the stages, 78 do not.
   EXPECT_TRUE(group_forward_supported(256, 256, 77, kH100));

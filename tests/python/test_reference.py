@@ -21,7 +21,7 @@ DEFAULT = dict()
 DEFAULT_N6 = dict(num_selected=6)
 
 GROUPS = [1, 2, 3, 4, 8, 16]
-HEAD_DIMS = [(64, 64), (128, 128), (192, 128), (256, 256)]
+HEAD_DIMS = list(sparseattn.CUDA_HEAD_DIMS)
 SHORT = [1, 31, 32, 63, 64, 65]
 
 

@@ -1,23 +1,20 @@
 // CUDA entry points of the attention kernels (flash_attention, compressed_attention); torch-free. The API
-// (src/api) validates params before these run: bf16/fp16, head dims (Dqk, Dv) in supported_head_dims, no
+// (src/api) validates params before these run: bf16/fp16, head dims (Dqk, Dv) from sparseattn/head_dims.h, no
 // mask/bias, 16-byte aligned rows. Each function only enqueues work on params.stream.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "api/branch_backward.h"
+#include "core/branch_backward_options.h"
 #include "sparseattn/compressed_attention.h"
 #include "sparseattn/flash_attention.h"
 
 namespace sparseattn::cuda {
 
-// (Dqk, Dv) pairs with kernels: 64/64, 128/128, 192/128, 256/256.
-bool attention_head_dims_supported(std::int64_t dim_qk, std::int64_t dim_v);
-
 void flash_attention(const FlashAttentionParams& params);
 std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& params);
-// options: the NSA backward's (api/branch_backward.h); default: as the public function.
+// options: the NSA backward's (core/branch_backward_options.h); default: as the public function.
 void flash_attention_backward(const FlashAttentionBackwardParams& params, const detail::BranchBackwardOptions& options);
 
 void compressed_attention(const CompressedAttentionParams& params);

@@ -1,0 +1,260 @@
+// Host entry points of flash_attention and compressed_attention on CUDA: params -> kernel arguments, head
+// dims -> template constants (the kernels are instantiated in units that CMake generates, instantiations.h). No host synchronisation.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "cuda/attention/instantiations.h"
+#include "cuda/attention/ops.h"
+
+namespace sparseattn::cuda {
+
+using attention::AttnArgs;
+using attention::CompressedMask;
+using attention::FlashMask;
+using attention::i64;
+using attention::Launch;
+using attention::Partials;
+
+namespace {
+
+// The delta workspace: [B, Hq, T] or packed [Hq, N], float32, contiguous (laid out like lse).
+LseView<float> delta_rows(void* workspace, const TensorView& q) {
+  const i64 heads = q.shape[q.rank - 2];
+  if (q.rank == 3) return {static_cast<float*>(workspace), 0, 1, q.shape[0]};
+  return {static_cast<float*>(workspace), heads * q.shape[1], 1, q.shape[1]};
+}
+
+
+std::size_t delta_bytes(const TensorView& q) {
+  const i64 rows = q.rank == 3 ? q.shape[0] : q.shape[0] * q.shape[1];
+  return align_up(static_cast<std::size_t>(rows * q.shape[q.rank - 2]) * sizeof(float));
+}
+
+// Head splits of the dK/dV kernels: a CTA owns a block of keys of one KV head and loops over the queries of
+// its group's heads; with causal masks the first key blocks carry the most work, and a long sequence with few
+// KV heads gives few CTAs (compressed keys at T = 64K, 4 KV heads: 256 blocks of 64). Splitting the group's
+// heads over CTAs balances the load, at the cost of fp32 partials (split_bytes each) and a reduction. Target:
+// about 16 blocks of 64 keys per SM (H100, compressed 64/4 at 64K, wgmma kernel: 3 splits 97 ms, 8 splits
+// 83 ms, 16 splits 80 ms for the whole compressed backward), with the partials kept under kSplitPartialsCap.
+constexpr std::size_t kSplitPartialsCap = std::size_t{128} << 20;
+
+int dkv_head_splits(i64 group, i64 key_blocks, int multiprocessor_count, std::size_t split_bytes) {
+  if (key_blocks <= 0) return 1;
+  const i64 wanted = ceil_div(16 * i64{multiprocessor_count}, key_blocks);
+  const i64 affordable = static_cast<i64>(kSplitPartialsCap / std::max<std::size_t>(split_bytes, 1));
+  return static_cast<int>(std::clamp<i64>(std::min(wanted, affordable), 1, group));
+}
+
+// The backward workspace: delta, then (with head splits) the fp32 dK and dV partials.
+struct BackwardWorkspace {
+  int head_splits = 1;
+  i64 batch = 0, rows = 0, kv_heads = 0, dqk = 0, dv = 0;  // of the partials
+  std::size_t delta = 0, dk_partial = 0, dv_partial = 0;
+  std::size_t bytes() const { return delta + dk_partial + dv_partial; }
+};
+
+BackwardWorkspace backward_workspace(const TensorView& q, const TensorView& k, const TensorView& v, const Launch& l) {
+  BackwardWorkspace w;
+  if (!q.present() || q.device != DeviceType::cuda || (q.rank != 3 && q.rank != 4) || k.rank != q.rank ||
+      v.rank != q.rank || l.kv_heads <= 0 || l.q_heads % l.kv_heads != 0) {
+    return w;
+  }
+  w.delta = delta_bytes(q);
+  w.batch = k.rank == 3 ? 1 : k.shape[0];
+  w.rows = k.shape[k.rank - 3];
+  w.kv_heads = l.kv_heads;
+  w.dqk = k.shape[k.rank - 1];
+  w.dv = v.shape[v.rank - 1];
+  const std::size_t split_bytes =
+      static_cast<std::size_t>(w.batch * w.rows * w.kv_heads * (w.dqk + w.dv)) * sizeof(float);
+  w.head_splits = dkv_head_splits(l.q_heads / l.kv_heads, ceil_div(l.max_k, 64) * l.kv_heads * l.batch,
+                                  multiprocessors(q.device_index), split_bytes);
+  if (w.head_splits == 1) return w;
+  const std::size_t cells = static_cast<std::size_t>(w.head_splits * w.batch * w.rows * w.kv_heads) * sizeof(float);
+  w.dk_partial = align_up(cells * static_cast<std::size_t>(w.dqk));
+  w.dv_partial = align_up(cells * static_cast<std::size_t>(w.dv));
+  return w;
+}
+
+Partials partials_at(char* base, const BackwardWorkspace& w, i64 dim) {
+  const i64 head = dim, row = w.kv_heads * head, batch = w.rows * row;
+  return {reinterpret_cast<float*>(base), w.batch * batch, batch, row, head};
+}
+
+template <class T>
+void set_head_splits(AttnArgs<T>& a, void* workspace, const BackwardWorkspace& w) {
+  a.head_splits = w.head_splits;
+  if (w.head_splits == 1) return;
+  char* base = static_cast<char*>(workspace) + w.delta;
+  a.dk_partial = partials_at(base, w, w.dqk);
+  a.dv_partial = partials_at(base + w.dk_partial, w, w.dv);
+}
+
+template <class T>
+Tokens<T> tokens_or_null(const TensorView& view) {
+  if (!view.present()) return {nullptr, 0, 0, 0};
+  return tokens_of<T>(view);
+}
+
+template <class T>
+AttnArgs<T> args_of(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                    const TensorView& lse, const TensorView& d_o, const TensorView& dq, const TensorView& dk,
+                    const TensorView& dv, void* workspace, const std::optional<double>& scale) {
+  AttnArgs<T> a{};
+  a.q = tokens_of<T>(q);
+  a.k = tokens_of<T>(k);
+  a.v = tokens_of<T>(v);
+  a.o = tokens_of<T>(o);
+  a.lse = lse_of<float>(lse);
+  a.d_o = tokens_or_null<T>(d_o);
+  a.dq = tokens_or_null<T>(dq);
+  a.dk = tokens_or_null<T>(dk);
+  a.dv = tokens_or_null<T>(dv);
+  a.delta = workspace ? delta_rows(workspace, q) : LseView<float>{nullptr, 0, 0, 0};
+  a.group = static_cast<int>(q.shape[q.rank - 2] / k.shape[k.rank - 2]);
+  a.head_splits = 1;
+  const double s = softmax_scale(scale, q.shape[q.rank - 1]);
+  a.scale = static_cast<float>(s);
+  a.scale_log2 = static_cast<float>(s * kLog2eDouble);
+  return a;
+}
+
+Launch launch_of(const TensorView& q, const TensorView& k, const Sequences& seqs_q, i64 max_k, Stream stream) {
+  Launch l{};
+  const bool packed = q.rank == 3;
+  l.batch = packed ? seqs_q.cu_seqlens.shape[0] - 1 : q.shape[0];
+  l.max_q = packed ? (seqs_q.max_seqlen > 0 ? std::min<i64>(seqs_q.max_seqlen, q.shape[0]) : q.shape[0]) : q.shape[1];
+  l.max_k = max_k;
+  l.q_heads = q.shape[q.rank - 2];
+  l.kv_heads = k.shape[k.rank - 2];
+  l.rows_q = packed ? q.shape[0] : q.shape[1];
+  l.batch_rows = packed ? 1 : q.shape[0];
+  l.multiprocessors = multiprocessors(q.device_index);
+  l.stream = static_cast<cudaStream_t>(stream);
+  return l;
+}
+
+template <class T, class Mask>
+void dispatch(bool forward, i64 dqk, i64 dv, const AttnArgs<T>& a, const typename Mask::Config& mc,
+              const Launch& l) {
+#define SPARSEATTN_ATTENTION_RUN(DQK, DV)                                                    \
+  if (dqk == DQK && dv == DV) {                                                              \
+    if (forward) attention::run_forward<T, DQK, DV, Mask>(a, mc, l);                         \
+    else attention::run_backward<T, DQK, DV, Mask>(a, mc, l);                                \
+    return;                                                                                  \
+  }
+  SPARSEATTN_HEAD_DIMS(SPARSEATTN_ATTENTION_RUN)
+#undef SPARSEATTN_ATTENTION_RUN
+  throw std::logic_error("sparseattn: attention head dims not dispatched to CUDA (the API validates this)");
+}
+
+// Flash: key lengths come from k (batched S) or cu_seqlens_k (packed; max_seqlen_k bounds them).
+template <class P>
+i64 flash_max_k(const P& p) {
+  if (p.k.rank == 4) return p.k.shape[1];
+  return p.seqs_k.max_seqlen > 0 ? std::min<i64>(p.seqs_k.max_seqlen, p.k.shape[0]) : p.k.shape[0];
+}
+
+template <class P>
+SeqPairTable flash_seqs(const P& p) {
+  if (p.q.rank == 4) return {{nullptr, p.q.shape[1], p.q.shape[0]}, {nullptr, p.k.shape[1], p.k.shape[0]}};
+  const i64 batch = p.seqs_q.cu_seqlens.shape[0] - 1;
+  return {{static_cast<const std::int32_t*>(p.seqs_q.cu_seqlens.data), 0, batch},
+          {static_cast<const std::int32_t*>(p.seqs_k.cu_seqlens.data), 0, batch}};
+}
+
+FlashMask::Config flash_mask(bool causal, std::int64_t left, std::int64_t right) { return {causal, left, right}; }
+
+// Compressed: key j of sequence b is row cu_seqlens_cmp[b] + j (packed) or j of Tc (batched).
+template <class P>
+SeqPairTable compressed_seqs(const P& p) {
+  if (p.q.rank == 4) return {{nullptr, p.q.shape[1], p.q.shape[0]}, {nullptr, p.k_cmp.shape[1], p.k_cmp.shape[0]}};
+  const i64 batch = p.seqs.cu_seqlens.shape[0] - 1;
+  return {{static_cast<const std::int32_t*>(p.seqs.cu_seqlens.data), 0, batch},
+          {static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), 0, batch}};
+}
+
+template <class P>
+i64 compressed_max_k(const P& p, i64 max_q) {
+  if (p.q.rank == 4) return p.k_cmp.shape[1];
+  return std::min<i64>(num_compressed_blocks(max_q, p.block, p.stride), p.k_cmp.shape[0]);
+}
+
+}  // namespace
+
+void flash_attention(const FlashAttentionParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  const Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, {}, {}, {}, {}, nullptr, p.scale);
+    a.seqs = flash_seqs(p);
+    dispatch<T, FlashMask>(true, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1], a,
+                           flash_mask(p.causal, p.window_left, p.window_right), l);
+  });
+}
+
+std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& p) {
+  if (!p.q.present() || !p.k.present() || p.k.rank != p.q.rank) return 0;
+  return backward_workspace(p.q, p.k, p.v, launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream)).bytes();
+}
+
+void flash_attention_backward(const FlashAttentionBackwardParams& p, const detail::BranchBackwardOptions& options) {
+  const DeviceGuard device(p.q.device_index);
+  Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
+  l.delta_given = options.delta.present();
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, p.d_o, p.dq, p.dk, p.dv, p.workspace, p.scale);
+    if (l.delta_given) a.delta = lse_of<float>(options.delta);
+    if (options.d_o_scale.present()) a.d_o_scale = lse_of<float>(options.d_o_scale);
+    a.accumulate_dq = options.accumulate_dq;
+    set_head_splits(a, p.workspace, backward_workspace(p.q, p.k, p.v, l));
+    a.seqs = flash_seqs(p);
+    dispatch<T, FlashMask>(false, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1], a,
+                           flash_mask(p.causal, p.window_left, p.window_right), l);
+  });
+}
+
+void compressed_attention(const CompressedAttentionParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  Launch l = launch_of(p.q, p.k_cmp, p.seqs, 0, p.stream);
+  l.max_k = compressed_max_k(p, l.max_q);
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, {}, {}, {}, {}, nullptr, p.scale);
+    a.seqs = compressed_seqs(p);
+    dispatch<T, CompressedMask>(true, p.q.shape[p.q.rank - 1], p.v_cmp.shape[p.v_cmp.rank - 1], a,
+                                CompressedMask::Config{p.block, p.stride}, l);
+  });
+}
+
+std::size_t compressed_attention_backward_workspace_size(const CompressedAttentionBackwardParams& p) {
+  if (!p.q.present() || !p.k_cmp.present() || p.k_cmp.rank != p.q.rank) return 0;
+  Launch l = launch_of(p.q, p.k_cmp, p.seqs, 0, p.stream);
+  l.max_k = compressed_max_k(p, l.max_q);
+  return backward_workspace(p.q, p.k_cmp, p.v_cmp, l).bytes();
+}
+
+void compressed_attention_backward(const CompressedAttentionBackwardParams& p,
+                                   const detail::BranchBackwardOptions& options) {
+  const DeviceGuard device(p.q.device_index);
+  Launch l = launch_of(p.q, p.k_cmp, p.seqs, 0, p.stream);
+  l.max_k = compressed_max_k(p, l.max_q);
+  l.delta_given = options.delta.present();
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, p.d_o, p.dq, p.dk_cmp, p.dv_cmp, p.workspace,
+                               p.scale);
+    if (l.delta_given) a.delta = lse_of<float>(options.delta);
+    if (options.d_o_scale.present()) a.d_o_scale = lse_of<float>(options.d_o_scale);
+    a.accumulate_dq = options.accumulate_dq;
+    set_head_splits(a, p.workspace, backward_workspace(p.q, p.k_cmp, p.v_cmp, l));
+    a.seqs = compressed_seqs(p);
+    dispatch<T, CompressedMask>(false, p.q.shape[p.q.rank - 1], p.v_cmp.shape[p.v_cmp.rank - 1], a,
+                                CompressedMask::Config{p.block, p.stride}, l);
+  });
+}
+
+}  // namespace sparseattn::cuda

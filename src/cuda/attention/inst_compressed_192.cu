@@ -1,9 +1,0 @@
-// Explicit instantiation: CompressedMask, Dqk = 192, Dv = 128, fp16 and bf16.
-#include "cuda/attention/launch.cuh"
-
-namespace sparseattn::cuda::attention {
-template void run_forward<__half, 192, 128, CompressedMask>(const AttnArgs<__half>&, const CompressedMask::Config&, const Launch&);
-template void run_backward<__half, 192, 128, CompressedMask>(const AttnArgs<__half>&, const CompressedMask::Config&, const Launch&);
-template void run_forward<__nv_bfloat16, 192, 128, CompressedMask>(const AttnArgs<__nv_bfloat16>&, const CompressedMask::Config&, const Launch&);
-template void run_backward<__nv_bfloat16, 192, 128, CompressedMask>(const AttnArgs<__nv_bfloat16>&, const CompressedMask::Config&, const Launch&);
-}  // namespace sparseattn::cuda::attention

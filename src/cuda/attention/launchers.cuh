@@ -1,0 +1,160 @@
+// Host launchers of the attention kernels: grid shapes, shared-memory opt-in, and the choice between the
+// mma.sync kernels (mma_sync_kernels.cuh; sm_80 and later) and the wgmma kernels (wgmma_forward.cuh, wgmma_backward.cuh; sm_90a).
+#pragma once
+
+#include <algorithm>
+
+#include "cuda/attention/wgmma_backward.cuh"
+#include "cuda/attention/mma_sync_kernels.cuh"
+#include "cuda/primitives/delta.cuh"
+#include "cuda/primitives/launch.cuh"
+
+namespace sparseattn::cuda::attention {
+
+struct Launch {
+  i64 batch;       // sequences (grid z)
+  i64 max_q;       // longest query sequence
+  i64 max_k;       // longest key sequence
+  i64 q_heads, kv_heads;
+  i64 rows_q;      // rows of the q tensor's token dim per batch (T, or N packed), for the delta kernel
+  i64 batch_rows;  // leading batch dim of the q tensor (B, or 1 packed)
+  bool delta_given;  // backward: AttnArgs::delta holds the caller's rowsum(dO * O), no delta kernel
+  int multiprocessors;  // of the device: the grid of the persistent kernels
+  cudaStream_t stream;
+};
+
+// Query-tile grids: (query heads, query tiles, sequences); key-block grids: (KV heads x head splits, key blocks,
+// sequences). mma_sync_kernels.cuh's query_tile() and DkvWork read them in heaviest-first order.
+inline dim3 query_grid(const Launch& l, int rows_per_cta) {
+  return dim3(static_cast<unsigned>(l.q_heads), static_cast<unsigned>(ceil_div(l.max_q, rows_per_cta)),
+              static_cast<unsigned>(l.batch));
+}
+
+inline dim3 key_grid(const Launch& l, int keys_per_cta, int head_splits) {
+  return dim3(static_cast<unsigned>(l.kv_heads * head_splits), static_cast<unsigned>(ceil_div(l.max_k, keys_per_cta)),
+              static_cast<unsigned>(l.batch));
+}
+
+// The query tiles of the persistent kernels, and their grid: one CTA per SM (fewer when the tiles are fewer).
+inline QueryTileOrder query_tile_order(const Launch& l, int rows_per_cta) {
+  const i64 tiles = ceil_div(l.max_q, rows_per_cta);
+  return {l.q_heads, tiles, l.q_heads * tiles * l.batch};
+}
+inline unsigned persistent_ctas(const Launch& l, const QueryTileOrder& order) {
+  return static_cast<unsigned>(std::min<i64>(order.count, l.multiprocessors));
+}
+
+// Launches the wgmma forward where it runs; false otherwise.
+template <class T, int Dqk, int Dv, class Mask>
+bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  if constexpr (WgmmaFwdTile<Dqk, Dv>::kSupported) {
+    using Tile = WgmmaFwdTile<Dqk, Dv>;
+    auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask>;
+    if (!wgmma::kernel_runs(kernel)) return false;
+    set_dynamic_smem(kernel, Tile::kSmemBytes);
+    const QueryTileOrder order = query_tile_order(l, Tile::kM);
+    kernel<<<persistent_ctas(l, order), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, order);
+    check_launch("attention_forward_wgmma_kernel");
+    return true;
+  }
+  return false;
+}
+
+// Launches the wgmma dQ kernel where it runs; false otherwise.
+template <class T, int Dqk, int Dv, class Mask>
+bool launch_dq_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  if constexpr (WgmmaDqTile<Dqk, Dv>::kSupported) {
+    using Tile = WgmmaDqTile<Dqk, Dv>;
+    auto kernel = attention_dq_wgmma_kernel<T, Dqk, Dv, Mask>;
+    if (!wgmma::kernel_runs(kernel)) return false;
+    set_dynamic_smem(kernel, Tile::kSmemBytes);
+    const QueryTileOrder order = query_tile_order(l, Tile::kM);
+    kernel<<<persistent_ctas(l, order), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, order);
+    check_launch("attention_dq_wgmma_kernel");
+    return true;
+  }
+  return false;
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+void run_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  using Tile = FwdTile<Dqk, Dv>;
+  if (l.batch == 0 || l.max_q == 0) return;
+  if (launch_forward_wgmma<T, Dqk, Dv, Mask>(args, mc, l)) return;
+  auto kernel = attention_forward_kernel<T, Dqk, Dv, Mask>;
+  set_dynamic_smem(kernel, Tile::kSmemBytes);
+  const dim3 grid = query_grid(l, Tile::kM);
+  kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+  check_launch("attention_forward_kernel");
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+void launch_dkv_sync(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  using Tile = DkvTile<Dqk, Dv>;
+  const dim3 grid = key_grid(l, Tile::kN, args.head_splits);
+  if constexpr (Tile::kSplit) {
+    auto dv_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 1>;
+    auto dk_kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 2>;
+    set_dynamic_smem(dv_kernel, Tile::kSmemBytes);
+    set_dynamic_smem(dk_kernel, Tile::kSmemBytes);
+    dv_kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dkv_kernel (dV)");
+    dk_kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dkv_kernel (dK)");
+  } else {
+    auto kernel = attention_dkv_kernel<T, Dqk, Dv, Mask, 0>;
+    set_dynamic_smem(kernel, Tile::kSmemBytes);
+    kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dkv_kernel");
+  }
+}
+
+// Launches the wgmma dK/dV kernel where it runs; false otherwise.
+template <class T, int Dqk, int Dv, class Mask>
+bool launch_dkv_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  if constexpr (WgmmaDkvTile<Dqk, Dv>::kSupported) {
+    using Tile = WgmmaDkvTile<Dqk, Dv>;
+    auto kernel = attention_dkv_wgmma_kernel<T, Dqk, Dv, Mask>;
+    if (!wgmma::kernel_runs(kernel)) return false;
+    set_dynamic_smem(kernel, Tile::kSmemBytes);
+    const dim3 grid = key_grid(l, Tile::kN, args.head_splits);
+    kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dkv_wgmma_kernel");
+    return true;
+  }
+  return false;
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+void run_backward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  if (l.batch == 0) return;
+  if (!l.delta_given) {
+    launch_delta<T>({args.o.data, args.o.batch_stride, args.o.row_stride, args.o.head_stride},
+                    {args.d_o.data, args.d_o.batch_stride, args.d_o.row_stride, args.d_o.head_stride}, args.delta,
+                    l.batch_rows, l.rows_q, l.q_heads, Dv, l.stream);
+  }
+  if (l.max_q > 0 && !launch_dq_wgmma<T, Dqk, Dv, Mask>(args, mc, l)) {
+    using Tile = DqTile<Dqk, Dv>;
+    auto kernel = attention_dq_kernel<T, Dqk, Dv, Mask>;
+    set_dynamic_smem(kernel, Tile::kSmemBytes);
+    const dim3 grid = query_grid(l, Tile::kM);
+    kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
+    check_launch("attention_dq_kernel");
+  }
+  if (l.max_k > 0) {
+    if (!launch_dkv_wgmma<T, Dqk, Dv, Mask>(args, mc, l)) launch_dkv_sync<T, Dqk, Dv, Mask>(args, mc, l);
+    if (args.head_splits > 1) {
+      // Few key rows per CTA: the compressed keys are few (T / 16) and the reduction is latency-bound, so it
+      // needs many CTAs in flight (compressed keys at T = 8K, 4 KV heads: 256 CTAs instead of 16).
+      constexpr int kReduceRows = 8;
+      const dim3 reduce_grid = key_grid(l, kReduceRows, 1);
+      attention_dkv_reduce_kernel<T, Dqk><<<reduce_grid, kThreads, 0, l.stream>>>(args.dk, args.dk_partial, args.seqs,
+                                                                                   args.head_splits, kReduceRows);
+      attention_dkv_reduce_kernel<T, Dv><<<reduce_grid, kThreads, 0, l.stream>>>(args.dv, args.dv_partial, args.seqs,
+                                                                                  args.head_splits, kReduceRows);
+      check_launch("attention_dkv_reduce_kernel");
+    }
+  }
+}
+
+}  // namespace sparseattn::cuda::attention

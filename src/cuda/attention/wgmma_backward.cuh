@@ -1,0 +1,362 @@
+// The attention backward kernels on Hopper (sm_90a): the dQ and dK/dV mainloops of kernels.cuh with their
+// products on warpgroup MMAs (wgmma.cuh); the forward is in forward_wgmma.cuh. On H100 the mma.sync loops are
+// bound by shared-memory bandwidth (ldmatrix feeding the tensor cores); wgmma reads its shared-memory operands
+// directly. Without warp specialisation these loops are bound by instruction issue (Nsight Compute: about 0.3
+// instructions per cycle and scheduler, the tensor pipe mostly idle), so the per-step instruction count is
+// kept small: descriptors are built once and advanced by compile-time offsets, each thread computes one global
+// address per tile load, and masks are per-row bounds computed once (no divisions per element).
+//
+// dQ: warp-specialised and persistent like the forward (forward_wgmma.cuh): a producer warpgroup copies Q, dO
+// and the K/V tiles of kN = 64 keys into mbarrier stages; two consumer warpgroups of 64 queries each take turns
+// to issue S = Q K^T and dP = dO V^T (shared-memory operands), compute P and dS = P (dP - delta) in registers,
+// and dQ += dS K with dS as the register A operand and K as an MN-major operand. Registers: dQ 64 + S 32 +
+// dP 32 + dS 16 at 128/128 (dQ 96 at 192/128).
+//
+// dK/dV: a CTA of two warpgroups owns kN = 128 keys of one KV head (64 per warpgroup) and loops over query
+// tiles of kM = 64 rows of its share of the group's heads (head splits as the mma.sync kernel), with Q, dO, lse
+// and delta in three buffers. Per step each warpgroup computes S^T = K Q^T and dP^T = V dO^T (shared-memory
+// operands, K-major), P^T and dS^T in registers, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as
+// register A operands and dO, Q as MN-major B operands; the update of one step is in flight while the next
+// step's P^T and dS^T are computed (wgmma::overlapped_steps). Registers: dK 64 + dV 64 + S^T 32 + dP^T 32 + the
+// A fragments 32 at D = 128; at 192/128 dK 96 + dV 64 + S^T 16 + dP^T 16 + 16 with query steps of kM = 32 rows.
+// 256/256 keeps the two-pass mma.sync kernel (dK and dV alone would take 256 registers).
+#pragma once
+
+#include "cuda/attention/wgmma_forward.cuh"
+#include "cuda/attention/mma_sync_kernels.cuh"
+#include "cuda/primitives/wgmma.cuh"
+
+namespace sparseattn::cuda::attention {
+
+using wgmma::load_swizzled_tile;  // shared with the selection kernels
+
+// The two score products of a backward step, committed as one MMA group: s = A_s B_s^T over Dqk columns and
+// dp = A_p B_p^T over Dv (every operand K-major, its descriptor at column 0; A tiles of kRowsA rows, B tiles of
+// kRowsB rows; N = kN). dQ: A = Q, dO and B = K, V; dK/dV: A = K, V and B = Q, dO (the transposed products).
+template <class T, int kN, int Dqk, int Dv, int kRowsA, int kRowsB>
+__device__ __forceinline__ void issue_scores(float (&s)[kN / 8][4], float (&dp)[kN / 8][4], std::uint64_t a_s,
+                                             std::uint64_t b_s, std::uint64_t a_p, std::uint64_t b_p) {
+  wgmma::fence();
+#pragma unroll
+  for (int k0 = 0; k0 < Dqk; k0 += 16) {
+    wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(a_s, wgmma::operand_offset<kRowsA>(0, k0)),
+                            wgmma::advance(b_s, wgmma::operand_offset<kRowsB>(0, k0)), k0 > 0);
+  }
+#pragma unroll
+  for (int k0 = 0; k0 < Dv; k0 += 16) {
+    wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(dp), wgmma::advance(a_p, wgmma::operand_offset<kRowsA>(0, k0)),
+                            wgmma::advance(b_p, wgmma::operand_offset<kRowsB>(0, k0)), k0 > 0);
+  }
+  wgmma::commit();
+}
+
+// ------------------------------------------------------------------------------------------------ dK/dV
+
+template <int Dqk, int Dv>
+struct WgmmaDkvTile {
+  static constexpr bool kSupported = (Dqk == Dv && (Dv == 64 || Dv == 128)) || (Dqk == 192 && Dv == 128);
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kN = 64 * kWarpgroups;  // keys per CTA
+  // Queries per step: at 192/128 dK and dV take 160 registers per thread, so the step's S^T and dP^T (and their
+  // A fragments) are half as wide as at 128/128.
+  static constexpr int kM = Dqk + Dv > 256 ? 32 : 64;
+  // A query step's tiles are read by its scores and by the update issued one step later, while the next step's
+  // load is in flight: three buffers.
+  static constexpr int kBuffers = 3;
+  static constexpr int kK = kN * Dqk, kV = kN * Dv, kQ = kM * Dqk, kDO = kM * Dv;  // elements
+  // K, V, the Q and dO buffers (2-byte elements; every tile a multiple of 1024 bytes), the (lse, delta, P
+  // factor) rows of kM floats per buffer, plus room to align the start to a swizzle atom.
+  static constexpr std::size_t kSmemBytes = 2 * (kK + kV + kBuffers * (kQ + kDO)) +
+                                            kBuffers * 3 * kM * sizeof(float) + wgmma::kTileAlignment;
+};
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
+    attention_dkv_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
+#if SPARSEATTN_WGMMA_ENABLED
+  using Tile = WgmmaDkvTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kThreadCount = Tile::kThreads, kBuffers = Tile::kBuffers;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
+  T* sV = sK + Tile::kK;
+  T* sQ = sV + Tile::kV;
+  T* sDO = sQ + kBuffers * Tile::kQ;
+  float* sLse = reinterpret_cast<float*>(sDO + kBuffers * Tile::kDO);  // [kBuffers][kM]
+  float* sDelta = sLse + kBuffers * kM;                                // [kBuffers][kM]
+  float* sScale = sDelta + kBuffers * kM;  // [kBuffers][kM]: P factor (AttnArgs::d_o_scale)
+
+  const auto seq = a.seqs[blockIdx.z];
+  const Mask mask{mc, seq.T, seq.S};
+  const DkvWork w(a, mask, seq, kN, kM);
+  if (w.keys <= 0) return;
+  const i64 j0 = w.j0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warpgroup_row0 = (warp / 4) * 64;
+  // Queries [q_first, q_end) (positions in the sequence, below 2^31) see this thread's two key rows.
+  int q_first[2], q_end[2];
+  for (int half = 0; half < 2; ++half) {
+    i64 first, end;
+    visible_queries(mask, j0 + warp * 16 + lane / 4 + half * 8, first, end);
+    q_first[half] = static_cast<int>(first);
+    q_end[half] = static_cast<int>(end);
+  }
+  // Descriptors of this warpgroup's K and V rows and of buffer 0's Q and dO; the loops add compile-time offsets.
+  const std::uint64_t k_desc = wgmma::k_major_descriptor<kN>(sK, warpgroup_row0, 0);
+  const std::uint64_t v_desc = wgmma::k_major_descriptor<kN>(sV, warpgroup_row0, 0);
+  // Q and dO are read K-major by S^T = K Q^T and dP^T = V dO^T, MN-major by dK += dS^T Q and dV += P^T dO.
+  const std::uint64_t q_desc0 = wgmma::k_major_descriptor<kM>(sQ, 0, 0);
+  const std::uint64_t do_desc0 = wgmma::k_major_descriptor<kM>(sDO, 0, 0);
+  const std::uint64_t q_mn_desc0 = wgmma::mn_major_descriptor<kM>(sQ, 0, 0);
+  const std::uint64_t do_mn_desc0 = wgmma::mn_major_descriptor<kM>(sDO, 0, 0);
+
+  float dk[Dqk / 8][4], dv[Dv / 8][4];
+  zero(dk);
+  zero(dv);
+
+  auto load_step = [&](i64 step, int buf) {
+    const i64 h = w.head(step), t0 = w.tile(step) * kM;
+    load_swizzled_tile<kM, Dqk, kThreadCount>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, seq.T - t0, h);
+    load_swizzled_tile<kM, Dv, kThreadCount>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, seq.T - t0,
+                                             h);
+    load_row_stats<kM, kThreadCount>(sLse + buf * kM, sDelta + buf * kM, sScale + buf * kM, a, seq, t0, h);
+  };
+
+  if (w.steps > 0) {
+    const int steps = static_cast<int>(w.steps);
+    load_swizzled_tile<kN, Dqk, kThreadCount>(sK, a.k, seq.batch, seq.k_begin + j0, w.keys, w.hk);
+    load_swizzled_tile<kN, Dv, kThreadCount>(sV, a.v, seq.batch, seq.k_begin + j0, w.keys, w.hk);
+    load_step(0, 0);
+    cp_async_commit();
+    float s[kM / 8][4], dp[kM / 8][4];
+    std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
+    // Step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of step i - 1 (its
+    // elementwise part done one step earlier) are in flight, and loads step i + 1 into buffer (i + 1) % 3,
+    // whose last reader (the update of step i - 2) every thread waited for before this step's barrier.
+    auto begin_step = [&](int step) {
+      cp_async_wait<0>();
+      wgmma::fence_shared_for_async();
+      __syncthreads();
+      if (step + 1 < steps) load_step(step + 1, (step + 1) % kBuffers);
+      cp_async_commit();
+      wgmma::fence();
+    };
+    auto issue_step_scores = [&](int step) {  // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
+      const int buf = step % kBuffers;
+      issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_desc, wgmma::advance(q_desc0, buf * Tile::kQ * 2), v_desc,
+                                           wgmma::advance(do_desc0, buf * Tile::kDO * 2));
+    };
+    auto issue_update = [&](int step) {  // dV += P^T dO and dK += dS^T Q of step - 1
+      const int buf = (step - 1) % kBuffers;
+      wgmma::issue_dkv_update<T, kM, Dqk, Dv>(dk, dv, p_a, ds_a, wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2),
+                                              wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2));
+    };
+    // P^T and dS^T (without the scale) in place of S^T and dP^T; column n * 8 + 2 (lane % 4) + {0, 1} is a query
+    // row, its statistics read from shared memory here rather than held (registers: the update's A fragments
+    // are live across this part).
+    auto make_ds = [&](int step) {
+      wgmma::fence_operand(wgmma::flat<kM>(s));
+      wgmma::fence_operand(wgmma::flat<kM>(dp));
+      const float* lse = sLse + (step % kBuffers) * kM;
+      const float* delta = sDelta + (step % kBuffers) * kM;
+      const float* p_scale = sScale + (step % kBuffers) * kM;
+      // This thread's visible columns [col_first, col_end) of the step, per key row; the mask is needed only
+      // where they do not cover the step (a per-thread choice: the elementwise part has no collectives).
+      const int t0 = static_cast<int>(w.tile(step) * kM);
+      const int col_first[2] = {q_first[0] - t0, q_first[1] - t0}, col_end[2] = {q_end[0] - t0, q_end[1] - t0};
+      const bool full = max(col_first[0], col_first[1]) <= 0 && min(col_end[0], col_end[1]) >= kM;
+      with_mask(!full, [&](auto masked) {
+#pragma unroll
+        for (int n = 0; n < kM / 8; ++n) {
+          const float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
+          const float2 d2 = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
+          const float2 g2 = *reinterpret_cast<const float2*>(p_scale + n * 8 + 2 * (lane % 4));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -kLog2e * (i % 2 ? l2.y : l2.x))) * (i % 2 ? g2.y : g2.x);
+            if constexpr (decltype(masked)::value) {
+              if (col < col_first[i / 2] || col >= col_end[i / 2]) p = 0.f;
+            }
+            s[n][i] = p;
+            dp[n][i] = p * (dp[n][i] - (i % 2 ? d2.y : d2.x));
+          }
+        }
+      });
+    };
+    wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_update, make_ds, [&](int step) {
+      wgmma::wait<0>();
+      wgmma::fence_operand(wgmma::flat<Dv>(dv));
+      wgmma::fence_operand(wgmma::flat<Dqk>(dk));
+      wgmma::fence_operand(p_a);
+      wgmma::fence_operand(ds_a);
+      if (step < steps) {
+        wgmma::to_a_fragments<T, kM>(s, p_a);
+        wgmma::to_a_fragments<T, kM>(dp, ds_a);
+      }
+    });
+  }
+  store_dkv_rows<true, true>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
+#endif
+}
+
+// -------------------------------------------------------------------------------------------------- dQ
+
+template <int Dqk, int Dv>
+struct WgmmaDqTile : pipeline::ProducerConsumers {
+  // dQ accumulates with wgmma N = Dqk (64, 128 or 192); dO V^T reads Dv in whole 64-column panels.
+  static constexpr bool kSupported = (Dqk == 64 || Dqk == 128 || Dqk == 192) && (Dv == 64 || Dv == 128);
+  static constexpr int kM = 64 * kConsumers;  // queries per tile
+  static constexpr int kN = 64;               // keys per step
+  // A stage holds K and V of one key tile. It is released when dQ += dS K of that tile, issued one step after
+  // its scores, has landed: four stages keep the producer two tiles ahead (three, one tile, at Dqk = 192, where
+  // four do not fit in shared memory).
+  static constexpr int kStages = Dqk > 128 ? 3 : 4;
+  static constexpr int kQ = kM * Dqk, kDO = kM * Dv, kK = kN * Dqk, kV = kN * Dv;  // elements
+  static constexpr int kBarriers = pipeline::Ring<1>::kBarriers + pipeline::Ring<kStages>::kBarriers;
+  // Q, dO, the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, plus room to
+  // align the start to a swizzle atom: 192 KB at 128/128, 200 KB at 192/128.
+  static constexpr std::size_t kSmemBytes =
+      2 * (kQ + kDO + kStages * (kK + kV)) + sizeof(std::uint64_t) * kBarriers + wgmma::kTileAlignment;
+};
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
+    attention_dq_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc, QueryTileOrder order) {
+#if SPARSEATTN_WGMMA_ENABLED
+  using Tile = WgmmaDqTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kStages = Tile::kStages;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
+  T* sDO = sQ + Tile::kQ;
+  T* sK = sDO + Tile::kDO;
+  T* sV = sK + kStages * Tile::kK;
+  auto* barriers = reinterpret_cast<std::uint64_t*>(sV + kStages * Tile::kV);
+  // Both roles walk the same tiles and, within each, the same key tiles: the CTA's n-th key tile is use n of the
+  // K/V ring, its n-th query tile with keys to see use n of the Q/dO ring.
+  const pipeline::Ring<1> q_ring(barriers);
+  const pipeline::Ring<kStages> kv_ring(barriers + q_ring.kBarriers);
+  pipeline::init_rings(q_ring, kv_ring);
+
+  if (threadIdx.x < Tile::kProducerThreads) {
+    pipeline::release_registers<Tile::kProducerRegisters>();
+    constexpr int kCopiers = Tile::kProducerThreads, kUnroll = Tile::kProducerUnroll;
+    unsigned key_tiles = 0, query_tiles = 0;
+    for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
+      for (i64 it = w.tile_begin; it < w.tile_end; ++it, ++key_tiles) {
+        const i64 j0 = it * kN;
+        const int stage = kv_ring.slot(key_tiles);
+        kv_ring.acquire(key_tiles);
+        wgmma::load_swizzled_tile<kN, Dqk, kCopiers, kUnroll>(sK + stage * Tile::kK, a.k, seq.batch,
+                                                              seq.k_begin + j0, seq.S - j0, w.hk);
+        wgmma::load_swizzled_tile<kN, Dv, kCopiers, kUnroll>(sV + stage * Tile::kV, a.v, seq.batch,
+                                                             seq.k_begin + j0, seq.S - j0, w.hk);
+        kv_ring.commit(key_tiles);
+        if (it == w.tile_begin) {  // Q and dO after the first K/V: that stage frees up earlier than Q does
+          q_ring.acquire(query_tiles);
+          wgmma::load_swizzled_tile<kM, Dqk, kCopiers, kUnroll>(sQ, a.q, seq.batch, seq.q_begin + w.t0, w.rows, w.h);
+          wgmma::load_swizzled_tile<kM, Dv, kCopiers, kUnroll>(sDO, a.d_o, seq.batch, seq.q_begin + w.t0, w.rows,
+                                                               w.h);
+          q_ring.commit(query_tiles++);
+        }
+      }
+    });
+    cp_async_wait<0>();
+    return;
+  }
+
+  pipeline::claim_registers<Tile::kConsumerRegisters>();
+  // The warpgroup index through a shuffle is uniform to the compiler: descriptors in uniform registers.
+  const int consumer = wgmma::warpgroup_index() - 1;
+  const int warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;  // warp among the consumers' 8
+  const int warpgroup_row0 = consumer * 64, warp_row0 = warp * 16;
+  // Descriptors of this warpgroup's Q and dO rows and of stage 0's K (read K-major by S = Q K^T, MN-major by
+  // dQ += dS K) and V; the loops add compile-time offsets.
+  const std::uint64_t q_desc = wgmma::k_major_descriptor<kM>(sQ, warpgroup_row0, 0);
+  const std::uint64_t do_desc = wgmma::k_major_descriptor<kM>(sDO, warpgroup_row0, 0);
+  const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kN>(sK, 0, 0);
+  const std::uint64_t k_mn_desc0 = wgmma::mn_major_descriptor<kN>(sK, 0, 0);
+  const std::uint64_t v_desc0 = wgmma::k_major_descriptor<kN>(sV, 0, 0);
+  const pipeline::Turns turns(consumer);
+  unsigned key_tiles = 0, query_tiles = 0;
+
+  for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
+    const i64 t0 = w.t0, tile_begin = w.tile_begin;
+    const int steps = static_cast<int>(w.tile_end - w.tile_begin);
+    float acc[Dqk / 8][4];
+    zero(acc);
+    if (steps > 0) {
+      const unsigned q_use = query_tiles++;
+      // dS = g P (dP - delta) as P (g dP - g delta): g (the P factor) costs no instruction per element.
+      float lse2[2], g_delta[2], p_scale[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        row_stats(a, seq, w.h, t0 + warp_row0 + lane / 4 + half * 8, lse2[half], g_delta[half], p_scale[half]);
+        g_delta[half] *= p_scale[half];
+      }
+      float s[kN / 8][4], dp[kN / 8][4];
+      std::uint32_t ds[kN / 16][4];
+      // Step i (key tile tile_begin + i) computes S and dP of its tile while dQ += dS K of the tile before (dS
+      // done one step earlier) is in flight, so the dS arithmetic overlaps an MMA; a last step adds the last
+      // tile's dS K. A K/V stage is released once that dS K has landed, Q and dO after the last scores.
+      auto begin_step = [&](int step) {
+        if (step == 0) q_ring.wait_full(q_use);
+        if (step < steps) kv_ring.wait_full(key_tiles + step);
+        wgmma::fence_shared_for_async();
+        wgmma::fence();
+      };
+      auto issue_step_scores = [&](int step) {
+        const int stage = kv_ring.slot(key_tiles + step);
+        issue_scores<T, kN, Dqk, Dv, kM, kN>(s, dp, q_desc, wgmma::advance(k_desc0, stage * Tile::kK * 2), do_desc,
+                                             wgmma::advance(v_desc0, stage * Tile::kV * 2));
+      };
+      auto issue_dq = [&](int step) {  // dQ += dS K of the tile of step - 1
+        const std::uint64_t k_mn_desc =
+            wgmma::advance(k_mn_desc0, kv_ring.slot(key_tiles + step - 1) * Tile::kK * 2);
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk) {
+          wgmma::mma_rs_mn<T, Dqk, kN>(wgmma::flat<Dqk>(acc), ds[kk],
+                                       wgmma::advance(k_mn_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
+        }
+        wgmma::commit();
+      };
+      auto make_ds = [&](int step) {  // dS (without the scale) into s
+        wgmma::fence_operand(wgmma::flat<kN>(s));
+        wgmma::fence_operand(wgmma::flat<kN>(dp));
+        if (step == steps - 1) q_ring.release(q_use);
+        const i64 j0 = (tile_begin + step) * kN;
+        with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
+          int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+          if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+#pragma unroll
+          for (int n = 0; n < kN / 8; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+              float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -lse2[i / 2]));
+              if constexpr (decltype(masked)::value) {
+                if (col < col_lo[i / 2] || col > col_hi[i / 2]) p = 0.f;
+              }
+              s[n][i] = p * fmaf(p_scale[i / 2], dp[n][i], -g_delta[i / 2]);
+            }
+          }
+        });
+      };
+      auto land = [&](int step) {
+        wgmma::wait<0>();
+        wgmma::fence_operand(wgmma::flat<Dqk>(acc));
+        wgmma::fence_operand(ds);
+        if (step > 0) kv_ring.release(key_tiles + step - 1);
+        if (step < steps) wgmma::to_a_fragments<T, kN>(s, ds);
+      };
+      wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_dq, make_ds, land, turns);
+      key_tiles += steps;
+    }
+    store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0),
+                    w.h, a.accumulate_dq);
+  });
+  turns.finish();
+#endif
+}
+
+}  // namespace sparseattn::cuda::attention

@@ -1,0 +1,173 @@
+// The attention forward on Hopper (sm_90a): warp-specialised, persistent, with two consumer warpgroups in
+// ping-pong.
+//
+// A CTA of three warpgroups runs on each SM and walks the query tiles of QueryTileOrder (heaviest first). Each
+// tile is kM = 128 queries of one query head against the key tiles of kN = 128 keys that hold visible keys.
+//  - Warpgroup 0 (the producer, 40 registers) copies Q and the K/V tiles with cp.async into shared memory:
+//    Q in one buffer, K and V in kStages stages. It signals on mbarriers (pipeline.cuh) and runs ahead across
+//    tile boundaries, so the next tile's first loads overlap this tile's last MMAs and its epilogue.
+//  - Warpgroups 1 and 2 (the consumers, 232 registers) own 64 query rows each. Per key tile they compute
+//    S = Q K^T (both operands from shared memory, K-major). The online softmax runs in registers, in fp32, on
+//    log2e-prescaled scores with exp2 and per-row visible-column bounds (softmax.cuh). Then O += P V, with P
+//    as the register A operand and V as an MN-major operand. The P V of one key tile is in flight while the
+//    next tile's softmax runs (wgmma::overlapped_steps). The two consumers take turns to issue their MMAs
+//    (pipeline::Turns), so one's softmax overlaps the other's MMAs.
+//
+// Without the producer and the turns (both warpgroups loading, a CTA barrier per key tile, lockstep), the
+// same loop ran at 480 TFLOP/s against cuDNN's 670 (H100, 64/4 heads, causal 16K, D = 128). It was bound
+// by instruction issue with the tensor pipe idle half of the time.
+#pragma once
+
+#include "cuda/attention/mma_sync_kernels.cuh"
+#include "cuda/primitives/pipeline.cuh"
+#include "cuda/primitives/wgmma.cuh"
+
+namespace sparseattn::cuda::attention {
+
+template <int Dqk, int Dv>
+struct WgmmaFwdTile : pipeline::ProducerConsumers {
+  // wgmma N is 64 or 128 here (O's N = Dv); tiles are whole 64-column panels.
+  static constexpr bool kSupported = (Dv == 64 || Dv == 128) && Dqk % 64 == 0 && Dqk <= 192;
+  static constexpr int kM = 64 * kConsumers;
+  static constexpr int kN = 128;
+  static constexpr int kStages = 2;
+  // A second Q buffer lets the next tile's Q load while this tile's last steps run (compressed attention has
+  // 16 key tiles per query tile on average at T = 64K); 192/128 has no room for it.
+  static constexpr int kQBuffers = Dqk <= 128 ? 2 : 1;
+  static constexpr int kQ = kM * Dqk, kK = kN * Dqk, kV = kN * Dv;  // elements (no padding)
+  static constexpr int kBarriers = pipeline::Ring<kQBuffers>::kBarriers + 2 * pipeline::Ring<kStages>::kBarriers;
+  // The Q buffers and the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, plus
+  // room to align the start to a swizzle atom. 192 KB at 128/128, 208 KB at 192/128.
+  static constexpr std::size_t kSmemBytes =
+      2 * (kQBuffers * kQ + kStages * (kK + kV)) + sizeof(std::uint64_t) * kBarriers + wgmma::kTileAlignment;
+};
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
+    attention_forward_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc, QueryTileOrder order) {
+#if SPARSEATTN_WGMMA_ENABLED
+  using Tile = WgmmaFwdTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kStages = Tile::kStages, kQBuffers = Tile::kQBuffers;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
+  T* sK = sQ + kQBuffers * Tile::kQ;
+  T* sV = sK + kStages * Tile::kK;
+  auto* barriers = reinterpret_cast<std::uint64_t*>(sV + kStages * Tile::kV);
+  // Both roles walk the same tiles and, within each, the same key tiles: the CTA's n-th key tile is use n of the
+  // K and V rings, its n-th query tile with keys to see use n of the Q ring.
+  const pipeline::Ring<kQBuffers> q_ring(barriers);
+  const pipeline::Ring<kStages> k_ring(barriers + q_ring.kBarriers);
+  const pipeline::Ring<kStages> v_ring(barriers + q_ring.kBarriers + k_ring.kBarriers);
+  pipeline::init_rings(q_ring, k_ring, v_ring);
+
+  if (threadIdx.x < Tile::kProducerThreads) {
+    pipeline::release_registers<Tile::kProducerRegisters>();
+    constexpr int kCopiers = Tile::kProducerThreads, kUnroll = Tile::kProducerUnroll;
+    unsigned key_tiles = 0, query_tiles = 0;
+    for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
+      for (i64 it = w.tile_begin; it < w.tile_end; ++it, ++key_tiles) {
+        const i64 j0 = it * kN;
+        k_ring.acquire(key_tiles);
+        wgmma::load_swizzled_tile<kN, Dqk, kCopiers, kUnroll>(sK + k_ring.slot(key_tiles) * Tile::kK, a.k, seq.batch,
+                                                              seq.k_begin + j0, seq.S - j0, w.hk);
+        k_ring.commit(key_tiles);
+        if (it == w.tile_begin) {  // Q after the first K: that K's stage frees up earlier than Q does
+          q_ring.acquire(query_tiles);
+          wgmma::load_swizzled_tile<kM, Dqk, kCopiers, kUnroll>(sQ + q_ring.slot(query_tiles) * Tile::kQ, a.q,
+                                                                seq.batch, seq.q_begin + w.t0, w.rows, w.h);
+          q_ring.commit(query_tiles++);
+        }
+        v_ring.acquire(key_tiles);
+        wgmma::load_swizzled_tile<kN, Dv, kCopiers, kUnroll>(sV + v_ring.slot(key_tiles) * Tile::kV, a.v, seq.batch,
+                                                             seq.k_begin + j0, seq.S - j0, w.hk);
+        v_ring.commit(key_tiles);
+      }
+    });
+    cp_async_wait<0>();
+    return;
+  }
+
+  pipeline::claim_registers<Tile::kConsumerRegisters>();
+  // The warpgroup index through a shuffle is uniform to the compiler: descriptors in uniform registers.
+  const int consumer = wgmma::warpgroup_index() - 1;
+  const int warp = threadIdx.x / 32 - 4;  // among the consumers' 8 warps
+  const int warpgroup_row0 = consumer * 64, warp_row0 = warp * 16;
+  // Descriptors of this warpgroup's Q rows in buffer 0 and of stage 0's K and V; the k-loops add compile-time
+  // offsets.
+  const std::uint64_t q_desc0 = wgmma::k_major_descriptor<kM>(sQ, warpgroup_row0, 0);
+  const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kN>(sK, 0, 0);
+  const std::uint64_t v_desc0 = wgmma::mn_major_descriptor<kN>(sV, 0, 0);
+  const pipeline::Turns turns(consumer);
+  unsigned key_tiles = 0, query_tiles = 0;
+
+  for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
+    const i64 t0 = w.t0, tile_begin = w.tile_begin;
+    const int steps = static_cast<int>(w.tile_end - w.tile_begin);
+    float acc[Dv / 8][4];
+    zero(acc);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    if (steps > 0) {
+      const unsigned q_use = query_tiles++;
+      const std::uint64_t q_desc = wgmma::advance(q_desc0, q_ring.slot(q_use) * Tile::kQ * 2);
+      float s[kN / 8][4];
+      std::uint32_t p[kN / 16][4];
+      float correction[2] = {1.f, 1.f};
+      // Step i (key tile tile_begin + i) computes the scores of its tile while O += P V of the tile before
+      // (its softmax done one step earlier) is in flight; a last step adds the last tile's P V. A K stage is
+      // released once its scores have landed, a V stage once its P V has, Q after the last scores.
+      auto begin_step = [&](int step) {
+        if (step == 0) q_ring.wait_full(q_use);
+        if (step < steps) k_ring.wait_full(key_tiles + step);
+        if (step > 0) v_ring.wait_full(key_tiles + step - 1);
+        wgmma::fence_shared_for_async();
+        wgmma::fence();
+      };
+      auto issue_scores = [&](int step) {
+        const std::uint64_t k_desc = wgmma::advance(k_desc0, k_ring.slot(key_tiles + step) * Tile::kK * 2);
+#pragma unroll
+        for (int k0 = 0; k0 < Dqk; k0 += 16) {
+          wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)),
+                                  wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)), k0 > 0);
+        }
+        wgmma::commit();
+      };
+      auto issue_pv = [&](int step) {  // P V of the tile of step - 1
+        const std::uint64_t v_desc = wgmma::advance(v_desc0, v_ring.slot(key_tiles + step - 1) * Tile::kV * 2);
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk) {
+          wgmma::mma_rs<T, Dv, 1>(wgmma::flat<Dv>(acc), p[kk],
+                                  wgmma::advance(v_desc, wgmma::operand_offset<kN>(16 * kk, 0)), 1);
+        }
+        wgmma::commit();
+      };
+      auto softmax = [&](int step) {
+        wgmma::fence_operand(wgmma::flat<kN>(s));
+        k_ring.release(key_tiles + step);
+        if (step == steps - 1) q_ring.release(q_use);
+        const i64 j0 = (tile_begin + step) * kN;
+        with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
+          int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+          if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+          softmax_probabilities<kN, decltype(masked)::value>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
+        });
+      };
+      auto land = [&](int step) {
+        wgmma::wait<0>();
+        wgmma::fence_operand(wgmma::flat<Dv>(acc));
+        wgmma::fence_operand(p);
+        if (step > 0) v_ring.release(key_tiles + step - 1);
+        if (step < steps) {
+          rescale_rows<Dv>(acc, correction);
+          wgmma::to_a_fragments<T, kN>(s, p);
+        }
+      };
+      wgmma::overlapped_steps(steps, begin_step, issue_scores, issue_pv, softmax, land, turns);
+      key_tiles += steps;
+    }
+    store_forward_rows<Dv>(acc, m, l, a, seq, t0 + warp_row0, w.h);
+  });
+  turns.finish();
+#endif
+}
+
+}  // namespace sparseattn::cuda::attention

@@ -1,0 +1,126 @@
+// Host-only planning of the selected-attention backward on CUDA: which dQ runs, the shared memory and the
+// partial chunks of the KV-block-outer dQ, and the token chunks of the dK/dV. Plain C++ (no CUDA headers) so
+// that tests/cpp checks it on machines without a GPU.
+//
+// The two dQ paths (see backward.cu):
+//  - query-outer: one CTA per (token, KV head, 16 query heads of the group), like the query-outer forward;
+//  - KV-block-outer (dq_kv.cu, the FSA forward's design): per selected block, gathered query rows of many
+//    tokens, a compact partial dQ per (token, query head, slot), merged in slot order.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/selected_attention/forward_plan.h"
+
+namespace sparseattn::cuda::selection {
+
+// --------------------------------------------------------------------------------- KV-block-outer dQ shape
+
+inline constexpr int kDqKvWarps = 4;
+inline constexpr int kDqKvTile = 16;
+// Query rows per CTA (entries per CTA = kDqKvCtaRows / G). Each CTA loads the K and V of every run it touches,
+// so a run of many entries is loaded once per CTA it spans: at 512 rows (the forward keeps 256) the dQ took 9.6
+// instead of 10.7 ms at 32/8 and 8.5 instead of 9.7 at 28/4, no change at G = 1 (H100, T = 64K); 1024 was slower.
+inline constexpr int kDqKvCtaRows = 512;
+inline constexpr int kDqKvMaxBlock = 128;
+inline constexpr int kDqKvBuffers = 2;
+// Partials (fp16 dQ row scaled by its max magnitude + that fp32 scale per (token, query head, slot)) are
+// bounded by cutting the (KV head, token row) pairs into chunks whose partials stay near this many bytes.
+inline constexpr std::size_t kDqKvPartialCap = std::size_t{256} << 20;
+
+// Dynamic shared memory of the mma.sync kernel for 16-bit inputs: sorted keys and values of its entries, per
+// row slot its q, dO and partial pointers and statistics, the per-warp Q and dO tiles, the block's K and V.
+inline std::size_t dq_kv_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block) {
+  const std::size_t key_rows = static_cast<std::size_t>(round_up16(std::min<std::int64_t>(block, kDqKvMaxBlock)));
+  const std::size_t lists = 2 * sizeof(std::int32_t) * kDqKvCtaRows;
+  const std::size_t slots = std::size_t{kDqKvBuffers} * kDqKvWarps * kDqKvTile;
+  const std::size_t rows = slots * (8 + 8 + 8 + 4 + 4 + 4 + 4);
+  const std::size_t q = slots * (dim_qk + dim_v) * 2;
+  const std::size_t kv = key_rows * (dim_qk + dim_v) * 2;
+  return lists + rows + q + kv;
+}
+
+// Whether the KV-block-outer dQ can run these shapes on a device granting `smem_limit` bytes of shared memory
+// per CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+inline bool dq_kv_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block, std::size_t smem_limit) {
+  return block > 0 && block <= kDqKvMaxBlock && dq_kv_smem_bytes(dim_qk, dim_v, block) <= smem_limit;
+}
+
+// ------------------------------------------------------------------------------------------- the heuristic
+
+// Measured (H100, bf16, D = 128, n = 16, block 64, Hkv = 4, indices from select_blocks), time of the selected
+// backward with the query-outer dQ / with this one on wgmma (dq_kv_wgmma.cuh), T = 16K and 64K: G = 1
+// 3.65-4.02x, G = 4 1.62-1.66x, G = 6 1.24x, G = 8 1.04-1.05x, G = 12 0.84x, G = 16 0.73x (with the mma.sync
+// kernel it was G = 6 1.02-1.04x, G = 7 0.94-0.96x: the limit was 6). After the head-major chunks (dq_kv.cu),
+// the dQ kernels alone: G = 8 1.05-1.06x, G = 9 0.98x, G = 10 0.91-0.92x. After the one-warp query-outer dQ
+// (1.3x faster at G = 16; scripts/measure_selected_dq.py, whole backward, T = 16K / 64K): G = 7 1.16 / 1.16x,
+// G = 8 1.03 / 1.14x, G = 9 0.96 / 1.02x, G = 12 0.83 / 0.84x. Short sequences: the forward's limit.
+inline constexpr std::int64_t kDqKvMaxGroup = 8;
+inline constexpr std::int64_t kDqKvMinTokens = 1024;
+inline constexpr std::int64_t kDqKvMaxDimQk = 192;  // Dqk = 256: its tiles spill
+
+// The pure heuristic: use the KV-block-outer dQ for group size `group`, head dims, `tokens` token rows (B*T,
+// or N packed), n = `num_idx` slots and selection block `block`, on a device granting `smem_limit` bytes.
+inline bool use_kv_outer_dq(std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v, std::int64_t tokens,
+                            std::int64_t num_idx, std::int64_t block, std::size_t smem_limit) {
+  if (!dq_kv_supported(dim_qk, dim_v, block, smem_limit)) return false;
+  if (group < 1 || num_idx < 1) return false;
+  return group <= kDqKvMaxGroup && tokens >= kDqKvMinTokens && dim_qk <= kDqKvMaxDimQk;
+}
+
+// Internal switch for tests and measurements, read on the host like the forward's (forward_plan.h):
+// SPARSEATTN_SELECTED_DQ = "query" or "kv" forces a dQ ("kv" only where dq_kv_supported), anything else (or
+// unset) leaves the choice to use_kv_outer_dq.
+inline constexpr const char* kDqEnv = "SPARSEATTN_SELECTED_DQ";
+
+inline bool choose_kv_outer_dq(PathChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
+                               std::int64_t tokens, std::int64_t num_idx, std::int64_t block, std::size_t smem_limit) {
+  if (group < 1 || num_idx < 1 || tokens < 1) return false;
+  return kv_outer_by_choice(choice, dq_kv_supported(dim_qk, dim_v, block, smem_limit),
+                            use_kv_outer_dq(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit));
+}
+
+// ------------------------------------------------------------------------------------ KV-block-outer chunks
+
+// Partial bytes per (KV head, token row) pair of a chunk: an fp16 dQ row and its fp32 scale per (group head,
+// slot). Chunks are runs of pairs in head-major order, as in the forward (forward_plan.h).
+inline std::size_t dq_kv_bytes_per_pair(std::int64_t group, std::int64_t num_idx, std::int64_t dim_qk) {
+  return static_cast<std::size_t>(group * num_idx) * (dim_qk * 2 + 4);
+}
+
+// Pairs per chunk of total_pairs = Hkv * (B*T or N): as many as fit kDqKvPartialCap, evened out.
+inline std::int64_t dq_kv_chunk_pairs(std::int64_t total_pairs, std::int64_t group, std::int64_t num_idx,
+                                      std::int64_t dim_qk) {
+  return chunk_length(total_pairs, dq_kv_bytes_per_pair(group, num_idx, dim_qk), kDqKvPartialCap);
+}
+
+// ------------------------------------------------------------------------------------------ dK/dV chunks
+
+// The dK/dV chunk length in tokens (a multiple of 32, so that chunks hold whole 32-row gathers for any G):
+//  - at least kDkvMinChunkRows query rows and half the mean segment length (n * block tokens: a block is
+//    selected by about n * block tokens on average), so that the long segments (block 0, the early blocks
+//    that many tokens choose) are split into pieces of about the usual work, while the partial traffic stays
+//    small. H100, 64/4, selected dK/dV and reduce at 2x / 1x / 0.5x the mean: 8K 1.82 / 1.66 / 1.49 ms, 16K
+//    3.32 / 3.06 / 2.95 (a few hundred segments over 132 SMs: the long chunks set the tail), 64K 12.5 / 12.3 /
+//    12.4 (the cap below decides there); 32/8, 8K 0.90 / 0.84 / 0.85;
+//  - large enough that the partial slots fit kDkvPartialCap: a segment of L > C tokens makes ceil(L / C) <
+//    2 L / C partials, and the segments hold at most `entries` tokens in all, so there are fewer than
+//    2 * entries / C slots of block * (Dqk + Dv) * 4 bytes each. E.g. T = 64K, n = 16, block 64, D = 128:
+//    C = 2048 tokens at Hkv = 4 and 16384 at Hkv = 32 (a 64K-token block 0 becomes 32 or 4 chunks).
+inline constexpr std::int64_t kDkvMinChunkRows = 256;
+inline constexpr std::size_t kDkvPartialCap = std::size_t{256} << 20;
+
+inline std::int64_t dkv_chunk_tokens(std::int64_t entries, std::int64_t group, std::int64_t num_idx,
+                                     std::int64_t block, std::int64_t dim_qk, std::int64_t dim_v) {
+  const auto ceil_div = [](std::int64_t a, std::int64_t b) { return (a + b - 1) / b; };
+  const std::int64_t slot_bytes = block * (dim_qk + dim_v) * 4;
+  const std::int64_t max_slots = std::max<std::int64_t>(1, static_cast<std::int64_t>(kDkvPartialCap) / slot_bytes);
+  std::int64_t c = std::max<std::int64_t>(ceil_div(kDkvMinChunkRows, std::max<std::int64_t>(1, group)),
+                                          num_idx * block / 2);
+  c = std::max(c, ceil_div(2 * entries, max_slots));
+  return std::max<std::int64_t>(32, ceil_div(c, 32) * 32);
+}
+
+}  // namespace sparseattn::cuda::selection

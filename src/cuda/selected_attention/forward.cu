@@ -1,0 +1,55 @@
+// CUDA entry points of selected_attention's forward. Three forwards exist (forward_plan.h explains them and
+// holds the heuristics): the query-outer one (query_outer.cu), which pads each token's G query heads to a
+// 16-row mma tile, its group form (query_group.cu), whose CTAs of consecutive tokens load the K/V tiles they
+// share once, and the KV-block-outer one (forward_kv.cu), which packs the query rows of many tokens that
+// selected the same block into full tiles and merges per-slot partials. The backward (dQ query-outer or
+// KV-block-outer, dK/dV KV-block-outer) is in backward.cu.
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+#include "cuda/primitives/common.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "cuda/selected_attention/forward_plan.h"
+#include "cuda/selected_attention/launchers.h"
+#include "cuda/selected_attention/ops.h"
+
+namespace sparseattn::cuda {
+
+namespace {
+
+// Which forward runs: the heuristic, or SPARSEATTN_SELECTED_FORWARD (read here, on the host, by the size
+// query and the launch alike). Shapes only.
+selection::ForwardPath forward_path(const SelectedAttentionParams& p) {
+  const HostShape s = host_shape(p.q, p.seqs);
+  const std::int64_t heads_q = p.q.shape[p.q.rank - 2], heads_kv = p.k.shape[p.k.rank - 2];
+  if (heads_kv <= 0 || heads_q <= 0 || heads_q % heads_kv != 0 || p.block <= 0) {
+    return selection::ForwardPath::query_outer;
+  }
+  const std::int64_t tokens = s.packed ? s.rows : s.batch * s.rows;
+  const std::int64_t blocks_bound = s.packed ? s.rows / p.block + s.batch : s.batch * ((s.rows + p.block - 1) / p.block);
+  // Past this bound the KV-block-outer forward's keys do not fit; no tokens: nothing runs.
+  const std::int64_t kv_tokens = heads_kv * blocks_bound >= (std::int64_t{1} << 31) - 1 ? 0 : tokens;
+  const auto choice = selection::parse_path_choice(std::getenv(selection::kForwardEnv));
+  return selection::choose_forward(choice, heads_q / heads_kv, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1],
+                                   kv_tokens, s.max_len, p.indices.shape[p.indices.rank - 1], p.block,
+                                   smem_optin_bytes(p.q.device_index));
+}
+
+}  // namespace
+
+// The query-outer forwards need no scratch; the KV-block-outer one its chunked inverse index and partials.
+std::size_t selected_attention_workspace_size(const SelectedAttentionParams& p) {
+  return forward_path(p) == selection::ForwardPath::kv_outer ? selection::kv_forward_plan(p).total : 0;
+}
+
+void selected_attention(const SelectedAttentionParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  switch (forward_path(p)) {
+    case selection::ForwardPath::kv_outer: return selection::forward_kv_outer(p, selection::kv_forward_plan(p));
+    case selection::ForwardPath::query_group: return selection::forward_query_group(p);
+    case selection::ForwardPath::query_outer: return selection::forward_query_outer(p);
+  }
+}
+
+}  // namespace sparseattn::cuda

@@ -1,0 +1,290 @@
+// The group forward of selected_attention: the query-outer forward (query_outer.cuh) with kTokens consecutive
+// tokens per CTA, which load each K/V tile of the union of their selected blocks once for all of them.
+//
+// A producer warpgroup walks the union (GroupTiles) and copies each tile that some token reads into a ring of
+// shared-memory stages (cp.async, mbarriers: pipeline.cuh); each consumer warp computes one token as the
+// one-token forward does (S = Q K^T, online softmax, O += P V, all in registers), taking from its queue the
+// stages it reads. Neighbouring tokens share the forced blocks (block 0 and the local ones), and with real
+// inputs often more: with random ones L2 serves 22% fewer sectors (Nsight Compute, 64/4, T = 64K).
+//
+// The producer walks the tokens' index lists from shared memory (copied there at the start): read from global
+// memory, every step of the walk waited on a load, and the walk set the pace of the ring (H100, 64/4, 128/128,
+// group forward: 8K 1.39 -> 1.31 ms, 64K 16.5 -> 15.2). One-token -> group forward: 8K 1.63 -> 1.31 ms, 16K 3.60
+// -> 3.12, 64K 15.9 -> 15.2, 128K 33.1 -> 32.5; 192/128, 16K: 4.71 -> 6.67 (its larger tiles leave fewer stages). forward_plan.h
+// chooses it (use_group_forward). Slower variants: separate K and V stages (K released after S; 64K: 17.1 ms), a
+// round-robin walk over the tokens that balances the consumers (19.0 ms), a persistent grid whose producer runs
+// on across work items (8K 1.51, 64K 18.9 ms, lists still read from global memory).
+#include "cuda/primitives/pipeline.cuh"
+#include "cuda/selected_attention/forward_plan.h"
+#include "cuda/selected_attention/launchers.h"
+#include "cuda/selected_attention/query_outer_common.cuh"
+
+namespace sparseattn::cuda::selection {
+
+namespace {
+
+using namespace query_outer;
+
+// Tokens per CTA: one consumer warp each, beside a producer warpgroup (one producer warp could not issue the
+// copies fast enough: 21 ms at 64/4, T = 64K). Fewer tokens share less and leave fewer consumers per SM (H100,
+// 64/4, T = 64K: 4 tokens 19.0 ms, 6 17.7, 8 16.4).
+constexpr int kProducerThreads = 128;
+constexpr int kTokens = kGroupTokens;
+constexpr int kThreads = kProducerThreads + 32 * kTokens;
+
+// The key tiles of the union of the blocks that a CTA's tokens t0 .. t0 + kTokens - 1 selected (visible ones:
+// starting at or before the token), walked by the CTA's producer warp: lane i < kTokens follows token t0 + i's
+// list, and each step takes the smallest block at the lanes' heads, with the tokens that chose it. The lists
+// ascend, so a block shared by several tokens comes once (lists that do not ascend still have every entry walked
+// once). A block's tiles end at the group's last token.
+template <int kKeys>
+class GroupTiles {
+ public:
+  std::int64_t s0 = 0, end = 0;  // the current tile: keys [s0, min(s0 + kKeys, end))
+  unsigned choosers = 0;         // bit i: token t0 + i chose the current tile's block
+
+  // lists: the tokens' lists, num_idx entries each (token t0's first).
+  __device__ __forceinline__ GroupTiles(const std::int32_t* lists, std::int64_t num_idx, std::int64_t block,
+                                        std::int64_t t0, std::int64_t t_last)
+      : num_idx_(num_idx), block_(block), t0_(t0), t_last_(t_last) {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    list_ = lists + min(lane, static_cast<int>(t_last - t0)) * num_idx;
+    if (lane >= kTokens || t0 + lane > t_last) pos_ = num_idx;  // no list
+    advance();
+  }
+
+  // Moves to the next tile (the rest of the current block, else the next block of the union).
+  __device__ __forceinline__ bool next() {
+    if (s0 + kKeys < end) {
+      s0 += kKeys;
+      return true;
+    }
+    if ((choosers >> (threadIdx.x % 32)) & 1u) advance();
+    const int b = __reduce_min_sync(0xffffffffu, head_);
+    if (b == kNone) return false;
+    choosers = __ballot_sync(0xffffffffu, head_ == b);
+    s0 = std::int64_t{b} * block_;
+    end = min(s0 + block_, t_last_ + 1);
+    return true;
+  }
+  __device__ __forceinline__ int keys() const { return static_cast<int>(min(end - s0, std::int64_t{kKeys})); }
+  // The tokens that attend to the current tile: those that chose its block and come at or after s0.
+  __device__ __forceinline__ unsigned readers() const {
+    const std::int64_t first = s0 - t0_;  // the first token index at or after s0
+    if (first <= 0) return choosers;
+    return first >= 32 ? 0u : choosers & ~((1u << first) - 1u);
+  }
+  // The current tile's keys that token t0 + i attends to, where it is a reader.
+  __device__ __forceinline__ int keys_of(int i) const {
+    return static_cast<int>(min(min(end, t0_ + i + 1) - s0, std::int64_t{kKeys}));
+  }
+
+ private:
+  static constexpr int kNone = 0x7fffffff;  // no head: a block index never visible (its first key is past 2^31)
+  // This lane's next visible block (the first -1 ends its list).
+  __device__ __forceinline__ void advance() {
+    head_ = kNone;
+    const std::int64_t t = t0_ + threadIdx.x % 32;
+    while (++pos_ < num_idx_) {
+      const std::int32_t b = list_[pos_];
+      if (b < 0) break;
+      if (std::int64_t{b} * block_ <= t) {
+        head_ = b;
+        return;
+      }
+    }
+    pos_ = num_idx_;
+  }
+  const std::int32_t* list_;
+  std::int64_t num_idx_, block_, t0_, t_last_;
+  std::int64_t pos_ = -1;
+  int head_ = kNone;
+};
+
+
+// The shared memory of a group kernel: a ring of stages, each one key tile's K and V rows (up to 224 KB of them),
+// the ring's barriers, and per token a queue of the uses of the ring it reads.
+//
+// Only the producer walks the union of the tokens' blocks; a consumer reads its next use from its queue. A queue
+// holds at most one lap of the ring: the producer pushes a token's entry for use u after acquiring u, when the
+// token has released its read of u - kCount or earlier, so it has popped every entry but the last kCount - 1.
+// A consumer waits on a stage's full barrier only for the uses it reads, which the producer acquired before it
+// pushed them: the barrier's pending phase is then the use's own (the parity alone would also pass on a stale
+// phase, laps earlier).
+template <class T, int DQK, int DV>
+struct GroupStages {
+  static constexpr int kKeys = kKeysOf<DQK>;
+  using K = SmemTile<T, kKeys, DQK>;
+  using V = SmemTile<T, kKeys, DV>;
+  static constexpr std::size_t kStageBytes = (K::kElements + V::kElements) * sizeof(T);
+  static constexpr int kCount = (224 * 1024) / kStageBytes < 16 ? static_cast<int>((224 * 1024) / kStageBytes) : 16;
+  using Ring = pipeline::Ring<kCount>;
+  static constexpr unsigned kDone = 1u << 31;  // in a queue's count: no more entries will come
+  static constexpr std::size_t kQueueBytes = kTokens * (2 * kCount + 1) * sizeof(std::uint32_t);
+  // Then the tokens' index lists: group_forward_smem_bytes(DQK, DV, num_idx) in all.
+  static constexpr std::size_t kFixedBytes = kCount * kStageBytes + Ring::kBarriers * 8 + kQueueBytes;
+  static_assert(kFixedBytes == group_forward_smem_bytes(DQK, DV, 0), "forward_plan.h sizes the same shared memory");
+  unsigned char* base;
+
+  __device__ __forceinline__ K k(int stage) const { return {reinterpret_cast<T*>(base + stage * kStageBytes)}; }
+  __device__ __forceinline__ V v(int stage) const { return {k(stage).base + K::kElements}; }
+  __device__ __forceinline__ std::uint64_t* barriers() const {
+    return reinterpret_cast<std::uint64_t*>(base + kCount * kStageBytes);
+  }
+  // Token i's queue: entries (use, keys) in slots entry % kCount, and the count pushed so far (| kDone at the end).
+  __device__ __forceinline__ std::uint32_t* uses(int i) const {
+    return reinterpret_cast<std::uint32_t*>(barriers() + Ring::kBarriers) + i * 2 * kCount;
+  }
+  __device__ __forceinline__ std::uint32_t* keys(int i) const { return uses(i) + kCount; }
+  __device__ __forceinline__ volatile std::uint32_t* count(int i) const { return uses(kTokens) + i; }
+  // Token i's index list: lists() + i * num_idx.
+  __device__ __forceinline__ std::int32_t* lists() const {
+    return reinterpret_cast<std::int32_t*>(uses(kTokens) + kTokens);
+  }
+
+  // By the producer's lane i: token i's entry number n.
+  __device__ __forceinline__ void push(int i, unsigned n, unsigned use, int keys_here) const {
+    uses(i)[n % kCount] = use;
+    keys(i)[n % kCount] = static_cast<std::uint32_t>(keys_here);
+    __threadfence_block();
+    *count(i) = n + 1;
+  }
+  __device__ __forceinline__ void finish(int i, unsigned n) const { *count(i) = n | kDone; }
+  // By token i's consumer warp: its entry number n, or false once there are no more.
+  __device__ __forceinline__ bool pop(int i, unsigned n, unsigned& use, int& keys_here) const {
+    for (;;) {
+      // Lane 0's read for the whole warp: lanes that saw different counts would leave the loop apart, and the
+      // mma.sync that follows needs the whole warp.
+      const std::uint32_t c = __shfl_sync(0xffffffffu, *count(i), 0);
+      if ((c & ~kDone) > n) break;
+      if (c & kDone) return false;
+      __nanosleep(200);  // off the issue slots of the warps that compute (64/4, T = 64K: 16.4 -> 16.1 ms)
+    }
+    __threadfence_block();
+    use = uses(i)[n % kCount];
+    keys_here = static_cast<int>(keys(i)[n % kCount]);
+    return true;
+  }
+};
+
+// What a group kernel takes from its CTA's coordinates: HeadChunk's, and tokens t0 .. t0 + kTokens - 1 of the
+// sequence (blockIdx.x), their index lists staged in shared memory, the walk over their key tiles, and the copies
+// of a tile's K and V rows by the producer warpgroup. valid: t0 lies within the sequence.
+template <class T, int kKeys, int DQK, int DV>
+struct GroupTask : HeadChunk<T> {
+  std::int64_t t0;
+  bool valid;
+
+  __device__ __forceinline__ GroupTask(const Tokens<const T>& k, const Tokens<const T>& v, const SeqTable& seqs,
+                                       const QueryOuterConfig& c)
+      : HeadChunk<T>(k, v, seqs, c), t0(std::int64_t{blockIdx.x} * kTokens), valid(t0 < this->seq.length) {}
+  __device__ __forceinline__ std::int64_t t_last() const { return min(t0 + kTokens, this->seq.length) - 1; }
+  // By the whole CTA: the lists of the tokens into `lists` (-1 for tokens past the sequence).
+  __device__ __forceinline__ void stage_lists(std::int32_t* lists, const IndexView& indices,
+                                              const QueryOuterConfig& c) const {
+    const std::int32_t* first = indices.row(this->seq.batch, this->seq.begin + t0, this->h);
+    const int num_idx = static_cast<int>(c.num_idx);
+    for (int e = static_cast<int>(threadIdx.x); e < kTokens * num_idx; e += static_cast<int>(blockDim.x)) {
+      const int token = e / num_idx;
+      lists[e] = t0 + token <= t_last() ? first[token * indices.row_stride + e % num_idx] : -1;
+    }
+  }
+  __device__ __forceinline__ GroupTiles<kKeys> tiles(const std::int32_t* lists, const QueryOuterConfig& c) const {
+    return {lists, c.num_idx, c.block, t0, t_last()};
+  }
+  template <class KTile, class VTile>
+  __device__ __forceinline__ void copy(const KTile& ks, const VTile& vs, const GroupTiles<kKeys>& tile) const {
+    this->template copy_k<kKeys, DQK, kProducerThreads>(ks, tile.s0, tile.keys());
+    this->template copy_v<kKeys, DV, kProducerThreads>(vs, tile.s0, tile.keys());
+  }
+};
+
+// The producer warp of a group kernel: fills the ring's stages with the walk's tiles that some token reads, in
+// walk order; releases each stage at once for the tokens that do not read it (the ring's empty barriers expect
+// one release per token), so that a stage is free as soon as its readers are done with it; and pushes each use to
+// its readers' queues.
+template <class Task, class Stages>
+__device__ __forceinline__ void produce(const Task& task, const Stages& stages, const typename Stages::Ring& ring,
+                                        const QueryOuterConfig& c) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  auto tiles = task.tiles(stages.lists(), c);
+  unsigned pushed = 0;  // lane i < kTokens: entries pushed to token i's queue
+  for (unsigned use = 0; tiles.next();) {
+    const unsigned readers = tiles.readers();
+    if (readers == 0) continue;
+    ring.acquire(use);
+    task.copy(stages.k(ring.slot(use)), stages.v(ring.slot(use)), tiles);
+    ring.commit(use);
+    const int others = kTokens - __popc(readers);
+    if (threadIdx.x == 0 && others > 0) ring.release(use, others);
+    if (threadIdx.x < kTokens && ((readers >> lane) & 1u)) stages.push(lane, pushed++, use, tiles.keys_of(lane));
+    ++use;
+  }
+  if (threadIdx.x < kTokens) stages.finish(lane, pushed);
+  cp_async_wait<0>();
+}
+
+template <class T, int DQK, int DV>
+__global__ void __launch_bounds__(kThreads, 1)
+    selected_group_forward_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, IndexView indices,
+                                  Tokens<T> o, LseView<float> lse, SeqTable seqs, QueryOuterConfig c) {
+  using S = GroupStages<T, DQK, DV>;
+  constexpr int kKeys = S::kKeys;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const S stages{smem_raw};
+  const typename S::Ring ring(stages.barriers());
+
+  const GroupTask<T, kKeys, DQK, DV> task(k, v, seqs, c);
+  if (!task.valid) return;
+  if (threadIdx.x == 0) {
+    ring.init(kProducerThreads, kTokens);
+    for (int i = 0; i < kTokens; ++i) *stages.count(i) = 0;
+    pipeline::fence_init();
+  }
+  task.stage_lists(stages.lists(), indices, c);
+  __syncthreads();
+  if (threadIdx.x < kProducerThreads) {
+    pipeline::release_registers<40>();
+    return produce(task, stages, ring, c);
+  }
+  pipeline::claim_registers<232>();
+
+  // Consumer warp: token t0 + its index among the consumers, Q in registers as the A fragments of the Dqk / 16 k-steps.
+  const int token = static_cast<int>(threadIdx.x - kProducerThreads) / 32, lane = static_cast<int>(threadIdx.x % 32);
+  const auto& seq = task.seq;
+  const std::int64_t t = task.t0 + token, row = task.seq.begin + t;
+  const int rows_here = task.rows_here;
+  if (t >= seq.length) return;  // past the sequence: no reads (the producer releases for it)
+  ForwardRows<T, DQK, DV> rows(q, seq.batch, row, task.hq0, rows_here);
+  unsigned use;
+  int keys;
+  for (unsigned n = 0; stages.pop(token, n, use, keys); ++n) {
+    ring.wait_full(use);
+    float s[kKeys / 8][4] = {};
+    rows.scores(s, stages.k(ring.slot(use)));  // S = Q K^T
+    rows.softmax(s, keys, c.scale_log2);
+    rows.product(s, stages.v(ring.slot(use)));  // O += P V
+    __syncwarp();
+    if (lane == 0) ring.release(use);
+  }
+
+  rows.store(o, lse, seq.batch, row, task.hq0, rows_here);
+}
+
+}  // namespace
+
+void forward_query_group(const SelectedAttentionParams& p) {
+  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.block, p.scale, false);
+  if (l.empty) return;
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_head_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
+      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+      const dim3 grid((l.grid.x + kTokens - 1) / kTokens, l.grid.y, l.grid.z);
+      launch_forward<T>(selected_group_forward_kernel<T, DQK, DV>, grid, kThreads,
+                        group_forward_smem_bytes(DQK, DV, l.config.num_idx), p, l, "selected_group_forward_kernel");
+    });
+  });
+}
+
+}  // namespace sparseattn::cuda::selection
