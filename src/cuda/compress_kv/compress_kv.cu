@@ -1,9 +1,10 @@
 // compress_kv (mean pooling) forward and backward. Memory-bound: one warp per output row (k and v together),
-// fp32 accumulation, each lane a 16-byte piece of the row (a warp access covers 512 bytes; 2-byte accesses
-// per lane took the backward 3.5 ms at 32 KV heads, T = 64K). The backward gathers (token t sums the blocks
-// covering it) instead of scattering, so it needs no atomics and is deterministic; it adds the other
-// gradients of k and v (nsa_attention's branches) in the same pass.
+// fp32 accumulation, each lane a 16-byte piece of the row (a warp access covers 512 bytes rather than the 64 of
+// 2-byte accesses per lane). The backward gathers (token t sums the blocks covering it) instead of scattering,
+// so it needs no atomics and is deterministic; it adds the other gradients of k and v (nsa_attention's
+// branches) in the same pass.
 #include "cuda/primitives/common.cuh"
+#include "cuda/primitives/sequences.cuh"
 #include "cuda/compress_kv/ops.h"
 
 namespace sparseattn::cuda {
@@ -11,22 +12,6 @@ namespace sparseattn::cuda {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;
-
-// Where sequence b lives: batched sequences are batch rows with fixed lengths; packed ones are read from
-// cu_seqlens / cu_seqlens_cmp on the device (no host sync).
-struct SequenceTable {
-  const std::int32_t* cu_seqlens;      // null for batched
-  const std::int32_t* cu_seqlens_cmp;  // null for batched
-  std::int64_t batched_length;         // T for batched
-
-  struct Sequence {
-    std::int64_t batch, begin, length, cmp_begin;
-  };
-  __device__ Sequence operator[](std::int64_t b) const {
-    if (cu_seqlens == nullptr) return {b, 0, batched_length, 0};
-    return {0, cu_seqlens[b], std::int64_t{cu_seqlens[b + 1]} - cu_seqlens[b], cu_seqlens_cmp[b]};
-  }
-};
 
 struct Config {
   std::int64_t heads, dim_k, dim_v, block, stride;
@@ -77,13 +62,13 @@ __device__ __forceinline__ PieceOf piece_of(int p, const Config& c) {
 
 template <class T, int kPiece>
 __global__ void compress_kernel(Tokens<const T> k, Tokens<const T> v, Tokens<T> k_cmp, Tokens<T> v_cmp,
-                                SequenceTable seqs, Config c, std::int64_t max_blocks) {
+                                SeqPairTable seqs, Config c, std::int64_t max_blocks) {
   const std::int64_t item = std::int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   if (item >= max_blocks * c.heads) return;
   const std::int64_t h = item % c.heads, j = item / c.heads;
   const auto seq = seqs[blockIdx.y];
-  if (j >= blocks_of(seq.length, c)) return;
-  const std::int64_t first = seq.begin + j * c.stride;
+  if (j >= blocks_of(seq.T, c)) return;
+  const std::int64_t first = seq.q_begin + j * c.stride;
   const int pieces = static_cast<int>((c.dim_k + c.dim_v) / kPiece);
   for (int p = threadIdx.x % 32; p < pieces; p += 32) {
     const PieceOf at = piece_of<kPiece>(p, c);
@@ -92,7 +77,7 @@ __global__ void compress_kernel(Tokens<const T> k, Tokens<const T> v, Tokens<T> 
 #pragma unroll 8
     for (std::int64_t i = 0; i < c.block; ++i) add_piece<T, kPiece>(sum, in.row(seq.batch, first + i, h) + at.offset);
     const Tokens<T> out = at.second ? v_cmp : k_cmp;
-    T* dst = out.row(seq.batch, seq.cmp_begin + j, h) + at.offset;
+    T* dst = out.row(seq.batch, seq.k_begin + j, h) + at.offset;
     store_piece<T, kPiece>(dst, sum, 1.f / static_cast<float>(c.block));
   }
 }
@@ -118,23 +103,22 @@ struct Terms {
 
 // One warp per token and run of up to kHeadsPerWarp heads of dk and dv: dk[t] = sum of the terms' rows +
 // (sum of dk_cmp over the blocks covering t) / block, in fp32, rounded once. The index arithmetic (64-bit
-// divisions) is paid once per run: with one warp per row the kernel ran at 1.6 TB/s (32/32, T = 64K: 1.87 ms,
-// now 1.45).
+// divisions) is paid once per run rather than once per row, which keeps it off the kernel's critical path.
 constexpr int kHeadsPerWarp = 8;
 
 template <class T, int kPiece>
 __global__ void compress_backward_kernel(Tokens<const T> dk_cmp, Tokens<const T> dv_cmp, Tokens<T> dk, Tokens<T> dv,
-                                         Terms<T> terms, SequenceTable seqs, Config c, std::int64_t max_length) {
+                                         Terms<T> terms, SeqPairTable seqs, Config c, std::int64_t max_length) {
   const std::int64_t runs = ceil_div(c.heads, kHeadsPerWarp);
   const std::int64_t item = std::int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   if (item >= max_length * runs) return;
   const std::int64_t t = item / runs, h_first = item % runs * kHeadsPerWarp;
   const std::int64_t h_end = min(c.heads, h_first + kHeadsPerWarp);
   const auto seq = seqs[blockIdx.y];
-  if (t >= seq.length) return;
+  if (t >= seq.T) return;
   // Blocks j with j*stride <= t < j*stride + block, clipped to the sequence's blocks (empty range -> 0).
   const std::int64_t j_first = t >= c.block ? (t - c.block) / c.stride + 1 : 0;
-  const std::int64_t j_last = min(t / c.stride, blocks_of(seq.length, c) - 1);
+  const std::int64_t j_last = min(t / c.stride, blocks_of(seq.T, c) - 1);
   const int pieces = static_cast<int>((c.dim_k + c.dim_v) / kPiece);
   const float inv_block = 1.f / static_cast<float>(c.block);
   for (std::int64_t h = h_first; h < h_end; ++h) {
@@ -143,19 +127,19 @@ __global__ void compress_backward_kernel(Tokens<const T> dk_cmp, Tokens<const T>
       const Tokens<const T> d_cmp = at.second ? dv_cmp : dk_cmp;
       float pooled[kPiece] = {}, sum[kPiece] = {};
       for (std::int64_t j = j_first; j <= j_last; ++j) {
-        add_piece<T, kPiece>(pooled, d_cmp.row(seq.batch, seq.cmp_begin + j, h) + at.offset);
+        add_piece<T, kPiece>(pooled, d_cmp.row(seq.batch, seq.k_begin + j, h) + at.offset);
       }
 #pragma unroll
       for (int i = 0; i < detail::kMaxCompressTerms; ++i) {  // unrolled: the terms stay in parameter space
         if (i < terms.count) {
           const Tokens<const T> term = at.second ? terms.v[i] : terms.k[i];
-          add_piece<T, kPiece>(sum, term.row(seq.batch, seq.begin + t, h) + at.offset);
+          add_piece<T, kPiece>(sum, term.row(seq.batch, seq.q_begin + t, h) + at.offset);
         }
       }
 #pragma unroll
       for (int e = 0; e < kPiece; ++e) sum[e] = fmaf(pooled[e], inv_block, sum[e]);
       const Tokens<T> out = at.second ? dv : dk;
-      store_piece<T, kPiece>(out.row(seq.batch, seq.begin + t, h) + at.offset, sum, 1.f);
+      store_piece<T, kPiece>(out.row(seq.batch, seq.q_begin + t, h) + at.offset, sum, 1.f);
     }
   }
 }
@@ -172,9 +156,11 @@ Shape shape_of(const TensorView& k, const TensorView& v, const Sequences& seqs) 
           k.shape[k.rank - 1], v.shape[v.rank - 1], rows};
 }
 
-SequenceTable table_of(const Sequences& seqs, const TensorView& cu_seqlens_cmp, std::int64_t length) {
-  return {static_cast<const std::int32_t*>(seqs.cu_seqlens.data),
-          static_cast<const std::int32_t*>(cu_seqlens_cmp.data), length};
+// The tokens' sequences (q side) and their compressed rows' (k side; only their starts are read).
+SeqPairTable table_of(const Sequences& seqs, const TensorView& cu_seqlens_cmp, std::int64_t length) {
+  const auto* cu = static_cast<const std::int32_t*>(seqs.cu_seqlens.data);
+  const std::int64_t batch = cu == nullptr ? 0 : seqs.cu_seqlens.shape[0] - 1;
+  return {{cu, length, batch}, {static_cast<const std::int32_t*>(cu_seqlens_cmp.data), 0, batch}};
 }
 
 dim3 grid_of(std::int64_t items, std::int64_t batch) {
