@@ -42,6 +42,14 @@ void Check::dtype(const TensorView& t, const std::string& arg, DType expected) c
           std::string("expected dtype ") + dtype_name(expected) + ", got " + dtype_name(t.dtype));
 }
 
+void Check::dtype(const TensorView& t, const std::string& arg, DType expected, const TensorView& anchor,
+                  const std::string& anchor_arg) const {
+  if (t.dtype == expected) return;
+  if (expected != anchor.dtype || arg == anchor_arg) return dtype(t, arg, expected);
+  fail(ErrorKind::dtype, arg,
+       std::string(dtype_name(t.dtype)) + " does not match " + anchor_arg + "'s " + dtype_name(expected));
+}
+
 void Check::floating(const TensorView& t, const std::string& arg) const {
   const bool ok = t.dtype == DType::float16 || t.dtype == DType::bfloat16 || t.dtype == DType::float32 ||
                   t.dtype == DType::float64;
@@ -70,7 +78,7 @@ void Check::inner_contiguous(const TensorView& t, const std::string& arg) const 
 void Check::tensor(const TensorView& t, const std::string& arg, DType dtype_expected, const TensorView& anchor,
                    const std::string& anchor_arg) const {
   present(t, arg);
-  dtype(t, arg, dtype_expected);
+  dtype(t, arg, dtype_expected, anchor, anchor_arg);
   same_device(t, arg, anchor, anchor_arg);
   inner_contiguous(t, arg);
 }
@@ -88,6 +96,17 @@ std::int32_t cu_at(const TensorView& cu, std::int64_t i) {
 
 }  // namespace
 
+void Check::packed_rank(const TensorView& tokens, const std::string& arg, const std::string& cu_arg) const {
+  if (tokens.rank == 3) return;
+  // fla and flash-attn's varlen calls keep a batch dimension of 1: [1, N, H, D].
+  const std::string hint = tokens.rank == 4 && tokens.shape[0] == 1
+                               ? " (for the [1, N, H, D] packed layout of fla, squeeze the batch dimension: pass "
+                                 "[N, H, D] with " + cu_arg + ")"
+                               : "";
+  fail(ErrorKind::shape, arg,
+       "expected 3 dimensions [N, H, D] because " + cu_arg + " is given, got " + tokens.shape_string() + hint);
+}
+
 TokenLayout Check::layout(const TensorView& tokens, const std::string& arg, const Sequences& seqs,
                           const std::string& cu_arg) const {
   present(tokens, arg);
@@ -101,8 +120,7 @@ TokenLayout Check::layout(const TensorView& tokens, const std::string& arg, cons
     layout.rows = tokens.shape[1];
     return layout;
   }
-  require(tokens.rank == 3, ErrorKind::shape, arg,
-          "expected 3 dimensions [N, H, D] because " + cu_arg + " is given, got " + tokens.shape_string());
+  packed_rank(tokens, arg, cu_arg);
   const TensorView& cu = seqs.cu_seqlens;
   present(cu, cu_arg);
   dtype(cu, cu_arg, DType::int32);

@@ -30,6 +30,10 @@ class Check {
   void present(const TensorView& t, const std::string& arg) const;
   void absent(const TensorView& t, const std::string& arg, const std::string& why) const;
   void dtype(const TensorView& t, const std::string& arg, DType expected) const;
+  // dtype `expected`, which the caller derived from `anchor`: where it is the anchor's own dtype the message
+  // blames `arg` and names both ("bfloat16 does not match q's float16").
+  void dtype(const TensorView& t, const std::string& arg, DType expected, const TensorView& anchor,
+             const std::string& anchor_arg) const;
   // float16, bfloat16, float32 or float64.
   void floating(const TensorView& t, const std::string& arg) const;
   void shape(const TensorView& t, const std::string& arg, const std::vector<std::int64_t>& expected) const;
@@ -43,6 +47,8 @@ class Check {
               const std::string& anchor_arg) const;
   void positive(std::int64_t value, const std::string& arg) const;
 
+  // A packed token tensor has 3 dimensions [N, H, D] (the message hints at squeezing fla's [1, N, H, D]).
+  void packed_rank(const TensorView& tokens, const std::string& arg, const std::string& cu_arg) const;
   // Resolves batched vs packed from the rank of `tokens` (4 or 3) and the presence of cu_seqlens, checks
   // cu_seqlens (int32 [B+1], device of `tokens`, and on the CPU its contents) and returns the layout.
   TokenLayout layout(const TensorView& tokens, const std::string& arg, const Sequences& seqs,

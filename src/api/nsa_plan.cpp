@@ -27,7 +27,7 @@ class Validator {
 
   void tensor(const TensorView& t, const std::string& arg, DType dtype, const TensorView& q) const {
     present(t, arg);
-    check_.dtype(t, arg, dtype);
+    check_.dtype(t, arg, dtype, q, "q");
     check_.same_device(t, arg, q, "q");
     check_.inner_contiguous(t, arg);
   }
@@ -46,8 +46,7 @@ class Validator {
       layout.rows = q.shape[1];
       return layout;
     }
-    check_.require(q.rank == 3, ErrorKind::shape, "q",
-                   "expected 3 dimensions [N, H, D] because cu_seqlens is given, got " + q.shape_string());
+    check_.packed_rank(q, "q", "cu_seqlens");
     present(cu, "cu_seqlens");
     check_.dtype(cu, "cu_seqlens", DType::int32);
     check_.same_device(cu, "cu_seqlens", q, "q");

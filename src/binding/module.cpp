@@ -53,9 +53,20 @@ DType to_dtype(nb::dlpack::dtype dt, const char* arg) {
     if (code == Code::Int && dt.bits == 32) return DType::int32;
     if (code == Code::Bool && dt.bits == 8) return DType::boolean;
   }
+  const auto code = static_cast<Code>(dt.code);
+  std::string name;
+  if (code == Code::Int) name = "int" + std::to_string(dt.bits);
+  else if (code == Code::UInt) name = "uint" + std::to_string(dt.bits);
+  else if (code == Code::Float) name = "float" + std::to_string(dt.bits);
+  else if (code == Code::Complex) name = "complex" + std::to_string(dt.bits);
+  else name = "DLPack dtype code " + std::to_string(dt.code) + " of " + std::to_string(dt.bits) + " bits";
+  if (dt.lanes != 1) name += " x" + std::to_string(dt.lanes);
+  // Index tensors (cu_seqlens, block indices) are int32; torch makes int64 by default.
+  const std::string hint = code == Code::Int || code == Code::UInt
+                               ? " (index tensors and cu_seqlens are int32: convert with .int())"
+                               : "";
   fail(ErrorKind::dtype, arg,
-       "unsupported DLPack dtype (code " + std::to_string(dt.code) + ", " + std::to_string(dt.bits) +
-           " bits); expected float16, bfloat16, float32, float64, int32 or bool");
+       "unsupported dtype " + name + "; expected float16, bfloat16, float32, float64, int32 or bool" + hint);
 }
 
 DType dtype_from_name(const std::string& name, const char* arg) {
@@ -170,6 +181,14 @@ NsaParams nsa_spec_params(const std::string& device, int device_index, nb::handl
   p.cu_seqlens_cmp = sv(cu_seqlens_cmp, "cu_seqlens_cmp");
   p.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
   return p;
+}
+
+// The same error reported under another operation's name (the message's "sparseattn.<op>: " prefix too).
+Error renamed(const Error& e, const std::string& op) {
+  const std::string prefix = "sparseattn." + e.op() + ": argument '" + e.argument() + "': ";
+  std::string message = e.what();
+  if (message.compare(0, prefix.size(), prefix) == 0) message.erase(0, prefix.size());
+  return Error(e.kind(), op, e.argument(), message);
 }
 
 // ---- Exceptions: sparseattn::Error -> the package's exception classes (registered at import). ----
@@ -518,6 +537,8 @@ NB_MODULE(_C, m) {
   // ---- nsa_attention ----
   // Sizes from shapes only (usable from fake/meta implementations): every tensor is None or a
   // (dtype name, shape) pair; `device` is "cpu" or "cuda".
+  // `op`: the operation the caller is preparing (nsa_attention or nsa_attention_backward), which errors name
+  // instead of the size query, so that a bad call to nsa_attention reports nsa_attention.
   const auto def_nsa_size = [&m](const char* name, std::size_t (*size_of)(const NsaParams&)) {
     m.def(
         name,
@@ -526,16 +547,22 @@ NB_MODULE(_C, m) {
                         nb::handle g_slc, nb::handle g_swa, nb::handle o, nb::handle cu_seqlens,
                         nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride,
                         int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
-                        std::optional<double> scale) {
-          const OpName op_name(name);
-          return size_of(nsa_spec_params(device, device_index, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc,
-                                         g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block, cmp_stride,
-                                         sel_block, num_selected, num_init, num_local, window, scale));
+                        std::optional<double> scale, const std::optional<std::string>& op) {
+          const std::string op_name_text = op ? *op : std::string(name);
+          const OpName op_name(op_name_text.c_str());
+          try {
+            return size_of(nsa_spec_params(device, device_index, q, k, v, k_cmp, v_cmp, block_indices, g_cmp,
+                                           g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block,
+                                           cmp_stride, sel_block, num_selected, num_init, num_local, window, scale));
+          } catch (const Error& e) {
+            throw renamed(e, op_name_text);
+          }
         },
         "device"_a, "device_index"_a, "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(),
         "block_indices"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(), "g_swa"_a.none(), "o"_a,
         "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a,
-        "sel_block"_a, "num_selected"_a, "num_init"_a, "num_local"_a, "window"_a, "scale"_a.none());
+        "sel_block"_a, "num_selected"_a, "num_init"_a, "num_local"_a, "window"_a, "scale"_a.none(),
+        "op"_a.none() = nb::none());
   };
   def_nsa_size("nsa_workspace_size", nsa_workspace_size);
   def_nsa_size("nsa_forward_scratch_size", nsa_forward_scratch_size);
