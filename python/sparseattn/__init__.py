@@ -1,11 +1,14 @@
 """sparseattn: trainable sparse attention (Native Sparse Attention) with a torch-free C++/CUDA core.
 
 CPU tensors run the C++ reference backend; CUDA tensors run the CUDA kernels where this build has them
-and raise :class:`SparseAttnUnsupportedError` otherwise (never a silent fallback).
+and raise :class:`SparseAttnUnsupportedError` otherwise (never a silent fallback). Every invalid call raises
+:class:`SparseAttnError` (a ``ValueError``) or a subclass, naming the operation and the argument:
+:class:`SparseAttnTypeError` (also a ``TypeError``) for an argument of the wrong Python type,
+:class:`SparseAttnDTypeError` (a SparseAttnTypeError) for a tensor of the wrong dtype.
 """
 
 from . import _C
-from ._errors import SparseAttnDTypeError, SparseAttnError, SparseAttnUnsupportedError
+from ._errors import SparseAttnDTypeError, SparseAttnError, SparseAttnTypeError, SparseAttnUnsupportedError
 
 _C._set_error_types(SparseAttnError, SparseAttnDTypeError, SparseAttnUnsupportedError)
 
@@ -30,7 +33,22 @@ CUDA_HEAD_DIMS: tuple[tuple[int, int], ...] = tuple(tuple(pair) for pair in _C.c
 
 
 def built_with_cuda() -> bool:
-    """True when this build of the extension contains CUDA kernels."""
+    """Whether this build of the extension contains the CUDA kernels.
+
+    Without them, CUDA tensors raise :class:`SparseAttnUnsupportedError` (CPU tensors always run the C++
+    reference backend).
+
+    Returns:
+        True for a build with CUDA kernels, False for a CPU-only build.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> import sparseattn
+        >>> isinstance(sparseattn.built_with_cuda(), bool)
+        True
+    """
     return _C.built_with_cuda()
 
 
@@ -41,6 +59,7 @@ __all__ = [
     "NativeSparseAttentionCore",
     "SparseAttnDTypeError",
     "SparseAttnError",
+    "SparseAttnTypeError",
     "SparseAttnUnsupportedError",
     "__version__",
     "built_with_cuda",

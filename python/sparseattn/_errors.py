@@ -1,8 +1,12 @@
-"""Exception classes raised for errors reported by the C++ API (``sparseattn::Error``).
+"""Exception classes raised for errors reported by the C++ API (``sparseattn::Error``) and by the Python layer.
 
 The binding maps the C++ error kind to one of these classes; the message is the C++ message, which names
 the operation and the argument. Instances carry ``kind`` (``"shape"``, ``"dtype"``, ``"device"``,
-``"layout"``, ``"config"``, ``"value"`` or ``"unsupported"``), ``argument`` and ``op`` attributes.
+``"layout"``, ``"config"``, ``"value"``, ``"unsupported"``, or ``"type"`` for an argument of the wrong Python
+type, which only the Python layer raises), ``argument`` and ``op`` attributes.
+
+Every class derives from :class:`SparseAttnError` (a ``ValueError``); ``except sparseattn.SparseAttnError``
+catches every error of a bad call.
 """
 
 from __future__ import annotations
@@ -16,8 +20,17 @@ class SparseAttnError(ValueError):
     op: str = ""
 
 
-class SparseAttnDTypeError(SparseAttnError, TypeError):
-    """An argument has an unsupported or mismatched dtype."""
+class SparseAttnTypeError(SparseAttnError, TypeError):
+    """An argument of the wrong Python type (e.g. a float or a string where an int or a tensor is expected).
+
+    Also a ``TypeError``. :class:`SparseAttnDTypeError` (a tensor of the wrong dtype) derives from it.
+    """
+
+    kind = "type"
+
+
+class SparseAttnDTypeError(SparseAttnTypeError):
+    """An argument has an unsupported or mismatched dtype (also a ``TypeError``)."""
 
     kind = "dtype"
 

@@ -529,12 +529,15 @@ def _spec(t: Optional[Tensor]):
     return (_DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")), tuple(t.shape))
 
 
-def _nsa_size(query, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp,
+def _nsa_size(query, op, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp,
               max_seqlen, config) -> int:
+    """A size query of the binding; it validates the call (shapes only) and its errors name `op`. `o` is a tensor
+    or a (dtype name, shape) spec (the output need not exist yet)."""
     device = "cuda" if q.device.type == "cuda" else "cpu"
     index = (q.device.index or 0) if device == "cuda" else 0
-    return query(device, index, *(_spec(t) for t in (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o,
-                                                      cu_seqlens, cu_seqlens_cmp)), max_seqlen, *config)
+    o_spec = o if isinstance(o, tuple) else _spec(o)
+    specs = [_spec(t) for t in (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa)]
+    return query(device, index, *specs, o_spec, _spec(cu_seqlens), _spec(cu_seqlens_cmp), max_seqlen, *config, op=op)
 
 
 def _has_symbolic_shape(*tensors) -> bool:
@@ -567,15 +570,16 @@ def nsa_attention(
     """Returns (o, workspace); the uint8 workspace holds what the backward reads."""
     config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
     packed = cu_seqlens is not None
-    o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
-    size = _nsa_size(_C.nsa_workspace_size, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o,
-                     cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+    # The size queries validate the call's shapes, dtypes and config before anything is allocated.
+    o_spec = _spec(q)[0], tuple(_out_shape(q, v.shape[-1]))
+    tensors = (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o_spec, cu_seqlens, cu_seqlens_cmp)
+    size = _nsa_size(_C.nsa_workspace_size, "nsa_attention", *tensors, max_seqlen, config)
+    # The steps' temporary memory where the workspace cannot hold it: freed (to the cache) on return.
+    scratch_size = _nsa_size(_C.nsa_forward_scratch_size, "nsa_attention", *tensors, max_seqlen, config)
+    o = _alloc(o_spec[1], q, packed=packed)
     # Empty: nsa_attention writes every byte (what no step writes, it zero-fills), so this output does not
     # change from run to run (determinism; torch.library.opcheck checks it).
     workspace = torch.empty((size,), dtype=torch.uint8, device=q.device)
-    # The steps' temporary memory where the workspace cannot hold it: freed (to the cache) on return.
-    scratch_size = _nsa_size(_C.nsa_forward_scratch_size, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa,
-                             o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
     scratch = torch.empty((scratch_size,), dtype=torch.uint8, device=q.device)
     _C.nsa_attention(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
                      _arr(g_slc), _arr(g_swa), o, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, *config,
@@ -593,8 +597,8 @@ def _(q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_
         size = torch.library.get_ctx().new_dynamic_size()
     else:
         config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
-        size = _nsa_size(_C.nsa_workspace_size, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o,
-                         cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+        size = _nsa_size(_C.nsa_workspace_size, "nsa_attention", q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc,
+                         g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
     return o, q.new_empty((size,), dtype=torch.uint8)
 
 
@@ -630,8 +634,8 @@ def nsa_attention_backward(
     dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
     dk_cmp, dv_cmp = (_alloc(t.shape, t, packed=packed) if t is not None else None for t in (k_cmp, v_cmp))
     d_gates = [_alloc(g.shape, g, packed=packed) if g is not None else None for g in (g_cmp, g_slc, g_swa)]
-    scratch_size = _nsa_size(_C.nsa_backward_scratch_size, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc,
-                             g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+    scratch_size = _nsa_size(_C.nsa_backward_scratch_size, "nsa_attention_backward", q, k, v, k_cmp, v_cmp,
+                             block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
     scratch = torch.empty((scratch_size,), dtype=torch.uint8, device=q.device)
     _C.nsa_attention_backward(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
                               _arr(g_slc), _arr(g_swa), _arr(o), _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen,

@@ -4,7 +4,8 @@ Every function takes batched tensors [B, T, H, D] or packed varlen tensors [N, H
 (int32 [B+1] on the device of the data). Float tensors share one dtype (float16, bfloat16, float32 or
 float64). ``scale=None`` means 1/sqrt(Dqk). Gates are [B, T, Hq] (packed [N, Hq]) and used as given.
 Errors raise :class:`sparseattn.SparseAttnError` (a ``ValueError``) or one of its subclasses, with a message
-that names the argument. CPU tensors run the C++ reference backend.
+that names the operation and the argument, before anything is allocated or computed. CPU tensors run the C++
+reference backend.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
-import torch
 from torch import Tensor
 
+from . import _checks as chk
 from . import _ops
-from ._errors import SparseAttnDTypeError, SparseAttnError, make_error
+from ._errors import SparseAttnError, make_error
 
 __all__ = [
     "NSAConfig",
@@ -33,12 +34,26 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class NSAConfig:
-    """NSA hyper-parameters (defaults from the NSA paper).
+    """NSA hyper-parameters (defaults from the NSA paper), validated when the config is built.
 
     cmp_block (l) and cmp_stride (d): compressed blocks cover tokens [j*d, j*d + l); d divides l and sel_block.
     sel_block (l'): tokens per selection block, l <= l'. num_selected (n): selected blocks per query and KV head,
     the num_init initial and num_local local (forced) blocks included. window (w): sliding-window width, the
     query included. scale: softmax scale of all three branches (None: 1/sqrt(Dqk)).
+
+    Raises:
+        SparseAttnTypeError: a field of the wrong type (the sizes and counts are ints, not bools, floats,
+            strings or None; scale is a real number or None).
+        SparseAttnError: a field out of range (block sizes, num_selected and window positive, num_init and
+            num_local >= 0, the sizes and counts within 32-bit ints, the window within a 64-bit int, scale
+            finite and positive). The constraints between fields (d divides l and l', l <= l',
+            num_init + num_local <= n) are checked by the ops that use the config.
+
+    Example:
+        >>> import sparseattn
+        >>> cfg = sparseattn.NSAConfig(cmp_block=16, cmp_stride=8, sel_block=32, num_selected=4, window=64)
+        >>> cfg.window
+        64
     """
 
     cmp_block: int = 32
@@ -50,94 +65,120 @@ class NSAConfig:
     window: int = 512
     scale: Optional[float] = None
 
+    def __post_init__(self):
+        self._validate()
 
-# ------------------------------------------------------------------------------------------- argument checks
-
-
-def _require_tensor(op: str, name: str, t, optional: bool = False) -> None:
-    if t is None and optional:
-        return
-    if not isinstance(t, Tensor):
-        raise make_error(SparseAttnError, "value", op, name, f"expected a torch.Tensor, got {type(t).__name__}")
-
-
-def _check_cu_seqlens(op: str, name: str, cu: Optional[Tensor], like: Tensor, like_name: str) -> None:
-    """cu_seqlens must be an int32 [B+1] tensor on the device of the data (checked without a host sync)."""
-    if cu is None:
-        return
-    _require_tensor(op, name, cu)
-    if cu.dtype != torch.int32:
-        raise make_error(SparseAttnDTypeError, "dtype", op, name,
-                         f"expected dtype int32, got {str(cu.dtype).removeprefix('torch.')} "
-                         f"(use {name}.to(torch.int32))")
-    if cu.dim() != 1 or cu.shape[0] < 1:
-        raise make_error(SparseAttnError, "shape", op, name, f"expected shape [B+1], got {list(cu.shape)}")
-    if cu.device != like.device:
-        raise make_error(SparseAttnError, "device", op, name,
-                         f"is on {cu.device} but '{like_name}' is on {like.device}")
-
-
-def _check_tokens(op: str, name: str, t: Tensor, packed: bool, cu_name: str = "cu_seqlens") -> None:
-    _require_tensor(op, name, t)
-    if packed and t.dim() != 3:
-        raise make_error(SparseAttnError, "shape", op, name,
-                         f"expected 3 dimensions [N, H, D] because {cu_name} is given, got {list(t.shape)}")
-    if not packed and t.dim() != 4:
-        raise make_error(SparseAttnError, "shape", op, name,
-                         f"expected 4 dimensions [B, T, H, D] (or 3 dimensions [N, H, D] with {cu_name}), "
-                         f"got {list(t.shape)}")
-
-
-def _scale(scale) -> Optional[float]:
-    return None if scale is None else float(scale)
-
-
-def _max_seqlen(max_seqlen) -> int:
-    return 0 if max_seqlen is None else int(max_seqlen)
+    def _validate(self) -> None:
+        """Checks every field (also called by nsa_attention: a config unpickled or changed with
+        object.__setattr__ skipped __post_init__)."""
+        op = "NSAConfig"
+        for name in ("cmp_block", "cmp_stride", "sel_block", "num_selected"):
+            chk.int_arg(op, name, getattr(self, name), minimum=1)
+        for name in ("num_init", "num_local"):
+            chk.int_arg(op, name, getattr(self, name), minimum=0)
+        chk.int_arg(op, "window", self.window, minimum=1, maximum=chk.INT64_MAX)
+        chk.scale_arg(op, "scale", self.scale)
 
 
 # ------------------------------------------------------------------------------------------------- functions
 
 
-def compressed_cu_seqlens(cu_seqlens: Tensor, block: int = 32, stride: int = 16) -> Tensor:
-    """Prefix sums of the number of compressed blocks of each sequence: int32 [B+1] on cu_seqlens' device.
+def _compressed_cu(cu_seqlens: Tensor, block: int, stride: int) -> Tensor:
+    """compressed_cu_seqlens without its checks (block and stride validated, cu_seqlens checked by the op)."""
+    import torch
 
-    A sequence of T tokens has (T - block) // stride + 1 blocks if T >= block, else 0. Pure torch ops, no
-    host synchronisation.
-    """
-    _require_tensor("compressed_cu_seqlens", "cu_seqlens", cu_seqlens)
-    _check_cu_seqlens("compressed_cu_seqlens", "cu_seqlens", cu_seqlens, cu_seqlens, "cu_seqlens")
-    if block <= 0 or stride <= 0:
-        raise make_error(SparseAttnError, "config", "compressed_cu_seqlens", "block" if block <= 0 else "stride",
-                         f"expected positive block and stride, got {block} and {stride}")
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     blocks = torch.clamp_min(torch.div(lengths - block, stride, rounding_mode="floor") + 1, 0)
     return torch.cat([cu_seqlens[:1] * 0, torch.cumsum(blocks, 0, dtype=torch.int32)])
 
 
-def _cu_cmp(cu_seqlens: Tensor, block: int, stride: int) -> Tensor:
-    """compressed_cu_seqlens for an op's own call. With an invalid block or stride it returns a placeholder
-    so that the op's C++ validation reports the config error under the caller's argument name."""
-    if block <= 0 or stride <= 0:
-        return cu_seqlens
-    return compressed_cu_seqlens(cu_seqlens, block, stride)
+def compressed_cu_seqlens(cu_seqlens: Tensor, block: int = 32, stride: int = 16) -> Tensor:
+    """Prefix sums of the number of compressed blocks of each sequence.
+
+    A sequence of T tokens has (T - block) // stride + 1 compressed blocks if T >= block, else 0. This is the
+    layout of packed compressed K/V (``cu_seqlens_cmp``). Pure torch ops, no host synchronisation.
+
+    Args:
+        cu_seqlens: int32 [B+1], the token prefix sums: starts at 0, non-decreasing.
+        block: tokens per compressed block (l), a positive int.
+        stride: tokens between the starts of two blocks (d), a positive int.
+
+    Returns:
+        int32 [B+1] on cu_seqlens' device.
+
+    Raises:
+        SparseAttnTypeError: cu_seqlens is not a tensor, block or stride not an int.
+        SparseAttnDTypeError: cu_seqlens is not int32.
+        SparseAttnError: cu_seqlens is not 1-D with at least one entry; block or stride not positive or
+            beyond 32 bits; on the CPU, cu_seqlens does not start at 0 or decreases (CUDA tensors are not
+            read: that would synchronise).
+
+    Example:
+        >>> import torch, sparseattn
+        >>> cu = torch.tensor([0, 32, 96, 106], dtype=torch.int32)
+        >>> sparseattn.compressed_cu_seqlens(cu, block=32, stride=16).tolist()
+        [0, 1, 4, 4]
+    """
+    op = "compressed_cu_seqlens"
+    chk.tensor_arg(op, "cu_seqlens", cu_seqlens, kind="int32")
+    chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
+    block = chk.int_arg(op, "block", block, minimum=1)
+    stride = chk.int_arg(op, "stride", stride, minimum=1)
+    chk.cu_seqlens_contents(op, "cu_seqlens", cu_seqlens)
+    return _compressed_cu(cu_seqlens, block, stride)
 
 
 def compress_kv(k: Tensor, v: Tensor, *, block: int = 32, stride: int = 16,
                 cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Mean-pool k and v over compressed blocks (block j covers tokens [j*stride, j*stride + block)).
 
-    Batched: returns [B, Tc, Hkv, D] with Tc = (T - block) // stride + 1 if T >= block else 0. Packed:
-    [N // stride, Hkv, D] with rows laid out by ``compressed_cu_seqlens(cu_seqlens, block, stride)`` (rows
-    past the last sequence are zero). Differentiable w.r.t. k and v.
+    Differentiable w.r.t. k and v.
+
+    Args:
+        k: [B, T, Hkv, Dqk], or packed [N, Hkv, Dqk] with cu_seqlens.
+        v: [B, T, Hkv, Dv] (packed [N, Hkv, Dv]), the dtype and device of k.
+        block: tokens per compressed block (l); stride must divide it.
+        stride: tokens between the starts of two blocks (d).
+        cu_seqlens: int32 [B+1] for the packed layout, None for the batched one.
+
+    Returns:
+        (k_cmp, v_cmp). Batched: [B, Tc, Hkv, D] with Tc = (T - block) // stride + 1 if T >= block else 0.
+        Packed: [N // stride, Hkv, D], rows laid out by ``compressed_cu_seqlens(cu_seqlens, block, stride)``
+        (rows past the last sequence are zero).
+
+    Raises:
+        SparseAttnTypeError: an argument of the wrong type (a tensor, an int or None expected).
+        SparseAttnDTypeError: k or v not floating point, or of different dtypes; cu_seqlens not int32.
+        SparseAttnError: wrong ranks or sizes, mixed devices, block/stride not positive (or stride not
+            dividing block), bad cu_seqlens contents (checked on the CPU).
+        SparseAttnUnsupportedError: CUDA tensors with a build that has no CUDA kernels.
+
+    Example:
+        >>> import torch, sparseattn
+        >>> k, v = torch.randn(2, 40, 2, 16), torch.randn(2, 40, 2, 8)
+        >>> k_cmp, v_cmp = sparseattn.compress_kv(k, v, block=16, stride=8)
+        >>> tuple(k_cmp.shape), tuple(v_cmp.shape)
+        ((2, 4, 2, 16), (2, 4, 2, 8))
     """
     op = "compress_kv"
+    block = chk.int_arg(op, "block", block, minimum=1)
+    stride = chk.int_arg(op, "stride", stride, minimum=1)
+    chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
     packed = cu_seqlens is not None
-    _check_tokens(op, "k", k, packed)
-    _require_tensor(op, "v", v)
-    _check_cu_seqlens(op, "cu_seqlens", cu_seqlens, k, "k")
-    cu_cmp = _cu_cmp(cu_seqlens, block, stride) if packed else None
+    chk.tokens_arg(op, "k", k, packed)
+    chk.tensor_arg(op, "v", v)
+    chk.same_rank(op, "v", v, k, "k")
+    chk.devices(op, k, "k", [("v", v), ("cu_seqlens", cu_seqlens)])
+    cu_cmp = _compressed_cu(cu_seqlens, block, stride) if packed else None
     return _ops.compress_kv(k, v, cu_seqlens, cu_cmp, 0, block, stride)
+
+
+def _cu_seqlens_cmp(cu_seqlens: Optional[Tensor], cu_seqlens_cmp: Optional[Tensor], block: int,
+                    stride: int) -> Optional[Tensor]:
+    """The caller's cu_seqlens_cmp, or the one compressed_cu_seqlens derives for packed calls."""
+    if cu_seqlens_cmp is not None:
+        return cu_seqlens_cmp
+    return _compressed_cu(cu_seqlens, block, stride) if cu_seqlens is not None else None
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, *, block: int = 32, stride: int = 16,
@@ -145,21 +186,53 @@ def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, *, block: int 
                          cu_seqlens_cmp: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of every query to the compressed blocks that end at or before it (j*stride + block - 1 <= t).
 
-    Returns (o, lse): o like q with v_cmp's head dim; lse [B, Hq, T] (packed [Hq, N]) in float32 (float64
-    for float64 inputs). A query that sees no block gets o = 0 and lse = -inf. Packed: k_cmp/v_cmp are laid
-    out by ``cu_seqlens_cmp`` (default ``compressed_cu_seqlens(cu_seqlens, block, stride)``).
-    Differentiable w.r.t. q, k_cmp and v_cmp (not through lse).
+    A query that sees no block gets o = 0 and lse = -inf. Differentiable w.r.t. q, k_cmp and v_cmp (not
+    through lse).
+
+    Args:
+        q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
+        k_cmp: [B, Tc, Hkv, Dqk] (packed [Nc, Hkv, Dqk]), e.g. from :func:`compress_kv`; Hkv divides Hq.
+        v_cmp: [B, Tc, Hkv, Dv] (packed [Nc, Hkv, Dv]).
+        block, stride: the compression the blocks came from (l, d).
+        scale: softmax scale, a finite positive number; None: 1/sqrt(Dqk).
+        cu_seqlens: int32 [B+1] for the packed layout.
+        cu_seqlens_cmp: int32 [B+1], the packed layout of k_cmp/v_cmp (default
+            ``compressed_cu_seqlens(cu_seqlens, block, stride)``).
+
+    Returns:
+        (o, lse): o like q with v_cmp's head dim; lse [B, Hq, T] (packed [Hq, N]) in float32 (float64 for
+        float64 inputs).
+
+    Raises:
+        SparseAttnTypeError: an argument of the wrong type.
+        SparseAttnDTypeError: non-float or mismatched dtypes, index tensors not int32.
+        SparseAttnError: wrong ranks or sizes (heads, head dims, Tc), mixed devices, bad block/stride/scale,
+            bad cu_seqlens or cu_seqlens_cmp (contents checked on the CPU).
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take.
+
+    Example:
+        >>> import torch, sparseattn
+        >>> q, k, v = torch.randn(1, 40, 4, 16), torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
+        >>> k_cmp, v_cmp = sparseattn.compress_kv(k, v, block=16, stride=8)
+        >>> o, lse = sparseattn.compressed_attention(q, k_cmp, v_cmp, block=16, stride=8)
+        >>> tuple(o.shape), tuple(lse.shape), lse.dtype
+        ((1, 40, 4, 16), (1, 4, 40), torch.float32)
     """
     op = "compressed_attention"
+    block = chk.int_arg(op, "block", block, minimum=1)
+    stride = chk.int_arg(op, "stride", stride, minimum=1)
+    scale = chk.scale_arg(op, "scale", scale)
+    chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
+    chk.cu_seqlens_arg(op, "cu_seqlens_cmp", cu_seqlens_cmp)
     packed = cu_seqlens is not None
-    _check_tokens(op, "q", q, packed)
-    _check_tokens(op, "k_cmp", k_cmp, packed)
-    _require_tensor(op, "v_cmp", v_cmp)
-    _check_cu_seqlens(op, "cu_seqlens", cu_seqlens, q, "q")
-    if packed and cu_seqlens_cmp is None:
-        cu_seqlens_cmp = _cu_cmp(cu_seqlens, block, stride)
-    _check_cu_seqlens(op, "cu_seqlens_cmp", cu_seqlens_cmp, q, "q")
-    return _ops.compressed_attention(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, 0, block, stride, _scale(scale))
+    chk.tokens_arg(op, "q", q, packed)
+    chk.tokens_arg(op, "k_cmp", k_cmp, packed)
+    chk.tensor_arg(op, "v_cmp", v_cmp)
+    chk.same_rank(op, "v_cmp", v_cmp, k_cmp, "k_cmp")
+    chk.devices(op, q, "q", [("k_cmp", k_cmp), ("v_cmp", v_cmp), ("cu_seqlens", cu_seqlens),
+                             ("cu_seqlens_cmp", cu_seqlens_cmp)])
+    cu_seqlens_cmp = _cu_seqlens_cmp(cu_seqlens, cu_seqlens_cmp, block, stride)
+    return _ops.compressed_attention(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, 0, block, stride, scale)
 
 
 def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, *, cmp_block: int = 32, cmp_stride: int = 16,
@@ -168,38 +241,111 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, *, cmp_block: int =
                   cu_seqlens_cmp: Optional[Tensor] = None) -> Tensor:
     """NSA block selection from compressed-attention probabilities (shared by each query-head group).
 
-    Returns int32 [B, T, Hkv, num_selected] (packed [N, Hkv, num_selected]): ascending block indices, -1
-    padded. ``lse_cmp`` is compressed_attention's log-sum-exp for the same q, k_cmp and scale. Not
-    differentiable.
+    Each query ranks the selection blocks it can see by the compressed-attention probability mass they cover,
+    summed over the query heads of its KV head, and keeps the top ``num_selected``, the ``num_init`` first
+    and ``num_local`` last (current) blocks always included. Not differentiable.
+
+    Args:
+        q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
+        k_cmp: [B, Tc, Hkv, Dqk] (packed [Nc, Hkv, Dqk]), compressed keys.
+        lse_cmp: compressed_attention's log-sum-exp for the same q, k_cmp and scale: [B, Hq, T] (packed
+            [Hq, N]), float32 (float64 for float64 q).
+        cmp_block, cmp_stride: the compression (l, d); d divides l and sel_block.
+        sel_block: tokens per selection block (l' >= l).
+        num_selected: blocks per row (n >= num_init + num_local).
+        num_init, num_local: forced initial and local blocks (>= 0).
+        scale: softmax scale, as given to compressed_attention; None: 1/sqrt(Dqk).
+        cu_seqlens, cu_seqlens_cmp: the packed layouts (cu_seqlens_cmp defaults to
+            ``compressed_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)``).
+
+    Returns:
+        int32 [B, T, Hkv, num_selected] (packed [N, Hkv, num_selected]): ascending block indices, -1 padded.
+
+    Raises:
+        SparseAttnTypeError: an argument of the wrong type.
+        SparseAttnDTypeError: non-float or mismatched dtypes (lse_cmp's included), index tensors not int32.
+        SparseAttnError: wrong ranks or sizes, mixed devices, an inconsistent configuration, bad cu_seqlens.
+        SparseAttnUnsupportedError: CUDA tensors or a configuration the CUDA kernel does not take.
+
+    Example:
+        >>> import torch, sparseattn
+        >>> q, k, v = torch.randn(1, 64, 4, 16), torch.randn(1, 64, 2, 16), torch.randn(1, 64, 2, 16)
+        >>> k_cmp, v_cmp = sparseattn.compress_kv(k, v, block=16, stride=8)
+        >>> _, lse = sparseattn.compressed_attention(q, k_cmp, v_cmp, block=16, stride=8)
+        >>> idx = sparseattn.select_blocks(q, k_cmp, lse, cmp_block=16, cmp_stride=8, sel_block=32,
+        ...                                num_selected=2, num_init=1, num_local=1)
+        >>> tuple(idx.shape), idx[0, 63, 0].tolist()
+        ((1, 64, 2, 2), [0, 1])
     """
     op = "select_blocks"
+    cmp_block = chk.int_arg(op, "cmp_block", cmp_block, minimum=1)
+    cmp_stride = chk.int_arg(op, "cmp_stride", cmp_stride, minimum=1)
+    sel_block = chk.int_arg(op, "sel_block", sel_block, minimum=1)
+    num_selected = chk.int_arg(op, "num_selected", num_selected, minimum=1)
+    num_init = chk.int_arg(op, "num_init", num_init, minimum=0)
+    num_local = chk.int_arg(op, "num_local", num_local, minimum=0)
+    scale = chk.scale_arg(op, "scale", scale)
+    chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
+    chk.cu_seqlens_arg(op, "cu_seqlens_cmp", cu_seqlens_cmp)
     packed = cu_seqlens is not None
-    _check_tokens(op, "q", q, packed)
-    _check_tokens(op, "k_cmp", k_cmp, packed)
-    _require_tensor(op, "lse_cmp", lse_cmp)
-    _check_cu_seqlens(op, "cu_seqlens", cu_seqlens, q, "q")
-    if packed and cu_seqlens_cmp is None:
-        cu_seqlens_cmp = _cu_cmp(cu_seqlens, cmp_block, cmp_stride)
-    _check_cu_seqlens(op, "cu_seqlens_cmp", cu_seqlens_cmp, q, "q")
+    chk.tokens_arg(op, "q", q, packed)
+    chk.tokens_arg(op, "k_cmp", k_cmp, packed)
+    chk.tensor_arg(op, "lse_cmp", lse_cmp)
+    chk.devices(op, q, "q", [("k_cmp", k_cmp), ("lse_cmp", lse_cmp), ("cu_seqlens", cu_seqlens),
+                             ("cu_seqlens_cmp", cu_seqlens_cmp)])
+    cu_seqlens_cmp = _cu_seqlens_cmp(cu_seqlens, cu_seqlens_cmp, cmp_block, cmp_stride)
     return _ops.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), cu_seqlens, cu_seqlens_cmp, 0,
-                              cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, _scale(scale))
+                              cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, scale)
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, *, block: int = 64,
                        scale: Optional[float] = None, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of query t to the tokens at positions <= t of its KV head's selected blocks.
 
-    ``indices``: int32 [B, T, Hkv, n] (packed [N, Hkv, n]), ascending, -1 padded; block b covers tokens
-    [b*block, (b+1)*block). Returns (o, lse). Differentiable w.r.t. q, k and v.
+    Differentiable w.r.t. q, k and v.
+
+    Args:
+        q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
+        k: [B, T, Hkv, Dqk] (packed [N, Hkv, Dqk]); Hkv divides Hq.
+        v: [B, T, Hkv, Dv] (packed [N, Hkv, Dv]).
+        indices: int32 [B, T, Hkv, n] (packed [N, Hkv, n]): per row, ascending block indices, -1 padded at
+            the end (as :func:`select_blocks` returns). Block b covers tokens [b*block, (b+1)*block).
+        block: tokens per selection block (l'), a positive int.
+        scale: softmax scale; None: 1/sqrt(Dqk).
+        cu_seqlens: int32 [B+1] for the packed layout.
+
+    Returns:
+        (o, lse): o [B, T, Hq, Dv] (packed [N, Hq, Dv]); lse [B, Hq, T] (packed [Hq, N]) in float32
+        (float64 for float64 inputs).
+
+    Raises:
+        SparseAttnTypeError: an argument of the wrong type.
+        SparseAttnDTypeError: non-float or mismatched dtypes; indices or cu_seqlens not int32 (convert
+            int64 indices with ``indices.int()``).
+        SparseAttnError: wrong ranks or sizes, mixed devices, bad block or scale, bad cu_seqlens, indices not
+            ascending or out of range (contents checked on the CPU).
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take.
+
+    Example:
+        >>> import torch, sparseattn
+        >>> q, k, v = torch.randn(1, 64, 4, 16), torch.randn(1, 64, 2, 16), torch.randn(1, 64, 2, 16)
+        >>> idx = torch.tensor([0, -1], dtype=torch.int32).expand(1, 64, 2, 2)  # block 0 only
+        >>> o, lse = sparseattn.selected_attention(q, k, v, idx, block=32)
+        >>> tuple(o.shape)
+        (1, 64, 4, 16)
     """
     op = "selected_attention"
+    block = chk.int_arg(op, "block", block, minimum=1)
+    scale = chk.scale_arg(op, "scale", scale)
+    chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
     packed = cu_seqlens is not None
-    _check_tokens(op, "q", q, packed)
-    _check_tokens(op, "k", k, packed)
-    _require_tensor(op, "v", v)
-    _require_tensor(op, "indices", indices)
-    _check_cu_seqlens(op, "cu_seqlens", cu_seqlens, q, "q")
-    return _ops.selected_attention(q, k, v, indices.detach(), cu_seqlens, 0, block, _scale(scale))
+    chk.tokens_arg(op, "q", q, packed)
+    chk.tokens_arg(op, "k", k, packed)
+    chk.tensor_arg(op, "v", v)
+    chk.same_rank(op, "v", v, k, "k")
+    chk.tensor_arg(op, "indices", indices, kind="int32")
+    chk.devices(op, q, "q", [("k", k), ("v", v), ("indices", indices), ("cu_seqlens", cu_seqlens)])
+    return _ops.selected_attention(q, k, v, indices.detach(), cu_seqlens, 0, block, scale)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
@@ -210,45 +356,112 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Dense attention: s = scale*q.k + bias, kept where mask is True, the causal rule and the window allow.
 
-    ``causal`` is bottom-right aligned when the key count differs from the query count (as FlashAttention);
-    ``window=(left, right)`` keeps keys in [a - left, a + right] around the aligned position a (-1:
-    unbounded). ``mask`` (bool) and ``bias`` (dtype of q) broadcast as [B|1, Hq|Hkv|1, T|1, S] (batched
-    layout only). Varlen: ``cu_seqlens_q`` and ``cu_seqlens_k`` (one given alone is used for both). A row
-    with no kept key returns 0 (lse -inf). Differentiable w.r.t. q, k, v and bias (dbias has bias's shape).
-    Returns o, or (o, lse) with ``return_lse``.
+    ``causal`` is bottom-right aligned when the key count differs from the query count (as FlashAttention).
+    A row with no kept key returns 0 (lse -inf). Differentiable w.r.t. q, k, v and bias (dbias has bias's
+    shape).
+
+    Args:
+        q: [B, T, Hq, Dqk], or packed [Nq, Hq, Dqk] with cu_seqlens_q.
+        k: [B, S, Hkv, Dqk] (packed [Nk, Hkv, Dqk]); Hkv divides Hq.
+        v: [B, S, Hkv, Dv] (packed [Nk, Hkv, Dv]).
+        causal: a bool; keep keys at or before the aligned position a = t + S - T.
+        window: (left, right) ints: keep keys in [a - left, a + right]; a negative side (-1) is unbounded.
+            None is (-1, -1).
+        mask: bool, broadcast as [B|1, Hq|Hkv|1, T|1, S] (batched layout only); True keeps.
+        bias: dtype of q, broadcast like mask (batched layout only).
+        scale: softmax scale; None: 1/sqrt(Dqk).
+        cu_seqlens_q, cu_seqlens_k: int32 [B+1] for the packed layout; one given alone is used for both.
+        max_seqlen_q, max_seqlen_k: upper bounds of the packed lengths (None or 0: not known).
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        o [B, T, Hq, Dv] (packed [Nq, Hq, Dv]), or (o, lse) with ``return_lse``; lse [B, Hq, T] (packed
+        [Hq, Nq]) in float32 (float64 for float64 inputs).
+
+    Raises:
+        SparseAttnTypeError: an argument of the wrong type (e.g. ``window=5``, ``causal="yes"``).
+        SparseAttnDTypeError: non-float or mismatched dtypes, a non-bool mask, cu_seqlens not int32.
+        SparseAttnError: wrong ranks or sizes, mixed devices, mask/bias with the packed layout, bad
+            scale or max_seqlen, bad cu_seqlens (contents checked on the CPU).
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (mask and bias on
+            CUDA included).
+
+    Example:
+        >>> import torch, sparseattn
+        >>> q, k, v = torch.randn(2, 10, 4, 16), torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 8)
+        >>> o, lse = sparseattn.flash_attention(q, k, v, causal=True, window=(3, 0), return_lse=True)
+        >>> tuple(o.shape), tuple(lse.shape)
+        ((2, 10, 4, 8), (2, 4, 10))
     """
     op = "flash_attention"
+    causal = chk.bool_arg(op, "causal", causal)
+    return_lse = chk.bool_arg(op, "return_lse", return_lse)
+    window_left, window_right = chk.window_arg(op, "window", window)
+    scale = chk.scale_arg(op, "scale", scale)
+    max_seqlen_q = chk.optional_int_arg(op, "max_seqlen_q", max_seqlen_q, minimum=0)
+    max_seqlen_k = chk.optional_int_arg(op, "max_seqlen_k", max_seqlen_k, minimum=0)
+    chk.cu_seqlens_arg(op, "cu_seqlens_q", cu_seqlens_q)
+    chk.cu_seqlens_arg(op, "cu_seqlens_k", cu_seqlens_k)
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
     elif cu_seqlens_q is None:
         cu_seqlens_q = cu_seqlens_k
     packed = cu_seqlens_q is not None
-    _check_tokens(op, "q", q, packed, "cu_seqlens_q")
-    _check_tokens(op, "k", k, packed, "cu_seqlens_k")
-    _require_tensor(op, "v", v)
-    _require_tensor(op, "mask", mask, optional=True)
-    _require_tensor(op, "bias", bias, optional=True)
-    _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q, "q")
-    _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k, "k")
-    if window is None:
-        window = (-1, -1)
-    if len(window) != 2:
-        raise make_error(SparseAttnError, "config", op, "window", f"expected (left, right), got {window!r}")
+    chk.tokens_arg(op, "q", q, packed, "cu_seqlens_q")
+    chk.tokens_arg(op, "k", k, packed, "cu_seqlens_k")
+    chk.tensor_arg(op, "v", v)
+    chk.same_rank(op, "v", v, k, "k")
+    chk.tensor_arg(op, "mask", mask, optional=True, kind="bool")
+    chk.tensor_arg(op, "bias", bias, optional=True)
+    chk.devices(op, q, "q", [("k", k), ("v", v), ("mask", mask), ("bias", bias), ("cu_seqlens_q", cu_seqlens_q),
+                             ("cu_seqlens_k", cu_seqlens_k)])
     mask = None if mask is None else mask.detach()
-    o, lse = _ops.flash_attention(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, _max_seqlen(max_seqlen_q),
-                                  _max_seqlen(max_seqlen_k), bool(causal), int(window[0]), int(window[1]),
-                                  _scale(scale))
+    o, lse = _ops.flash_attention(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  causal, window_left, window_right, scale)
     return (o, lse) if return_lse else o
 
 
 def combine(o_cmp: Optional[Tensor], o_slc: Optional[Tensor], o_swa: Optional[Tensor], g_cmp: Optional[Tensor],
             g_slc: Optional[Tensor], g_swa: Optional[Tensor]) -> Tensor:
-    """NSA's gated sum o = g_cmp*o_cmp + g_slc*o_slc + g_swa*o_swa; a branch whose gate is None is skipped."""
-    for name, t in (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_swa", o_swa), ("g_cmp", g_cmp), ("g_slc", g_slc),
-                    ("g_swa", g_swa)):
-        _require_tensor("combine", name, t, optional=True)
+    """NSA's gated sum o = g_cmp*o_cmp + g_slc*o_slc + g_swa*o_swa; a branch whose gate is None is skipped.
+
+    Differentiable w.r.t. the outputs and gates of the branches that take part.
+
+    Args:
+        o_cmp, o_slc, o_swa: the branch outputs, [B, T, Hq, Dv] (packed [N, Hq, Dv]), one dtype; the output
+            of a skipped branch may be None (it is ignored).
+        g_cmp, g_slc, g_swa: the gates, [B, T, Hq] (packed [N, Hq]) in the outputs' dtype, or None to skip
+            the branch; at least one is given.
+
+    Returns:
+        o, the shape and dtype of the branch outputs.
+
+    Raises:
+        SparseAttnTypeError: an argument that is neither a tensor nor None.
+        SparseAttnDTypeError: non-float or mismatched dtypes.
+        SparseAttnError: no gate given, a gated branch without its output, mismatched shapes, mixed devices.
+
+    Example:
+        >>> import torch, sparseattn
+        >>> o1, o2 = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 4)
+        >>> g = torch.full((1, 5, 2), 0.5)
+        >>> o = sparseattn.combine(o1, o2, None, g, g, None)
+        >>> torch.allclose(o, 0.5 * (o1 + o2))
+        True
+    """
+    op = "combine"
+    named = (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_swa", o_swa), ("g_cmp", g_cmp), ("g_slc", g_slc),
+             ("g_swa", g_swa))
+    for name, t in named:
+        chk.tensor_arg(op, name, t, optional=True)
     # Outputs of skipped branches are not passed on (they take no part and get no gradient).
     o_cmp, o_slc, o_swa = (o if g is not None else None for o, g in ((o_cmp, g_cmp), (o_slc, g_slc), (o_swa, g_swa)))
+    present = [(name, t) for name, t in zip(("o_cmp", "o_slc", "o_swa", "g_cmp", "g_slc", "g_swa"),
+                                            (o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)) if t is not None]
+    if not any(g is not None for g in (g_cmp, g_slc, g_swa)):
+        raise make_error(SparseAttnError, "config", op, "gates", "at least one branch gate must be given")
+    anchor_name, anchor = present[0]
+    chk.devices(op, anchor, anchor_name, present[1:])
     return _ops.combine(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
 
 
@@ -259,31 +472,64 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
                   max_seqlen: Optional[int] = None) -> Tensor:
     """The whole Native Sparse Attention pipeline in one op.
 
-    q [B, T, Hq, Dqk], k [B, T, Hkv, Dqk], v [B, T, Hkv, Dv] (or packed with ``cu_seqlens``); gates
-    [B, T, Hq] (packed [N, Hq]), at least one given; a branch whose gate is None is skipped.
-    ``k_cmp``/``v_cmp`` (both or neither): user-supplied compressed K/V instead of mean pooling
-    ([B, Tc, Hkv, D]; packed laid out by ``compressed_cu_seqlens``). ``block_indices``: user-supplied
-    selection (int32 [B, T, Hkv, n]) instead of top-n selection. Gradients reach q, k, v, the given gates
-    and user k_cmp/v_cmp.
+    o = g_cmp*compressed + g_slc*selected + g_swa*sliding-window attention, where a branch whose gate is None
+    is skipped. Gradients reach q, k, v, the given gates and user k_cmp/v_cmp.
+
+    Args:
+        q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
+        k: [B, T, Hkv, Dqk] (packed [N, Hkv, Dqk]); Hkv divides Hq.
+        v: [B, T, Hkv, Dv] (packed [N, Hkv, Dv]).
+        g_cmp, g_slc, g_swa: gates [B, T, Hq] (packed [N, Hq]) in q's dtype, used as given; at least one.
+        config: an :class:`NSAConfig` (None: the defaults).
+        k_cmp, v_cmp: user-supplied compressed K/V instead of mean pooling, both or neither
+            ([B, Tc, Hkv, D]; packed laid out by ``compressed_cu_seqlens``).
+        block_indices: user-supplied selection, int32 [B, T, Hkv, n] (packed [N, Hkv, n]), instead of the
+            top-n selection; needs g_slc.
+        cu_seqlens: int32 [B+1] for the packed layout.
+        max_seqlen: an upper bound of the packed lengths (None or 0: not known).
+
+    Returns:
+        o [B, T, Hq, Dv] (packed [N, Hq, Dv]) in q's dtype.
+
+    Raises:
+        SparseAttnTypeError: an argument of the wrong type (config not an NSAConfig, max_seqlen not an int).
+        SparseAttnDTypeError: non-float or mismatched dtypes; block_indices or cu_seqlens not int32.
+        SparseAttnError: wrong ranks or sizes, mixed devices, no gate, an inconsistent configuration, bad
+            cu_seqlens or block_indices contents (checked on the CPU).
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take.
+
+    Example:
+        >>> import torch, sparseattn
+        >>> cfg = sparseattn.NSAConfig(cmp_block=16, cmp_stride=8, sel_block=32, num_selected=4, window=64)
+        >>> q, k, v = torch.randn(1, 100, 4, 16), torch.randn(1, 100, 2, 16), torch.randn(1, 100, 2, 16)
+        >>> g = torch.sigmoid(torch.randn(1, 100, 4))
+        >>> o = sparseattn.nsa_attention(q, k, v, g, g, g, config=cfg)
+        >>> tuple(o.shape)
+        (1, 100, 4, 16)
     """
     op = "nsa_attention"
     config = NSAConfig() if config is None else config
     if not isinstance(config, NSAConfig):
-        raise make_error(SparseAttnError, "config", op, "config",
-                         f"expected a sparseattn.NSAConfig, got {type(config).__name__}")
+        raise chk.type_error(op, "config", "a sparseattn.NSAConfig or None", config)
+    config._validate()
+    max_seqlen = chk.optional_int_arg(op, "max_seqlen", max_seqlen, minimum=0)
+    chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
     packed = cu_seqlens is not None
-    _check_tokens(op, "q", q, packed)
-    _check_tokens(op, "k", k, packed)
-    _require_tensor(op, "v", v)
-    for name, t in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa), ("k_cmp", k_cmp), ("v_cmp", v_cmp),
-                    ("block_indices", block_indices)):
-        _require_tensor(op, name, t, optional=True)
-    _check_cu_seqlens(op, "cu_seqlens", cu_seqlens, q, "q")
-    cu_cmp = _cu_cmp(cu_seqlens, config.cmp_block, config.cmp_stride) if packed else None
+    chk.tokens_arg(op, "q", q, packed)
+    chk.tokens_arg(op, "k", k, packed)
+    chk.tensor_arg(op, "v", v)
+    chk.same_rank(op, "v", v, k, "k")
+    for name, t in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa), ("k_cmp", k_cmp), ("v_cmp", v_cmp)):
+        chk.tensor_arg(op, name, t, optional=True)
+    chk.tensor_arg(op, "block_indices", block_indices, optional=True, kind="int32")
+    chk.devices(op, q, "q", [("k", k), ("v", v), ("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa),
+                             ("k_cmp", k_cmp), ("v_cmp", v_cmp), ("block_indices", block_indices),
+                             ("cu_seqlens", cu_seqlens)])
+    cu_cmp = _compressed_cu(cu_seqlens, config.cmp_block, config.cmp_stride) if packed else None
     if block_indices is not None:
         block_indices = block_indices.detach()
     o, _workspace = _ops.nsa_attention(
-        q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_cmp, _max_seqlen(max_seqlen),
+        q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_cmp, max_seqlen,
         int(config.cmp_block), int(config.cmp_stride), int(config.sel_block), int(config.num_selected),
-        int(config.num_init), int(config.num_local), int(config.window), _scale(config.scale))
+        int(config.num_init), int(config.num_local), int(config.window), chk.scale_arg(op, "scale", config.scale))
     return o

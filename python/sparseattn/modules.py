@@ -7,27 +7,81 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ._errors import SparseAttnError, make_error
+from . import _checks as chk
+from ._errors import SparseAttnDTypeError, SparseAttnError, SparseAttnTypeError, make_error
 from .functional import NSAConfig, nsa_attention
 
 __all__ = ["NativeSparseAttention", "NativeSparseAttentionCore", "apply_rotary", "sequence_positions"]
 
 
+def _config_arg(op: str, config) -> NSAConfig:
+    if config is None:
+        return NSAConfig()
+    if not isinstance(config, NSAConfig):
+        raise chk.type_error(op, "config", "a sparseattn.NSAConfig or None", config)
+    return config
+
+
 class NativeSparseAttentionCore(nn.Module):
-    """NSA on already projected q, k, v and activated gates (see :func:`sparseattn.nsa_attention`)."""
+    """NSA on already projected q, k, v and activated gates (see :func:`sparseattn.nsa_attention`).
+
+    Args:
+        config: an :class:`NSAConfig` (None: the defaults).
+
+    Raises:
+        SparseAttnTypeError: config is neither an NSAConfig nor None.
+    """
 
     def __init__(self, config: Optional[NSAConfig] = None):
         super().__init__()
-        self.config = NSAConfig() if config is None else config
+        self.config = _config_arg("NativeSparseAttentionCore", config)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = None,
                 g_slc: Optional[Tensor] = None, g_swa: Optional[Tensor] = None, *,
                 cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None) -> Tensor:
+        """:func:`sparseattn.nsa_attention` with this module's config.
+
+        Args:
+            q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
+            k: [B, T, Hkv, Dqk] (packed [N, Hkv, Dqk]); Hkv divides Hq.
+            v: [B, T, Hkv, Dv] (packed [N, Hkv, Dv]).
+            g_cmp, g_slc, g_swa: gates [B, T, Hq] (packed [N, Hq]) in q's dtype; at least one; a branch
+                whose gate is None is skipped.
+            cu_seqlens: int32 [B+1] for the packed layout.
+            max_seqlen: an upper bound of the packed lengths (None: not known).
+
+        Returns:
+            o [B, T, Hq, Dv] (packed [N, Hq, Dv]).
+
+        Raises:
+            SparseAttnError: as :func:`sparseattn.nsa_attention` (its subclasses for wrong types and dtypes).
+
+        Example:
+            >>> import torch, sparseattn
+            >>> core = sparseattn.NativeSparseAttentionCore(sparseattn.NSAConfig(
+            ...     cmp_block=16, cmp_stride=8, sel_block=32, num_selected=4, window=64))
+            >>> q, k, v = torch.randn(1, 50, 4, 16), torch.randn(1, 50, 2, 16), torch.randn(1, 50, 2, 16)
+            >>> g = torch.sigmoid(torch.randn(1, 50, 4))
+            >>> tuple(core(q, k, v, g, g, g).shape)
+            (1, 50, 4, 16)
+        """
         return nsa_attention(q, k, v, g_cmp, g_slc, g_swa, config=self.config, cu_seqlens=cu_seqlens,
                              max_seqlen=max_seqlen)
 
     def extra_repr(self) -> str:
         return repr(self.config)
+
+
+def _device_arg(op: str, device):
+    """None, or what torch.device takes (a string such as "cpu" or "cuda:0", an index or a torch.device)."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise chk.type_error(op, "device", "None, a torch.device, a string or an int", device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise make_error(SparseAttnError, "device", op, "device", f"not a device: {device!r} ({exc})") from None
 
 
 def sequence_positions(num_tokens: int, cu_seqlens: Optional[Tensor], device: torch.device) -> Tensor:
@@ -60,17 +114,49 @@ class NativeSparseAttention(nn.Module):
 
     forward(x [B, T, hidden] or packed [N, hidden] with cu_seqlens) returns a tensor of the same leading
     shape. Rotary positions restart at 0 for every packed sequence.
+
+    Args:
+        hidden_size: model width (a positive int).
+        num_heads: query heads Hq; num_kv_heads: KV heads Hkv, which divide Hq.
+        head_dim: Dqk (even with rotary); v_head_dim: Dv (None: head_dim).
+        config: an :class:`NSAConfig` (None: the defaults).
+        rotary: apply the rotary embedding to q and k; rope_theta: its base (finite, positive).
+        bias: bias terms in the projections.
+        device, dtype: of the parameters (dtype: float16, bfloat16, float32 or float64).
+
+    Raises:
+        SparseAttnTypeError: an argument of the wrong type.
+        SparseAttnError: sizes not positive or beyond 32-bit ints, Hkv not dividing Hq, an odd head_dim with
+            rotary, a bad rope_theta, device or dtype.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  v_head_dim: Optional[int] = None, config: Optional[NSAConfig] = None, rotary: bool = True,
                  rope_theta: float = 10000.0, bias: bool = False, device=None, dtype=None):
         super().__init__()
+        op = "NativeSparseAttention"
+        hidden_size = chk.int_arg(op, "hidden_size", hidden_size, minimum=1)
+        num_heads = chk.int_arg(op, "num_heads", num_heads, minimum=1)
+        num_kv_heads = chk.int_arg(op, "num_kv_heads", num_kv_heads, minimum=1)
+        head_dim = chk.int_arg(op, "head_dim", head_dim, minimum=1)
+        if v_head_dim is not None:
+            v_head_dim = chk.int_arg(op, "v_head_dim", v_head_dim, minimum=1)
+        config = _config_arg(op, config)
+        rotary = chk.bool_arg(op, "rotary", rotary)
+        if rope_theta is None:
+            raise chk.type_error(op, "rope_theta", "a float", rope_theta)
+        rope_theta = chk.scale_arg(op, "rope_theta", rope_theta)
+        bias = chk.bool_arg(op, "bias", bias)
+        device = _device_arg(op, device)
+        if dtype is not None and dtype not in chk.FLOAT_DTYPES:
+            cls = SparseAttnDTypeError if isinstance(dtype, torch.dtype) else SparseAttnTypeError
+            raise make_error(cls, "dtype" if cls is SparseAttnDTypeError else "type", op, "dtype",
+                             f"expected None or float16, bfloat16, float32 or float64, got {dtype!r}")
         if num_heads % num_kv_heads != 0:
-            raise make_error(SparseAttnError, "config", "NativeSparseAttention", "num_kv_heads",
+            raise make_error(SparseAttnError, "config", op, "num_kv_heads",
                              f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if rotary and head_dim % 2 != 0:
-            raise make_error(SparseAttnError, "config", "NativeSparseAttention", "head_dim",
+            raise make_error(SparseAttnError, "config", op, "head_dim",
                              f"rotary embedding needs an even head_dim, got {head_dim}")
         factory = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
@@ -93,10 +179,50 @@ class NativeSparseAttention(nn.Module):
 
     def forward(self, x: Tensor, *, cu_seqlens: Optional[Tensor] = None,
                 max_seqlen: Optional[int] = None) -> Tensor:
+        """Projections, gates, rotary embedding, NSA and the output projection.
+
+        Args:
+            x: [B, T, hidden_size], or packed [N, hidden_size] with cu_seqlens; the dtype and device of the
+                layer's parameters.
+            cu_seqlens: int32 [B+1] for the packed layout (rotary positions restart at every sequence).
+            max_seqlen: an upper bound of the packed lengths (None: not known).
+
+        Returns:
+            [B, T, hidden_size] (packed [N, hidden_size]).
+
+        Raises:
+            SparseAttnTypeError: x or cu_seqlens not a tensor, max_seqlen not an int.
+            SparseAttnDTypeError: x's dtype is not the parameters', cu_seqlens not int32.
+            SparseAttnError: wrong rank or width of x, x or cu_seqlens on another device than the parameters,
+                bad cu_seqlens, and whatever :func:`sparseattn.nsa_attention` rejects.
+
+        Example:
+            >>> import torch, sparseattn
+            >>> layer = sparseattn.NativeSparseAttention(64, num_heads=4, num_kv_heads=2, head_dim=16,
+            ...     config=sparseattn.NSAConfig(cmp_block=16, cmp_stride=8, sel_block=32, num_selected=4, window=64))
+            >>> x = torch.randn(2, 50, 64)
+            >>> tuple(layer(x).shape)
+            (2, 50, 64)
+            >>> cu = torch.tensor([0, 30, 100], dtype=torch.int32)
+            >>> tuple(layer(torch.randn(100, 64), cu_seqlens=cu, max_seqlen=70).shape)
+            (100, 64)
+        """
+        op = "NativeSparseAttention"
+        chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
         packed = cu_seqlens is not None
-        if x.dim() != (2 if packed else 3):
-            raise make_error(SparseAttnError, "shape", "NativeSparseAttention", "x",
-                             f"expected [N, hidden] with cu_seqlens or [B, T, hidden], got {list(x.shape)}")
+        chk.tensor_arg(op, "x", x)
+        if x.dim() != (2 if packed else 3) or x.shape[-1] != self.hidden_size:
+            raise make_error(SparseAttnError, "shape", op, "x",
+                             f"expected [N, {self.hidden_size}] with cu_seqlens or [B, T, {self.hidden_size}], "
+                             f"got {list(x.shape)}")
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype:
+            raise make_error(SparseAttnDTypeError, "dtype", op, "x",
+                             f"{chk.dtype_name(x.dtype)} does not match the layer's parameters' "
+                             f"{chk.dtype_name(weight.dtype)}")
+        chk.same_device(op, "x", x, weight, "the layer's parameters")
+        chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens, x, "x")
+        max_seqlen = chk.optional_int_arg(op, "max_seqlen", max_seqlen, minimum=0, default=None)
         lead = x.shape[:-1]
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
