@@ -475,7 +475,9 @@ def plot(meta: dict, results: list[dict], path: str) -> None:
 
 
 def write_reports(stem: str, meta: dict, results: list[dict], with_plot: bool) -> list[str]:
-    """Writes stem.json, stem.md and (with_plot, if matplotlib is there) stem.png; returns the paths written."""
+    """Writes stem.json, stem.md and (with_plot, if matplotlib is there) stem.png; returns the paths written.
+    Creates the output folder (only here: not at import, for --help or a run that stops before its first case)."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(stem + ".md", "w") as f:
@@ -529,7 +531,6 @@ def report_stem(out: str, meta: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
