@@ -1,4 +1,4 @@
-// accumulate (internal): out = sum of up to kMaxTerms same-shaped tensors, any strides with a contiguous
+// accumulate (internal): out = sum of up to kMaxAccumulateTerms same-shaped tensors, any strides with a contiguous
 // last dimension. Memory-bound: one grid-stride kernel serves every rank; packed outputs skip rows past
 // cu_seqlens[B] (read on the device, no host sync).
 #include "core/accumulate_params.h"

@@ -1,5 +1,7 @@
 // Host entry points of flash_attention and compressed_attention on CUDA: params -> kernel arguments, head
-// dims -> template constants (the kernels are instantiated in units that CMake generates, instantiations.h). No host synchronisation.
+// dims -> template constants (the kernels are instantiated in units that CMake generates from
+// instantiation.cu.in, declared in instantiations.h), the backward's workspace and head splits. No host
+// synchronisation.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -35,8 +37,9 @@ std::size_t delta_bytes(const TensorView& q) {
 // its group's heads; with causal masks the first key blocks carry the most work, and a long sequence with few
 // KV heads gives few CTAs (compressed keys at T = 64K, 4 KV heads: 256 blocks of 64). Splitting the group's
 // heads over CTAs balances the load, at the cost of fp32 partials (split_bytes each) and a reduction. Target:
-// about 16 blocks of 64 keys per SM (H100, compressed 64/4 at 64K, wgmma kernel: 3 splits 97 ms, 8 splits
-// 83 ms, 16 splits 80 ms for the whole compressed backward), with the partials kept under kSplitPartialsCap.
+// about 16 blocks of 64 keys per SM (the compressed backward at 64/4, T = 64K gets faster with the splits up to
+// there; docs/perf/2026-11-27-measurements-from-source-comments.md), with the partials kept under
+// kSplitPartialsCap.
 constexpr std::size_t kSplitPartialsCap = std::size_t{128} << 20;
 
 int dkv_head_splits(i64 group, i64 key_blocks, int multiprocessor_count, std::size_t split_bytes) {

@@ -1,5 +1,6 @@
 // Host launchers of the attention kernels: grid shapes, shared-memory opt-in, and the choice between the
-// mma.sync kernels (mma_sync_kernels.cuh; sm_80 and later) and the wgmma kernels (wgmma_forward.cuh, wgmma_backward.cuh; sm_90a).
+// mma.sync kernels (mma_sync_kernels.cuh; sm_80 and later) and the wgmma kernels (wgmma_forward.cuh,
+// wgmma_backward.cuh; sm_90a, where wgmma::kernel_runs says the device runs them).
 #pragma once
 
 #include <algorithm>

@@ -16,7 +16,7 @@
 //   dQ: two row tiles and kN = 32 when Dqk <= 128; 192/128 and 256/256: one, kN = 32.
 //   dK/dV query tile kM: 64 for Dqk = 64, 32 above; 192/128 and 256/256 compute dV and dK in two passes (dK, dV
 //   accumulators together would need 256 fp32 registers per thread), the others in one.
-// Register use checked with -Xptxas -v (at most a few dozen bytes of spills at 128/128).
+// Register use (-Xptxas -v): at most a few dozen bytes of spills, at 128/128.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -52,7 +52,7 @@ struct AttnArgs {
   Tokens<T> d_o, dq, dk, dv;
   LseView<float> delta;  // laid out like lse
   // Per query row, the gate of an NSA branch folded into its backward: P is multiplied by it (data null: 1;
-  // api/branch_backward.h).
+  // core/branch_backward_options.h).
   LseView<float> d_o_scale;
   SeqPairTable seqs;
   int group;          // Hq / Hkv
@@ -250,7 +250,7 @@ __device__ __forceinline__ void advance_pipeline(bool has_next, LoadNext&& load_
   }
 }
 
-// Grid order (launch.cuh): heads in x, tiles in y, sequences in z. CTAs start in x-fastest order, so all heads
+// Grid order (launchers.cuh): heads in x, tiles in y, sequences in z. CTAs start in x-fastest order, so all heads
 // of one tile start together, and the tiles go heaviest first under causal masks (query tiles from the last,
 // key tiles from the first): the last wave holds the lightest CTAs instead of a few long ones.
 __device__ __forceinline__ i64 query_tile() { return i64{gridDim.y} - 1 - blockIdx.y; }

@@ -1,12 +1,12 @@
-// The attention backward kernels on Hopper (sm_90a): the dQ and dK/dV mainloops of kernels.cuh with their
-// products on warpgroup MMAs (wgmma.cuh); the forward is in forward_wgmma.cuh. On H100 the mma.sync loops are
-// bound by shared-memory bandwidth (ldmatrix feeding the tensor cores); wgmma reads its shared-memory operands
-// directly. Without warp specialisation these loops are bound by instruction issue (Nsight Compute: about 0.3
-// instructions per cycle and scheduler, the tensor pipe mostly idle), so the per-step instruction count is
-// kept small: descriptors are built once and advanced by compile-time offsets, each thread computes one global
-// address per tile load, and masks are per-row bounds computed once (no divisions per element).
+// The attention backward kernels on Hopper (sm_90a): the dQ and dK/dV mainloops of mma_sync_kernels.cuh with
+// their products on warpgroup MMAs (wgmma.cuh); the forward is in wgmma_forward.cuh. On sm_90 the mma.sync loops
+// are bound by shared-memory bandwidth (ldmatrix feeding the tensor cores); wgmma reads its shared-memory operands
+// directly. Without warp specialisation these loops are bound by instruction issue (the tensor pipe mostly idle),
+// so the per-step instruction count is kept small: descriptors are built once and advanced by compile-time
+// offsets, each thread computes one global address per tile load, and masks are per-row bounds computed once (no
+// divisions per element).
 //
-// dQ: warp-specialised and persistent like the forward (forward_wgmma.cuh): a producer warpgroup copies Q, dO
+// dQ: warp-specialised and persistent like the forward (wgmma_forward.cuh): a producer warpgroup copies Q, dO
 // and the K/V tiles of kN = 64 keys into mbarrier stages; two consumer warpgroups of 64 queries each take turns
 // to issue S = Q K^T and dP = dO V^T (shared-memory operands), compute P and dS = P (dP - delta) in registers,
 // and dQ += dS K with dS as the register A operand and K as an MN-major operand. Registers: dQ 64 + S 32 +
@@ -28,7 +28,7 @@
 
 namespace sparseattn::cuda::attention {
 
-using wgmma::load_swizzled_tile;  // shared with the selection kernels
+using wgmma::load_swizzled_tile;  // shared with the select_blocks and selected-attention kernels
 
 // The two score products of a backward step, committed as one MMA group: s = A_s B_s^T over Dqk columns and
 // dp = A_p B_p^T over Dv (every operand K-major, its descriptor at column 0; A tiles of kRowsA rows, B tiles of

@@ -2,8 +2,7 @@
 // handled by up to 32 lanes of one warp moving 16 bytes at a time where the rows are aligned, so the gate is
 // read once per lane and d_gate is a shuffle reduction over the row's lanes (deterministic, no atomics).
 // A lane group takes a run of kHeadsPerGroup heads of one token, so that the 64-bit index arithmetic of
-// finding a row is paid once per run: with one row per group it made the backward issue-bound (Nsight
-// Compute at 64/4, T = 64K: 74% SM throughput, 1.55 TB/s; 2.56 -> 2.29 ms).
+// finding a row is paid once per run: paid once per row, it makes the backward issue-bound.
 #include "cuda/primitives/common.cuh"
 #include "cuda/combine/ops.h"
 
@@ -133,8 +132,8 @@ struct BackwardOutputs {
 // reductions over them. With a stored d_out, delta is sum(d_out * o) over the d_out values as stored (rounded
 // to T), exactly what the branch's backward computes from that tensor; with the gate folded into the branch's
 // backward (no d_out), it is sum(d_o * o) (= d_gate in fp32), as that backward applies the gate to P.
-// Five CTAs per SM (48 registers, no spills): with 56 registers four fitted, and the fifth's loads
-// in flight took 64/4, 64K 2.33 -> 2.14 ms (8K 0.30 -> 0.28).
+// Five CTAs per SM (48 registers, no spills; 56 would leave room for four): the fifth CTA's loads in flight
+// keep more bytes moving.
 template <class T, int kVec>
 __global__ void __launch_bounds__(kThreadsPerBlock, 5)
     combine_backward_kernel(Branches<T> branches, Tokens<T> d_o, BackwardOutputs<T> outs, RowGrid grid, int lanes) {

@@ -103,7 +103,7 @@ struct Terms {
 
 // One warp per token and run of up to kHeadsPerWarp heads of dk and dv: dk[t] = sum of the terms' rows +
 // (sum of dk_cmp over the blocks covering t) / block, in fp32, rounded once. The index arithmetic (64-bit
-// divisions) is paid once per run rather than once per row, which keeps it off the kernel's critical path.
+// divisions) is paid once per run of heads rather than once per row.
 constexpr int kHeadsPerWarp = 8;
 
 template <class T, int kPiece>

@@ -26,8 +26,8 @@ struct SeqTable {
   }
 };
 
-// Where the query rows and the key rows of sequence b live, for attention between two sets of sequences (flash
-// attention's q and k; compressed attention's tokens and compressed blocks): one SeqTable per side.
+// Where the query rows and the key rows of sequence b live, for two sets of sequences (flash attention's q and
+// k; the tokens and compressed blocks of compressed attention and compress_kv): one SeqTable per side.
 struct SeqPairTable {
   SeqTable q, k;
 

@@ -11,9 +11,9 @@ namespace sparseattn::cuda {
 
 // A tile of R rows of D elements in shared memory, unpadded, with the 16-byte chunks of row r XOR-swizzled by
 // r % 8 within each 128-byte group of the row. The 8 row addresses of an ldmatrix then fall in 8 different
-// bank groups, and a cp.async pass that writes whole rows fills whole 128-byte lines. The padded layout this
-// replaced (pitch D + 8) split global 32-byte sectors over two shared-memory wavefronts, and Nsight Compute
-// counted 1.4x the L2 sector reads for the same requests (selected forward, H100).
+// bank groups, and a cp.async pass that writes whole rows fills whole 128-byte lines. Rows are not padded
+// (pitch D, not D + 8): with a padded pitch the two 16-byte halves of a global 32-byte sector land in different
+// shared-memory wavefronts, and L2 serves the sector more than once.
 template <class T, int R, int D>
 struct SmemTile {
   static_assert(D % 64 == 0, "swizzled tiles: rows of whole 128-byte groups");

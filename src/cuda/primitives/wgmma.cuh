@@ -1,14 +1,15 @@
-// Hopper warpgroup MMA (wgmma.mma_async, sm_90a) primitives: shared-memory descriptors for tiles without
-// swizzle, the fences around asynchronous MMAs, and m64nNk16 MMAs (N = 32, 64, 128; 192 as two) with bf16/fp16
-// inputs and fp32 accumulators. Everything here is compiled only for sm_90a (SPARSEATTN_WGMMA_ENABLED); the host picks
-// these kernels only after wgmma_kernels_built() says the running device got that code.
+// Hopper warpgroup MMA (wgmma.mma_async, sm_90a) primitives: the 128-byte swizzled shared-memory layout, its
+// descriptors and tile loads, the fences around asynchronous MMAs, and m64nNk16 MMAs (N = 32, 64, 128; 192 as two)
+// with bf16/fp16 inputs and fp32 accumulators. The device code is compiled only for sm_90a
+// (SPARSEATTN_WGMMA_ENABLED); the host launches a wgmma kernel only after kernel_runs() says the running device
+// executes that code.
 //
 // Layout (PTX ISA, "Asynchronous Warpgroup Level Matrix Shared Memory Layout", 128-byte swizzle): a tile of
 // R rows x C 16-bit columns (C a multiple of 64) is stored as C/64 panels of R rows x 128 bytes; in row r the
 // 16-byte chunk c sits at chunk position c ^ (r % 8) (swizzled_offset). Eight rows of a panel form a 1024-byte
 // swizzle atom (tiles start 1024-byte aligned). Any 8 chunks of one row, or one chunk column of 8 rows, hit
-// all 32 banks: the tensor cores and the cp.async writers read and write without conflicts (the layout
-// without swizzle, 8x8 core matrices, measured no faster than mma.sync: bank conflicts).
+// all 32 banks: the tensor cores and the cp.async writers read and write without conflicts (the layout without
+// swizzle, 8x8 core matrices, has bank conflicts that cost wgmma its advantage over mma.sync).
 //  - K-major operand (rows = M or N, columns = K, e.g. Q and K for Q K^T): start at the operand's first row
 //    and its K offset inside the panel (a k16 step inside a panel moves the start by 32 bytes; the hardware
 //    applies the swizzle to the final address), stride byte offset 1024 (next 8 rows);
@@ -153,9 +154,9 @@ __device__ __forceinline__ void load_swizzled_tile(T* smem, const Tokens<G>& g, 
 // Copies kRows rows of kDim elements, row r from row_pointer(r) (null: a zero row; fallback: any readable
 // address), into a kRows x kDim swizzled tile: the gathered-row counterpart of load_swizzled_tile. As there,
 // where the threads cover whole rows a multiple of 8 apart a thread keeps one chunk column and one swizzle, so a
-// chunk costs a row-pointer read and the copy (the KV-block-outer kernels gather a tile per 64 query rows; the
-// per-chunk index arithmetic of the generic loop was 11% of their instructions); rows of 192 columns go the same
-// way in 64-column panels, a thread copying its chunk of each panel of the row it reads the pointer of.
+// chunk costs a row-pointer read and the copy (the KV-block-outer kernels gather a tile per 64 query rows, and the
+// per-chunk index arithmetic of the generic loop is a large share of their instructions); rows of 192 columns go
+// the same way in 64-column panels, a thread copying its chunk of each panel of the row it reads the pointer of.
 template <int kRows, int kDim, int kThreadCount, class T, class RowPointer>
 __device__ __forceinline__ void gather_swizzled_rows(T* smem, RowPointer&& row_pointer, const T* fallback) {
   constexpr bool kWholeRows = kThreadCount % (kDim / 8) == 0 && (kThreadCount / (kDim / 8)) % 8 == 0;
@@ -186,9 +187,8 @@ __device__ __forceinline__ void gather_swizzled_rows(T* smem, RowPointer&& row_p
 
 // This thread's warpgroup (threadIdx.x / 128) through a shuffle, so that the compiler knows it is warp-uniform
 // and keeps the descriptors computed from it in uniform registers (otherwise every wgmma moves its descriptor
-// into one: an R2UR per operand; select_blocks: 256 -> 104 of them, 3.5% faster at 64/4; the attention forward
-// and dQ 3-7%). The dK/dV kernel measured 2.5% slower with it (ptxas allocated its registers differently), so it
-// keeps warp / 4.
+// into one: an R2UR per operand). Used by select_blocks and the attention forward and dQ; the attention dK/dV
+// kernel keeps warp / 4, where ptxas allocates its registers better without the shuffle.
 __device__ __forceinline__ int warpgroup_index() {
   return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
 }

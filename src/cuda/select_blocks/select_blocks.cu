@@ -135,17 +135,15 @@ __device__ __forceinline__ float warp_nth_largest(float (&value)[kPerLane], int 
 //  - Usual path (need <= 32): the blocks fall into classes by their offset from init, modulo 32 (need <= 16) or
 //    64 (need <= 32; lane l holds the classes l and l + 32). The need-th largest of the classes' best rank values
 //    is a threshold that at least need blocks reach, so the chosen blocks are among those at or above it. With
-//    scores of any spread these are few (about need + need / 2 for random rows; with 32 classes and need = 29,
-//    about 70, more than the list holds, and the argmax rounds made select_blocks at 32/32, T = 64K, n = 32 take
-//    21.4 ms against 11.2 at n = 16): they are compacted into `list` (ascending block order) as candidate keys
-//    and each is ranked against the others. The two passes over the row compare floats; only the few kept blocks
-//    build a 64-bit key.
+//    scores of any spread these are few (about need + need / 2 for random rows; 64 classes from need = 17 on,
+//    because with 32 classes and need = 29 about 70 blocks reach the threshold, more than the list holds): they
+//    are compacted into `list` (ascending block order) as candidate keys and each is ranked against the others.
+//    The two passes over the row compare floats; only the few kept blocks build a 64-bit key.
 //  - Otherwise (need > 32, or more than kListCap blocks reach the threshold: ties, or the best blocks sharing
 //    a class): an exact radix select of the need-th largest order key, 8 bits a pass (a 256-bin histogram in
 //    the warp's scratch), then one ascending pass taking the blocks above it and, of those equal to it, the
-//    first ones (ties to the lower index). Five passes over the row whatever need and the ties are; the argmax
-//    rounds it replaced took one warp reduction and rescan per chosen block (select_blocks at 32/32, T = 64K:
-//    n = 40 27.9 -> 19.1 ms, n = 64 38.7 -> 19.2; 11.2 at n = 16 on the usual path).
+//    first ones (ties to the lower index). Five passes over the row whatever need and the ties are, where
+//    picking blocks one argmax at a time would take a warp reduction and a rescan per chosen block.
 __device__ void choose_blocks(const float* row, int candidates, const Config& c, std::int32_t* out,
                               std::uint64_t* list) {
   const int lane = threadIdx.x % 32;
@@ -314,7 +312,7 @@ __device__ __forceinline__ void store_group_sums(const float (&p)[kCols / 8][4],
   }
 }
 
-// Two CTAs per SM fit in shared memory up to D = 128 (105 KB each at 128); registers are capped to match.
+// Two CTAs per SM fit in shared memory up to D = 128 (109 KB each at 128); registers are capped to match.
 // kWgmma: S on warpgroup MMAs (sm_90a; warpgroup g computes rows 64g..64g+63, the warps' rows of mma.sync);
 // otherwise on mma.sync. Both read the same swizzled Q and K tiles.
 template <class T, int D, bool kWgmma>
@@ -348,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   // Pooling: Gp <= 16, each warp pools its own tokens; Gp > 16, the CTA pools all tokens after a barrier.
   // A pooling thread takes a token and every block_lanes-th selection block of a column tile, then the next token
   // token_lanes on. block_lanes is at least 8 so that a warp's stores cover 32-byte pieces of its tokens' rows
-  // (with one token per thread, a store at G = 1 touched 16 rows); otherwise every token has its own thread.
+  // (with one token per thread, a store at G = 1 touches 16 rows); otherwise every token has its own thread.
   const int pool_thread = wpt == 1 ? lane : tid, pool_threads = wpt == 1 ? 32 : kThreads;
   const int pool_tokens = wpt == 1 ? tpw : static_cast<int>(M);
   const int block_lanes = max(pool_threads / pool_tokens, 8), token_lanes = pool_threads / block_lanes;
@@ -573,7 +571,7 @@ struct LaunchPlan {
   i64 dim = 0;
 };
 
-// Everything from shapes, config and the device's SM count (select_plan.h): the workspace size query and the
+// Everything from shapes, config and the device's SM count (plan.h): the workspace size query and the
 // launch agree.
 LaunchPlan plan_of(const SelectBlocksParams& p) {
   LaunchPlan plan;

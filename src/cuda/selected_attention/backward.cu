@@ -53,7 +53,7 @@ struct BwdPlan {
   int end_bit;
   std::size_t delta, offsets, keys_in, keys_out, values_in, values_out, seg_begin, seg_end, temp, temp_bytes,
       counts, scan, scan_temp, scan_temp_bytes, partials, total;
-  bool dq_kv;                  // KV-block-outer dQ (dq_kv.h) instead of the query-outer one
+  bool dq_kv;                  // KV-block-outer dQ (dq_kv_block_outer.h) instead of the query-outer one
   std::int64_t dq_chunk_pairs; // its (KV head, token row) pairs per chunk
   selection::SortGroup dq_sort; // its chunks per sort (forward_plan.h)
   std::size_t dq_half, dq_scale;
@@ -153,7 +153,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
   const LseView<const float> delta = given_delta.present()
                                          ? lse_of<const float>(given_delta)
                                          : LseView<const float>{delta_ws, s.rows * plan.heads_q, plan.heads_q, 1};
-  // The P factor: an NSA branch gate folded into this backward (api/branch_backward.h); null: 1.
+  // The P factor: an NSA branch gate folded into this backward (core/branch_backward_options.h); null: 1.
   const LseView<const float> p_scale = options.d_o_scale.present() ? lse_of<const float>(options.d_o_scale)
                                                                    : LseView<const float>{nullptr, 0, 0, 0};
   auto* offsets = reinterpret_cast<std::int32_t*>(ws + plan.offsets);
@@ -208,7 +208,7 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
                                              plan.slots};
         selection::dkdv_kv_block_outer(p, c, cc, buffers, delta, p_scale, table);
       }
-      // 5. dQ, KV-block-outer (dq_kv.h); reuses the inverse index's buffers, which step 4 is done with.
+      // 5. dQ, KV-block-outer (dq_kv_block_outer.h); reuses the inverse index's buffers, which step 4 is done with.
       if (plan.dq_kv) {
         selection::DqKvArgs a{};
         a.heads_q = plan.heads_q;

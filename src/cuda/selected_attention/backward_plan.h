@@ -2,10 +2,12 @@
 // partial chunks of the KV-block-outer dQ, and the token chunks of the dK/dV. Plain C++ (no CUDA headers) so
 // that tests/cpp checks it on machines without a GPU.
 //
-// The two dQ paths (see backward.cu):
-//  - query-outer: one CTA per (token, KV head, 16 query heads of the group), like the query-outer forward;
-//  - KV-block-outer (dq_kv.cu, the FSA forward's design): per selected block, gathered query rows of many
-//    tokens, a compact partial dQ per (token, query head, slot), merged in slot order.
+// The two dQ paths (entry point: backward.cu):
+//  - query-outer (dq_query_outer.cu): one CTA per (token, KV head, 16 query heads of the group), like the
+//    query-outer forward;
+//  - KV-block-outer (dq_kv_block_outer.cu, on sm_90a dq_kv_block_outer_wgmma.cuh; the FSA forward's design):
+//    per selected block, gathered query rows of many tokens, a compact partial dQ per (token, query head,
+//    slot), merged in slot order.
 #pragma once
 
 #include <algorithm>
@@ -21,8 +23,8 @@ namespace sparseattn::cuda::selection {
 inline constexpr int kDqKvWarps = 4;
 inline constexpr int kDqKvTile = 16;
 // Query rows per CTA (entries per CTA = kDqKvCtaRows / G). Each CTA loads the K and V of every run it touches,
-// so a run of many entries is loaded once per CTA it spans: at 512 rows (the forward keeps 256) the dQ took 9.6
-// instead of 10.7 ms at 32/8 and 8.5 instead of 9.7 at 28/4, no change at G = 1 (H100, T = 64K); 1024 was slower.
+// so a run of many entries is loaded once per CTA it spans: twice the forward's 256 rows loads long runs fewer
+// times and is the fastest of 256, 512 and 1024 on an H100.
 inline constexpr int kDqKvCtaRows = 512;
 inline constexpr int kDqKvMaxBlock = 128;
 inline constexpr int kDqKvBuffers = 2;
@@ -50,13 +52,12 @@ inline bool dq_kv_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int64_
 
 // ------------------------------------------------------------------------------------------- the heuristic
 
-// Measured (H100, bf16, D = 128, n = 16, block 64, Hkv = 4, indices from select_blocks), time of the selected
-// backward with the query-outer dQ / with this one on wgmma (dq_kv_wgmma.cuh), T = 16K and 64K: G = 1
-// 3.65-4.02x, G = 4 1.62-1.66x, G = 6 1.24x, G = 8 1.04-1.05x, G = 12 0.84x, G = 16 0.73x (with the mma.sync
-// kernel it was G = 6 1.02-1.04x, G = 7 0.94-0.96x: the limit was 6). After the head-major chunks (dq_kv.cu),
-// the dQ kernels alone: G = 8 1.05-1.06x, G = 9 0.98x, G = 10 0.91-0.92x. After the one-warp query-outer dQ
-// (1.3x faster at G = 16; scripts/measure_selected_dq.py, whole backward, T = 16K / 64K): G = 7 1.16 / 1.16x,
-// G = 8 1.03 / 1.14x, G = 9 0.96 / 1.02x, G = 12 0.83 / 0.84x. Short sequences: the forward's limit.
+// The KV-block-outer dQ runs for groups up to kDqKvMaxGroup: as in the forward, it saves the query-outer dQ's
+// padding of G heads to 16 mma rows, and its partials' traffic grows with G. With the wgmma kernel the whole
+// selected backward is several times faster at G = 1, still ahead at G = 8 and about even at G = 9 on an H100
+// (bf16, D = 128, n = 16, block 64, Hkv = 4, indices from select_blocks; scripts/measure_selected_dq.py; the
+// ratios are in docs/perf/2026-11-27-measurements-from-source-comments.md). Short sequences: the forward's
+// limit.
 inline constexpr std::int64_t kDqKvMaxGroup = 8;
 inline constexpr std::int64_t kDqKvMinTokens = 1024;
 inline constexpr std::int64_t kDqKvMaxDimQk = 192;  // Dqk = 256: its tiles spill
@@ -102,9 +103,8 @@ inline std::int64_t dq_kv_chunk_pairs(std::int64_t total_pairs, std::int64_t gro
 //  - at least kDkvMinChunkRows query rows and half the mean segment length (n * block tokens: a block is
 //    selected by about n * block tokens on average), so that the long segments (block 0, the early blocks
 //    that many tokens choose) are split into pieces of about the usual work, while the partial traffic stays
-//    small. H100, 64/4, selected dK/dV and reduce at 2x / 1x / 0.5x the mean: 8K 1.82 / 1.66 / 1.49 ms, 16K
-//    3.32 / 3.06 / 2.95 (a few hundred segments over 132 SMs: the long chunks set the tail), 64K 12.5 / 12.3 /
-//    12.4 (the cap below decides there); 32/8, 8K 0.90 / 0.84 / 0.85;
+//    small. At short T a few hundred segments share the SMs and the long chunks set the tail, so half the mean
+//    beats the mean and twice the mean; at long T the cap below decides;
 //  - large enough that the partial slots fit kDkvPartialCap: a segment of L > C tokens makes ceil(L / C) <
 //    2 L / C partials, and the segments hold at most `entries` tokens in all, so there are fewer than
 //    2 * entries / C slots of block * (Dqk + Dv) * 4 bytes each. E.g. T = 64K, n = 16, block 64, D = 128:

@@ -10,8 +10,8 @@
 
 namespace sparseattn::cuda::selection {
 
-// The P factor of row (b, row, h) in a backward: the gate of an NSA branch folded into it (api/branch_backward.h:
-// P becomes g P); 1 without one (data null).
+// The P factor of row (b, row, h) in a backward: the gate of an NSA branch folded into it
+// (core/branch_backward_options.h: P becomes g P); 1 without one (data null).
 __device__ __forceinline__ float p_scale_at(const LseView<const float>& p_scale, std::int64_t b, std::int64_t row,
                                             std::int64_t h) {
   return p_scale.data == nullptr ? 1.f : p_scale.at(b, row, h);

@@ -1,4 +1,4 @@
-// Chunk table of the dK/dV backward (see chunks.cuh).
+// Chunk table of the dK/dV backward (see dkdv_chunks.cuh).
 #include "cuda/selected_attention/dkdv_chunks.cuh"
 
 #include <cub/device/device_scan.cuh>

@@ -1,4 +1,4 @@
-// Chunk table of the dK/dV backward (backward.cu): the inverse index's segments (one per KV head and
+// Chunk table of the dK/dV backward (dkdv.cu): the inverse index's segments (one per KV head and
 // selection block: the tokens that selected it, inverse_index.h) are cut into chunks of at most
 // `chunk_tokens` tokens so that no CTA walks a huge segment alone (block 0, forced by NSA, is selected by
 // every token). Built on the device, no host sync:

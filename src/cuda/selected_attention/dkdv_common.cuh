@@ -1,5 +1,5 @@
-// Pieces shared by the two KV-block-outer dK/dV kernels of selected_attention (backward.cu: mma.sync;
-// dkv_wgmma.cuh: Hopper warpgroup MMAs): the configuration, which (key, chunk) a CTA takes and the tokens it
+// Pieces shared by the two KV-block-outer dK/dV kernels of selected_attention (dkdv.cu: mma.sync;
+// dkdv_wgmma.cuh: Hopper warpgroup MMAs): the configuration, which (key, chunk) a CTA takes and the tokens it
 // walks, and the epilogue that writes the CTA's dK/dV accumulators (dK unscaled until then).
 #pragma once
 

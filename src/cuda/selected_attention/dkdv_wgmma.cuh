@@ -1,4 +1,4 @@
-// The KV-block-outer dK/dV of selected_attention on Hopper (sm_90a): the mma.sync kernel of backward.cu with
+// The KV-block-outer dK/dV of selected_attention on Hopper (sm_90a): the mma.sync kernel of dkdv.cu with
 // its four products on warpgroup MMAs (wgmma.cuh), the dense dK/dV wgmma kernel's step applied to gathered
 // query rows.
 //
@@ -8,8 +8,9 @@
 // run, the threads gather step i + 1's Q and dO rows and its row statistics (cp.async, no barrier). Each of
 // those copies takes its address from shared memory: the steps' token positions are copied two steps ahead of
 // their use (a ring of three), so no thread waits on a global load before it can issue a copy. (Loading the
-// positions inside the gather left eight dependent L2 round trips per step in the warp's path: ptxas kept the
-// loads in order with the copies.) Per step, with warp w owning keys 16w..16w+15 (the accumulator layout):
+// positions inside the gather would leave eight dependent L2 round trips per step in the warp's path, as ptxas
+// keeps the loads in order with the copies.) Per step, with warp w owning keys 16w..16w+15 (the accumulator
+// layout):
 //   S^T = K Q^T, dP^T = V dO^T (both operands K-major in shared memory, N = 64 rows);
 //   P^T = exp2(S^T scale log2e - lse log2e) where key <= the row's position, dS^T = P^T (dP^T - delta);
 //   dV += P^T dO, dK += dS^T Q (P^T, dS^T as register A operands; dO, Q MN-major).

@@ -1,13 +1,14 @@
-// KV-block-outer dQ of selected_attention (see dq_kv.h), mirroring the KV-block-outer forward
-// (forward_kv.cu). For each chunk of (KV head, token row) pairs, head-major (backward_plan.h):
+// KV-block-outer dQ of selected_attention (see dq_kv_block_outer.h), mirroring the KV-block-outer forward
+// (forward_kv_block_outer.cu). For each chunk of (KV head, token row) pairs, head-major (backward_plan.h):
 //  1. make_keys with value = entry index, a stable radix sort by (KV head, block): the entries of one block
 //     form a run in ascending token order (one sort serves a group of chunks: forward_plan.h's sort groups);
-//  2. dq_kv_kernel: CTA c takes the sorted entries [c*P, (c+1)*P), P = kDqKvCtaRows / G; per run it loads the
-//     block's K and V (<= 128 keys) once, and its 4 warps take the run's query rows ((token, group head) token-major,
-//     16 per tile, double-buffered Q and dO tiles). A warp owns whole rows: S = Q K^T and dP = dO V^T 64 keys
-//     at a time, P = exp2(S scale log2e - lse) (causal per row), dS = P (dP - delta), dQ_j += dS K in
-//     registers; the partial of (pair, group head, slot j) is written in compact form: fp16 of dQ_j /
-//     max|dQ_j| and that fp32 scale;
+//  2. dq_kv_kernel (on sm_90a with Dqk <= 192 and Dv <= 128 dq_kv_wgmma_kernel instead, 64-row tiles on
+//     warpgroup MMAs: dq_kv_block_outer_wgmma.cuh): CTA c takes the sorted entries [c*P, (c+1)*P), P =
+//     kDqKvCtaRows / G; per run it loads the block's K and V (<= 128 keys) once, and its 4 warps take the run's
+//     query rows ((token, group head) token-major, 16 per tile, double-buffered Q and dO tiles). A warp owns
+//     whole rows: S = Q K^T and dP = dO V^T 64 keys at a time, P = exp2(S scale log2e - lse) (causal per row),
+//     dS = P (dP - delta), dQ_j += dS K in registers; the partial of (pair, group head, slot j) is written in
+//     compact form: fp16 of dQ_j / max|dQ_j| and that fp32 scale;
 //  3. dq_kv_merge_kernel: one warp per (pair, group head), i.e. (token, query head), sums its valid slots in
 //     slot order (fp32), scales by the softmax scale and writes dq (zeros for a row without a valid slot).
 //     Rows of a packed batch outside every sequence are left untouched.

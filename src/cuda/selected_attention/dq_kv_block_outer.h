@@ -1,5 +1,6 @@
-// KV-block-outer dQ of the selected-attention backward (dq_kv.cu), for small groups where the query-outer
-// dQ (backward.cu) pads the G heads of one token to 16 mma rows and re-reads each token's K/V blocks.
+// KV-block-outer dQ of the selected-attention backward (dq_kv_block_outer.cu), for small groups where the
+// query-outer dQ (dq_query_outer.cu) pads the G heads of one token to 16 mma rows and re-reads each token's K/V
+// blocks.
 // Its plan (which dQ runs, shared memory, partial chunks) is host-only: backward_plan.h.
 #pragma once
 

@@ -1,6 +1,6 @@
-// The KV-block-outer dQ of selected_attention on Hopper (sm_90a): the kernel of dq_kv.cu with its products on
-// warpgroup MMAs (wgmma.cuh) and 64-row tiles, built like the KV-block-outer wgmma forward
-// (forward_kv_wgmma.cuh).
+// The KV-block-outer dQ of selected_attention on Hopper (sm_90a): the kernel of dq_kv_block_outer.cu with its
+// products on warpgroup MMAs (wgmma.cuh) and 64-row tiles, built like the KV-block-outer wgmma forward
+// (forward_kv_block_outer_wgmma.cuh).
 //
 // A CTA is one warpgroup (128 threads) and takes the same slice of sorted entries as the mma.sync kernel. Per
 // run (one KV head and selection block) it loads the block's K and V once into 128-byte swizzled tiles of
@@ -12,7 +12,7 @@
 // the epilogue is the mma.sync kernel's (store_scaled_rows), staged in the tile's Q buffer once every product
 // has read it. Registers: dQ Dqk/2 + S 32 + dP 32 per thread; shared memory at 128/128 and KEYS = 64: about
 // 106 KB, two CTAs per SM (at 192/128, 130 KB: one). As in the forward, the masks run only in warps with a row
-// that needs them (with the cheaper gathers, H100 at 32/32, T = 64K: 11.6 -> 10.7 ms).
+// that needs them, and the gathers are kept cheap (gather_swizzled_rows).
 #pragma once
 
 #include "cuda/primitives/mma.cuh"
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
         wgmma::fence_operand(ds);
       }
       // Every product of the warpgroup has read this Q tile: it becomes the warps' staging areas (warp w:
-      // 16 x DQK halves in the swizzled layout of tile.cuh, against bank conflicts).
+      // 16 x DQK halves in the swizzled layout of swizzled_tile.cuh, against bank conflicts).
       __syncthreads();
       __half* staged = reinterpret_cast<__half*>(sQ + buf * kQ) + warp * 16 * DQK;
       store_scaled_rows<DQK>(acc, {scale_s[row_lo], scale_s[row_lo + 8]}, slot_s + buf * kRows + warp * 16, staged,

@@ -19,8 +19,8 @@ constexpr int kThreads = kTokenThreads;
 
 // dQ's shared memory: one K and one V tile (as the forward), and from 192/128 on the token's Q and dO rows, whose
 // fragments are read from there each tile: in registers with dQ's accumulators and the tile's S and dP they would
-// spill (about 290 registers per thread at 256/256, 260 at 192/128). Holding only dO there at 192/128 (Q in
-// registers, no spills) made the kernel 1.4x slower (H100, 64/4, T = 64K: 37.5 against 27.4 ms).
+// spill (about 290 registers per thread at 256/256, 260 at 192/128). Both go there, not only dO: with Q in
+// registers and dO in shared memory the 192/128 kernel does not spill but is much slower.
 template <class T, int DQK, int DV>
 struct DqSmem {
   static constexpr int kKeys = kKeysOf<DQK>;

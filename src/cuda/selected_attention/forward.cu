@@ -1,9 +1,9 @@
 // CUDA entry points of selected_attention's forward. Three forwards exist (forward_plan.h explains them and
-// holds the heuristics): the query-outer one (query_outer.cu), which pads each token's G query heads to a
-// 16-row mma tile, its group form (query_group.cu), whose CTAs of consecutive tokens load the K/V tiles they
-// share once, and the KV-block-outer one (forward_kv.cu), which packs the query rows of many tokens that
-// selected the same block into full tiles and merges per-slot partials. The backward (dQ query-outer or
-// KV-block-outer, dK/dV KV-block-outer) is in backward.cu.
+// holds the heuristics): the query-outer one (forward_query_outer.cu), which pads each token's G query heads to a
+// 16-row mma tile, its group form (forward_query_group.cu), whose CTAs of consecutive tokens load the K/V tiles
+// they share once, and the KV-block-outer one (forward_kv_block_outer.cu, with its sm_90a kernel in
+// forward_kv_block_outer_wgmma.cuh), which packs the query rows of many tokens that selected the same block into
+// full tiles and merges per-slot partials. The backward's entry point is backward.cu.
 #include <cuda_runtime.h>
 
 #include <cstdlib>

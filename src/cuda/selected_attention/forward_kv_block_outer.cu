@@ -5,14 +5,16 @@
 //     get the sentinel key and sort last;
 //  2. a stable radix sort by key: the entries of one (h, block) become a run in ascending token order (one sort
 //     serves a group of chunks, the chunk index above the key bits: forward_plan.h's sort groups);
-//  3. kv_forward_kernel: CTA c takes the sorted entries [c*P, (c+1)*P), P = kKvCtaRows / G (about 256 query
-//     rows). For each run of one key in that range it loads the block's K and V (<= 128 keys) into shared
-//     memory once; its 4 warps take the run's query rows, (token, group head) token-major, 16 at a time, so
-//     rows of different tokens share an mma tile and G = 1 fills tiles as well as G = 16. A warp owns whole
-//     rows: scores against the block 64 keys at a time (causal per row: keys <= t), online softmax in
-//     registers, P as the A operand straight from the accumulators, O = P V in registers; no shared-memory
-//     reductions, no CTA barrier inside a run. Per-warp Q tiles are double buffered (cp.async). It writes
-//     the partial of each (pair, group head, slot): o_j = O / l in compact form (below) and lse_j (log2);
+//  3. kv_forward_kernel (on sm_90a with Dv <= 128 kv_forward_wgmma_kernel instead, 64-row tiles on warpgroup
+//     MMAs: forward_kv_block_outer_wgmma.cuh): CTA c takes the sorted entries [c*P, (c+1)*P), P = kKvCtaRows /
+//     G (about 256 query rows). For each run of one key in that range it loads the block's K and V (<= 128
+//     keys) into shared memory once; its 4 warps take the run's query rows, (token, group head) token-major,
+//     16 at a time, so rows of different tokens share an mma tile and G = 1 fills tiles as well as G = 16. A
+//     warp owns whole rows: scores against the block 64 keys at a time (causal per row: keys <= t), online
+//     softmax in registers, P as the A operand straight from the accumulators, O = P V in registers; no
+//     shared-memory reductions, no CTA barrier inside a run. Per-warp Q tiles are double buffered (cp.async).
+//     It writes the partial of each (pair, group head, slot): o_j = O / l in compact form (below) and lse_j
+//     (log2);
 //  4. kv_merge_kernel: one warp per (pair, group head), i.e. (token, query head), merges its valid slots in
 //     slot order (log-sum-exp) into o and lse; a row without a valid slot gets o = 0 and lse = -inf. Rows of
 //     a packed batch outside every sequence are left untouched.
@@ -26,13 +28,11 @@
 //    (a slot's output is of the order of the final o), against 2^-9 for the final rounding of o to bf16 and
 //    2^-11 to fp16; P itself enters the P V product rounded to 16 bits. The merge runs in fp32. The per-row
 //    scale makes the fp16 range safe whatever the magnitude of v (plain fp16 could overflow for bf16 inputs,
-//    plain bf16 would round 8x coarser). On H100 (T = 64K, Hkv = 8, G = 8) it took this path from 47.7 to
-//    37.2 ms (the query-outer forward: 51.5 ms);
+//    plain bf16 would round 8x coarser);
 //  - chunks: partials cost G * n * (2 Dv + 8) bytes per (KV head, token) pair (4.2 KB at G = 1, n = 16, Dv =
 //    128), too much for a long sequence at once, so the pairs go in chunks whose scratch stays near
 //    kKvWorkspaceCap (256 MB) whatever T is. The chunks take the pairs head-major, so that a chunk re-reads
-//    the K and V blocks of one or two heads only (forward_plan.h; chunks of token rows over all heads re-read
-//    every head's: at 32/32, T = 64K, about 18 GB instead of 2: the forward took 24.6 ms, now 18.4).
+//    the K and V blocks of one or two heads only (forward_plan.h), not those of every head.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -217,7 +217,7 @@ struct MergeConfig {
 };
 
 // One warp per (pair, group head) of the chunk: o = sum_j w_j o_j / sum_j w_j, w_j = 2^(lse_j - max),
-// o_j = scale_j * (its fp16 row). Four CTAs per SM: without a bound ptxas gave it 32 registers and spilled.
+// o_j = scale_j * (its fp16 row). Four CTAs per SM: without the bound ptxas gives it 32 registers and spills.
 template <class T, int DV>
 __global__ void __launch_bounds__(kMergeWarps * 32, 4)
     kv_merge_kernel(const __half* o_part, const float* scale_part, const float* lse_part, IndexView indices,
@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32, 4)
   for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   // Pass 2, 32 slots at a time: lane i weighs slot j0 + i (any valid slot makes mx finite), then the warp adds
   // the valid slots' rows in slot order, each lane its kVec columns, with kAhead rows' loads in flight: the
-  // loads wait on nothing but the mask of valid slots (the merge streams the partials from DRAM; with the
-  // weights and validity found per slot inside the loop, its loads queued behind index loads).
+  // loads wait on nothing but the mask of valid slots (the merge streams the partials from DRAM; finding the
+  // weights and validity per slot inside the loop would queue its loads behind index loads).
   constexpr int kAhead = 8;
   float acc[kVec] = {};
   float sum = 0.f;

@@ -1,5 +1,5 @@
-// The KV-block-outer forward of selected_attention on Hopper (sm_90a): the kernel of forward_kv.cu with its
-// products on warpgroup MMAs (wgmma.cuh) and 64-row tiles.
+// The KV-block-outer forward of selected_attention on Hopper (sm_90a): the kernel of forward_kv_block_outer.cu
+// with its products on warpgroup MMAs (wgmma.cuh) and 64-row tiles.
 //
 // A CTA is one warpgroup (128 threads) and takes the same slice of sorted entries as the mma.sync kernel. Per
 // run (one KV head and selection block) it loads the block's K and V once into 128-byte swizzled tiles of
@@ -12,8 +12,8 @@
 // Registers: O Dv/2 + S 32 + P 16 per thread; shared memory at 128/128 and KEYS = 64: about 70 KB, three CTAs
 // per SM. Dv = 256 keeps the mma.sync kernel (its O would need 128 registers per thread).
 // Per-row work is what this kernel spends its instructions on (a row meets only the 64 keys of one block), so
-// the masks run only in warps that need them, and O is neither zeroed nor rescaled on the first step. With the
-// cheaper epilogue and gathers (store_partials, gather_swizzled_rows), H100 at 32/32, T = 64K: 8.2 -> 7.6 ms.
+// the masks run only in warps that need them, O is neither zeroed nor rescaled on the first step, and the
+// epilogue and the gathers are kept cheap (store_partials, gather_swizzled_rows).
 #pragma once
 
 #include "cuda/primitives/mma.cuh"
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(128) kv_forward_wgmma_kernel(Tokens<const T> q
         wgmma::wait<0>();
       }
       // Every product of the warpgroup has read this Q tile: it becomes the warps' staging areas (warp w:
-      // 16 x DV halves in the swizzled layout of tile.cuh, against bank conflicts; DV <= DQK).
+      // 16 x DV halves in the swizzled layout of swizzled_tile.cuh, against bank conflicts; DV <= DQK).
       __syncthreads();
       __half* staged = reinterpret_cast<__half*>(const_cast<T*>(q_tile)) + warp * 16 * DV;
       store_partials<DV>(acc, m, l, slot_s + buf * kRows + warp * 16, staged,

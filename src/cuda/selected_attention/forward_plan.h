@@ -1,16 +1,17 @@
-// Host-only planning of the selected-attention forward on CUDA: which of the two forwards runs, the shared
-// memory the KV-block-outer kernel needs, and how its workspace is cut into chunks. Plain C++ (no CUDA
-// headers) so that tests/cpp checks it on machines without a GPU.
+// Host-only planning of the selected-attention forward on CUDA: which of the three forwards runs, the shared
+// memory the KV-block-outer and group kernels need, and how the KV-block-outer workspace is cut into chunks and
+// sort groups. Plain C++ (no CUDA headers) so that tests/cpp checks it on machines without a GPU.
 //
-// The forwards (see selected_attention.cu):
-//  - query-outer: one CTA per (token, KV head, 16 query heads of the group); the G heads of one token are
-//    the 16 rows of an mma tile, padded with zero rows, so G = 1 does 16x the useful math and every token
-//    re-reads all K/V rows of its n selected blocks; its group form runs 8 consecutive tokens per CTA, which
-//    load each K/V tile of the union of their blocks once (use_group_forward below);
-//  - KV-block-outer (the FSA design): the (token, slot) pairs are sorted by (KV head, selected block); a CTA
-//    loads one block's K and V once and packs the query rows (token x group head) of many tokens into full
-//    tiles (16 rows per warp on mma.sync, 64 per warpgroup on wgmma), writing a partial (o, lse) per (token,
-//    query head, slot) that a merge kernel combines.
+// The forwards (entry point: forward.cu):
+//  - query-outer (forward_query_outer.cu): one CTA per (token, KV head, 16 query heads of the group); the G
+//    heads of one token are the 16 rows of an mma tile, padded with zero rows, so G = 1 does 16x the useful
+//    math and every token re-reads all K/V rows of its n selected blocks; its group form
+//    (forward_query_group.cu) runs 8 consecutive tokens per CTA, which load each K/V tile of the union of their
+//    blocks once (use_group_forward below);
+//  - KV-block-outer (forward_kv_block_outer.cu, the FSA design): the (token, slot) pairs are sorted by (KV
+//    head, selected block); a CTA loads one block's K and V once and packs the query rows (token x group head)
+//    of many tokens into full tiles (16 rows per warp on mma.sync, 64 per warpgroup on wgmma), writing a
+//    partial (o, lse) per (token, query head, slot) that a merge kernel combines.
 #pragma once
 
 #include <algorithm>
@@ -40,7 +41,7 @@ inline std::int64_t kv_entries_per_cta(std::int64_t group) {
 inline std::int64_t round_up16(std::int64_t x) { return (x + 15) / 16 * 16; }
 
 // Dynamic shared memory of the KV-block-outer kernel for 16-bit inputs: sorted keys and values of its
-// entries, per-warp row descriptors, per-warp Q tiles and the block's K and V (swizzled tiles, tile.cuh).
+// entries, per-warp row descriptors, per-warp Q tiles and the block's K and V (swizzled tiles, swizzled_tile.cuh).
 inline std::size_t kv_forward_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t block) {
   const std::size_t key_rows = static_cast<std::size_t>(round_up16(std::min<std::int64_t>(block, kKvMaxBlock)));
   const std::size_t lists = 2 * sizeof(std::int32_t) * kKvCtaRows;
@@ -59,18 +60,15 @@ inline bool kv_forward_supported(std::int64_t dim_qk, std::int64_t dim_v, std::i
 
 // ------------------------------------------------------------------------------------------- the heuristic
 
-// Measured on H100 (bf16, Dqk = Dv = 128, n = 16, block 64, one sequence, Hkv = 4, indices from select_blocks;
-// scripts/measure_selected_forward.py), query-outer time / KV-block-outer time (wgmma kernel), T = 16K and 64K,
-// after the query-outer forward's swizzled tiles (1.6x faster): G = 8 1.00-1.10x, G = 9 0.94-0.98x, G = 10
-// 0.85-0.89x, G = 12 0.72-0.74x, G = 16 0.56-0.58x. Before that: G = 1 9.8-10.2x, G = 2 5.9-6.4x, G = 4 3.5x
-// (the query-outer tiles are full from G = 16 on, and the partials' traffic of the KV-block-outer forward
-// grows with G). Its mma.sync kernel is 7-15% slower than the wgmma one, so the same bound serves sm_80 and
-// SPARSEATTN_ATTENTION_MMA=sync. Re-measured after the head-major chunks (forward_kv.cu; H100, same script):
-// G = 8 1.06-1.19x, G = 9 1.00-1.07x, G = 10 0.90-0.98x, G = 12 0.75-0.82x. So the KV-block-outer forward runs up
-// to G = 9 (its dQ, measured alike: G = 9 0.98x, up to G = 8; backward_plan.h).
+// The KV-block-outer forward runs for groups up to kKvMaxGroup. What it saves is the query-outer forward's
+// padding (16 mma rows per token whatever G is; the tiles are full from G = 16 on), while the traffic of its
+// partials grows with G: it is several times faster at small G and breaks even with the query-outer forward at
+// G = 9 on an H100 (bf16, Dqk = Dv = 128, n = 16, block 64, Hkv = 4, indices from select_blocks;
+// scripts/measure_selected_forward.py; the ratios are in docs/perf/2026-11-27-measurements-from-source-comments.md).
+// Its mma.sync kernel is a little slower than the wgmma one, and the same bound serves sm_80 and
+// SPARSEATTN_ATTENTION_MMA=sync. The KV-block-outer dQ has its own bound (kDqKvMaxGroup, backward_plan.h).
 inline constexpr std::int64_t kKvMaxGroup = 9;
-// Below this many token rows the sort and merge launches cost as much as the padding saves (T = 512:
-// 0.92-0.97x; T = 1024: 1.97x at G = 1, 1.24x at G = 8).
+// Below this many token rows the sort and merge launches cost more than the padding saves.
 inline constexpr std::int64_t kKvMinTokens = 1024;
 
 // The pure heuristic: use the KV-block-outer forward for group size `group`, head dims, `tokens` token rows
@@ -83,15 +81,14 @@ inline bool use_kv_outer_forward(std::int64_t group, std::int64_t dim_qk, std::i
   return group <= kKvMaxGroup && tokens >= kKvMinTokens;
 }
 
-// Where the query-outer forward runs, its group form (query_group.cu: 8 consecutive tokens per CTA load each
-// K/V tile of the union of their blocks once) is faster (H100, bf16, 64/4, n = 16, block 64, indices from
-// select_blocks; one-token -> group forward: 128/128 T = 8K 1.63 -> 1.31 ms, 16K 3.60 -> 3.12, 32K 7.65 -> 7.06,
-// 64K 15.9 -> 15.2, 128K 33.1 -> 32.5; 28/4 16K 3.56 -> 2.97), except at 192/128, whose larger tiles leave fewer
-// stages (16K 4.71 -> 6.67). So it runs for Dqk = Dv = 128 up to sequences of kGroupMaxLen tokens (`max_len`: the
-// longest sequence of the batch; longer ones are not measured). It needs about 227 KB of shared memory per CTA (an
-// H100's, not an A100's 163 KB), and index lists of at most 77 entries.
+// Where the query-outer forward runs, its group form (forward_query_group.cu: 8 consecutive tokens per CTA load
+// each K/V tile of the union of their blocks once) replaces the one-token kernel for Dqk = Dv = 128 up to
+// sequences of kGroupMaxLen tokens (`max_len`: the longest sequence of the batch), where it is the faster of
+// the two on an H100; longer sequences are not measured, and at 192/128 the larger tiles leave fewer stages
+// and the group form is the slower one. It needs about 227 KB of shared memory per CTA (an H100's, not an
+// A100's 163 KB), and index lists of at most 77 entries.
 inline constexpr std::int64_t kGroupMaxLen = 131072;
-inline constexpr int kGroupTokens = 8;  // consecutive tokens per CTA (query_group.cu)
+inline constexpr int kGroupTokens = 8;  // consecutive tokens per CTA (forward_query_group.cu)
 
 // Shared memory of the group forward: a ring of stages, each one key tile's K and V rows (64 keys, 32 from Dqk =
 // 192 on), of 224 KB or 16 stages at most, the ring's full and empty barriers, per token a queue of (use, keys)
@@ -169,8 +166,8 @@ inline ForwardPath choose_forward(PathChoice choice, std::int64_t group, std::in
 
 // The partials are cut into chunks of (KV head, token row) pairs taken in head-major order (pair = h * total
 // rows + row, inverse_index.h), not of token rows across all heads: every chunk then re-reads the K/V blocks of
-// one or two heads, where a chunk of token rows re-read those of every head. H100, T = 64K, 32/32: 36 chunks
-// of 1826 token rows read about 18 GB of K/V blocks; as pairs, about 2 GB.
+// one or two heads, where a chunk of token rows would re-read those of every head (and its runs, split over
+// more chunks, would fill fewer tile rows).
 
 // Scratch bytes per pair of a chunk: the partial of every (group head, slot) (fp16 o row, fp32 scale and lse),
 // and the inverse-index entries of every slot (keys and values, in and out of the sort, and about as much
@@ -201,11 +198,11 @@ inline std::int64_t kv_chunk_pairs(std::int64_t total_pairs, std::int64_t group,
 
 // The KV-block-outer forward and dQ sort the entries of several chunks at once: each entry's key carries the
 // index of its chunk within the sort group above the (KV head, block) key bits, so that one stable sort leaves
-// every chunk's entries contiguous, in the order a sort of that chunk alone gives (its sentinels last). One sort
-// and one make_keys per chunk were 36 of each per direction at 32/32, T = 64K. The forward's index for a group
-// (keys and values, in and out of the sort: 16 bytes per entry; the sort's scratch is about as much again) stays
-// within this cap, half the partials' (512 MB, all 36 chunks in one sort at 32/32, T = 64K, added 1 GB to the peak
-// memory of fwd+bwd and was no faster); the backward's dQ reuses the dK/dV's index buffers, which hold every entry.
+// every chunk's entries contiguous, in the order a sort of that chunk alone gives (its sentinels last), and a
+// long sequence takes a few sorts and make_keys launches instead of one of each per chunk. The forward's index
+// for a group (keys and values, in and out of the sort: 16 bytes per entry; the sort's scratch is about as much
+// again) stays within this cap, half the partials': a larger index raises the peak memory of fwd+bwd without
+// making it faster. The backward's dQ reuses the dK/dV's index buffers, which hold every entry.
 inline constexpr std::size_t kKvIndexCap = std::size_t{128} << 20;
 inline constexpr std::size_t kIndexBytesPerEntry = 16;
 

@@ -36,8 +36,8 @@ __global__ void block_offsets_kernel(const std::int32_t* cu_seqlens, std::int64_
 // One thread per entry (pair, slot j), so that consecutive threads read and write consecutive slots: the key
 // h * blocks_bound + global block if the slot lists a block that starts at or before the token, the sentinel
 // otherwise and from the first -1 of the row on; either with the entry's chunk above it. I is the type of the
-// entry, pair and row arithmetic: 32-bit where all of it fits (launch_make_keys), as 64-bit divisions were most
-// of the kernel's time.
+// entry, pair and row arithmetic: 32-bit where all of it fits (launch_make_keys), as 64-bit divisions would take
+// most of the kernel's time.
 template <class I>
 __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqlens, const std::int32_t* offsets,
                                  KeyConfig c, std::uint32_t* keys, std::int32_t* values) {

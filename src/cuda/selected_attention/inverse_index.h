@@ -1,7 +1,9 @@
 // The inverse index of selected attention: for each KV head and selection block, the (token, slot) entries
 // whose index row lists that block (and can see it: the block starts at or before the token). Built by a
-// deterministic stable radix sort (cub) of (key, value) pairs in caller-provided scratch; used by the
-// KV-block-outer forward (forward_kv.cu) and the dK/dV backward (backward.cu).
+// deterministic stable radix sort (cub) of (key, value) pairs in caller-provided scratch. The KV-block-outer
+// forward (forward_kv_block_outer.cu) and dQ (dq_kv_block_outer.cu) build it chunk by chunk
+// (for_each_sorted_chunk); the backward (backward.cu) builds it whole, with its segments, for the dK/dV
+// (dkdv.cu).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,5 +1,6 @@
 // Pieces shared by the KV-block-outer kernels of selected_attention that walk runs of entries sorted by (KV head,
-// block) (the forwards of forward_kv.cu and forward_kv_wgmma.cuh, the dQ of dq_kv.cu): the kernel configuration,
+// block) (the forwards of forward_kv_block_outer.cu and forward_kv_block_outer_wgmma.cuh, the dQs of
+// dq_kv_block_outer.cu and dq_kv_block_outer_wgmma.cuh): the kernel configuration,
 // a CTA's slice of the sorted entries, where a run finds its keys, which query row a gathered tile row is, and
 // how a warp writes the compact partials of its 16 rows.
 #pragma once
@@ -44,8 +45,8 @@ __device__ __forceinline__ int load_cta_entries(const std::uint32_t* keys, const
 
 // One past the last entry of the run that starts at entry cur (a run: the adjacent entries of one sort key). The
 // slice is sorted (keys ascending, sentinels last), so a binary search: 8 dependent shared loads for a slice of
-// 256 entries, where the linear scan took one per entry (at G = 1 a run fills the slice, and that scan was a
-// quarter of the forward's instructions and 42% of its stall samples).
+// 256 entries, where a linear scan takes one per entry (at G = 1 a run fills the slice, and such a scan becomes a
+// large share of the forward's instructions and stalls).
 __device__ __forceinline__ int run_end(const std::uint32_t* keys_s, int cur, int count) {
   const std::uint32_t key = keys_s[cur];
   int lo = cur + 1, hi = count;  // the end is in [lo, hi]
