@@ -26,6 +26,16 @@ void dispatch_head_dims(std::int64_t dqk, std::int64_t dv, Body&& body) {
   throw std::logic_error("sparseattn: head dims not dispatched to CUDA (the API validates them)");
 }
 
+// Calls body(DQK) as an integral constant for a Dqk of the head-dim pairs (select_blocks reads q and k only).
+template <class Body>
+void dispatch_head_dim_qk(std::int64_t dqk, Body&& body) {
+#define SPARSEATTN_DISPATCH_HEAD_DIM_QK(QK, V) \
+  if (dqk == QK) return body(std::integral_constant<int, QK>{});
+  SPARSEATTN_HEAD_DIMS(SPARSEATTN_DISPATCH_HEAD_DIM_QK)
+#undef SPARSEATTN_DISPATCH_HEAD_DIM_QK
+  throw std::logic_error("sparseattn: head dim not dispatched to CUDA (the API validates it)");
+}
+
 // Calls body(TypeTag<T>{}) with the CUDA element type of a float16 or bfloat16 dtype.
 template <class Body>
 void dispatch_16bit(DType dtype, Body&& body) {

@@ -607,21 +607,10 @@ void select_blocks(const SelectBlocksParams& p) {
   const DeviceGuard device(p.q.device_index);
   const LaunchPlan plan = plan_of(p);
   if (plan.select.ctas == 0) return;
-  const auto run = [&](auto tag) {
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    switch (plan.dim) {
-      case 64: return launch<T, 64>(p, plan);
-      case 128: return launch<T, 128>(p, plan);
-      case 192: return launch<T, 192>(p, plan);
-      case 256: return launch<T, 256>(p, plan);
-      default: throw std::logic_error("sparseattn: select_blocks head dim not dispatched to CUDA (validated by the API)");
-    }
-  };
-  switch (p.q.dtype) {
-    case DType::float16: run(TypeTag<__half>{}); break;
-    case DType::bfloat16: run(TypeTag<__nv_bfloat16>{}); break;
-    default: throw std::logic_error("sparseattn: select_blocks dtype not dispatched to CUDA (validated by the API)");
-  }
+    dispatch_head_dim_qk(plan.dim, [&](auto dim) { launch<T, decltype(dim)::value>(p, plan); });
+  });
 }
 
 }  // namespace sparseattn::cuda

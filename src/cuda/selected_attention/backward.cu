@@ -192,58 +192,55 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
     selection::radix_sort_pairs(ws + plan.temp, plan.temp_bytes, keys_in, keys_out, values_in, values_out,
                                 plan.entries, plan.end_bit, stream);
     selection::launch_segments(keys_out, plan.entries, plan.sentinel, seg_begin, seg_end, keys, stream);
-    dispatch_head_dims(dqk, dv, [&](auto dqk_c, auto dv_c) {
-      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-      // 3. dQ, query-outer (or KV-block-outer after step 4).
-      if (!plan.dq_kv) selection::dq_query_outer(p, delta, p_scale, options.accumulate_dq);
-      // 4. dK, dV, KV-block-outer over the inverse index cut into chunks (dkdv_chunks.cuh).
-      {
-        const DkvConfig c{plan.heads_kv, group, plan.block, s.rows, plan.blocks_per_seq, s.batch, keys,
-                          plan.chunk_tokens, static_cast<std::uint32_t>(plan.blocks_bound), s.packed,
-                          static_cast<float>(scale), scale_log2};
-        const selection::ChunkConfig cc{keys, plan.chunk_tokens, plan.block, plan.blocks_per_seq, s.batch,
-                                        static_cast<std::uint32_t>(plan.blocks_bound), s.packed};
-        const selection::DkdvBuffers buffers{offsets, seg_begin, seg_end, values_out, counts, scan,
-                                             ws + plan.scan_temp, plan.scan_temp_bytes, partials, plan.grid,
-                                             plan.slots};
-        selection::dkdv_kv_block_outer(p, c, cc, buffers, delta, p_scale, table);
-      }
-      // 5. dQ, KV-block-outer (dq_kv_block_outer.h); reuses the inverse index's buffers, which step 4 is done with.
-      if (plan.dq_kv) {
-        selection::DqKvArgs a{};
-        a.heads_q = plan.heads_q;
-        a.heads_kv = plan.heads_kv;
-        a.group = group;
-        a.num_idx = plan.num_idx;
-        a.block = plan.block;
-        a.rows = s.rows;
-        a.batch = s.batch;
-        a.blocks_per_seq = plan.blocks_per_seq;
-        a.total_rows = plan.total_rows;
-        a.chunk_pairs = plan.dq_chunk_pairs;
-        a.blocks_bound = static_cast<std::uint32_t>(plan.blocks_bound);
-        a.sentinel = plan.sentinel;
-        a.end_bit = plan.end_bit;
-        a.sort = plan.dq_sort;
-        a.packed = s.packed;
-        a.scale = static_cast<float>(scale);
-        a.scale_log2 = scale_log2;
-        a.cu_seqlens = s.packed ? cu : nullptr;
-        a.offsets = offsets;
-        a.delta = delta;
-        a.p_scale = p_scale;
-        a.accumulate_dq = options.accumulate_dq;
-        a.keys_in = keys_in;
-        a.keys_out = keys_out;
-        a.values_in = values_in;
-        a.values_out = values_out;
-        a.temp = ws + plan.temp;
-        a.temp_bytes = plan.temp_bytes;
-        a.dq_half = ws + plan.dq_half;
-        a.dq_scale = reinterpret_cast<float*>(ws + plan.dq_scale);
-        selection::dq_kv_outer(p, a);
-      }
-    });
+    // 3. dQ, query-outer (or KV-block-outer after step 4).
+    if (!plan.dq_kv) selection::dq_query_outer(p, delta, p_scale, options.accumulate_dq);
+    // 4. dK, dV, KV-block-outer over the inverse index cut into chunks (dkdv_chunks.cuh).
+    {
+      const DkvConfig c{plan.heads_kv, group, plan.block, s.rows, plan.blocks_per_seq, s.batch, keys,
+                        plan.chunk_tokens, static_cast<std::uint32_t>(plan.blocks_bound), s.packed,
+                        static_cast<float>(scale), scale_log2};
+      const selection::ChunkConfig cc{keys, plan.chunk_tokens, plan.block, plan.blocks_per_seq, s.batch,
+                                      static_cast<std::uint32_t>(plan.blocks_bound), s.packed};
+      const selection::DkdvBuffers buffers{offsets, seg_begin, seg_end, values_out, counts, scan,
+                                           ws + plan.scan_temp, plan.scan_temp_bytes, partials, plan.grid,
+                                           plan.slots};
+      selection::dkdv_kv_block_outer(p, c, cc, buffers, delta, p_scale, table);
+    }
+    // 5. dQ, KV-block-outer (dq_kv_block_outer.h); reuses the inverse index's buffers, which step 4 is done with.
+    if (plan.dq_kv) {
+      selection::DqKvArgs a{};
+      a.heads_q = plan.heads_q;
+      a.heads_kv = plan.heads_kv;
+      a.group = group;
+      a.num_idx = plan.num_idx;
+      a.block = plan.block;
+      a.rows = s.rows;
+      a.batch = s.batch;
+      a.blocks_per_seq = plan.blocks_per_seq;
+      a.total_rows = plan.total_rows;
+      a.chunk_pairs = plan.dq_chunk_pairs;
+      a.blocks_bound = static_cast<std::uint32_t>(plan.blocks_bound);
+      a.sentinel = plan.sentinel;
+      a.end_bit = plan.end_bit;
+      a.sort = plan.dq_sort;
+      a.packed = s.packed;
+      a.scale = static_cast<float>(scale);
+      a.scale_log2 = scale_log2;
+      a.cu_seqlens = s.packed ? cu : nullptr;
+      a.offsets = offsets;
+      a.delta = delta;
+      a.p_scale = p_scale;
+      a.accumulate_dq = options.accumulate_dq;
+      a.keys_in = keys_in;
+      a.keys_out = keys_out;
+      a.values_in = values_in;
+      a.values_out = values_out;
+      a.temp = ws + plan.temp;
+      a.temp_bytes = plan.temp_bytes;
+      a.dq_half = ws + plan.dq_half;
+      a.dq_scale = reinterpret_cast<float*>(ws + plan.dq_scale);
+      selection::dq_kv_outer(p, a);
+    }
   });
 }
 
