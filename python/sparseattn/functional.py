@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
+import torch
 from torch import Tensor
 
 from . import _checks as chk
@@ -85,8 +86,6 @@ class NSAConfig:
 
 def _compressed_cu(cu_seqlens: Tensor, block: int, stride: int) -> Tensor:
     """compressed_cu_seqlens without its checks (block and stride validated, cu_seqlens checked by the op)."""
-    import torch
-
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     blocks = torch.clamp_min(torch.div(lengths - block, stride, rounding_mode="floor") + 1, 0)
     return torch.cat([cu_seqlens[:1] * 0, torch.cumsum(blocks, 0, dtype=torch.int32)])

@@ -174,8 +174,8 @@ def mutations(arg: Arg, base):
                 ("float 1.5", 1.5, "type"), ("numpy bool", np.bool_(base), "same")]
         return out
     if kind == "window":
-        out += [("int 5", 5, "type"), ("str 'ab'", "ab", "type"), ("(1,)", (1,), "type"), ("(1, 2, 3)", (1, 2, 3), "type"),
-                ("set", {1, 2}, "type"), ("('a', 0)", ("a", 0), "type"), ("(1.5, 0)", (1.5, 0), "type"),
+        out += [("int 5", 5, "type"), ("str 'ab'", "ab", "type"), ("(1,)", (1,), "type"),
+                ("(1, 2, 3)", (1, 2, 3), "type"), ("set", {1, 2}, "type"), ("('a', 0)", ("a", 0), "type"), ("(1.5, 0)", (1.5, 0), "type"),
                 ("(None, 0)", (None, 0), "type"), ("(0, True)", (0, True), "type"),
                 ("(2**63, 0)", (2**63, 0), "error"), ("(0, -2**63 - 1)", (0, -(2**63) - 1), "error"),
                 ("None", None, "valid"), ("list [3, 0]", [3, 0], "valid"), ("(-5, 0)", (-5, 0), "valid"),
