@@ -44,7 +44,7 @@ def test_groups(G, T):
     compare(q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("dims", sparseattn.CUDA_HEAD_DIMS, ids=lambda d: f"d{d[0]}v{d[1]}")
+@pytest.mark.parametrize("dims", sa.CUDA_HEAD_DIMS, ids=lambda d: f"d{d[0]}v{d[1]}")
 def test_head_dims(dims):
     q, k, v = qkv(2, 40, 4, 2, dims[0], dims[1], S=50)
     compare(q, k, v, causal=True, window=(20, 0), scale=0.05)

@@ -21,7 +21,7 @@ DEFAULT = dict()
 DEFAULT_N6 = dict(num_selected=6)
 
 GROUPS = [1, 2, 3, 4, 8, 16]
-HEAD_DIMS = list(sparseattn.CUDA_HEAD_DIMS)
+HEAD_DIMS = list(sa.CUDA_HEAD_DIMS)
 SHORT = [1, 31, 32, 63, 64, 65]
 
 
