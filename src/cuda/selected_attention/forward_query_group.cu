@@ -14,6 +14,17 @@
 // chooses it (use_group_forward). Slower variants: separate K and V stages (K released after S; 64K: 17.1 ms), a
 // round-robin walk over the tokens that balances the consumers (19.0 ms), a persistent grid whose producer runs
 // on across work items (8K 1.51, 64K 18.9 ms, lists still read from global memory).
+//
+// The synchronisation is written in forms that compute-sanitizer's racecheck follows, so that scripts/sanitize.sh
+// runs clean (docs/perf/2026-11-27-sanitizer.md: what the earlier forms reported, and the cost):
+//  - every consumer lane arrives on a stage's empty barrier after its own reads of the stage (32 arrivals per
+//    token; the producer arrives 32 times for a token that does not read the use). A release by lane 0 after a
+//    __syncwarp orders the other lanes' reads too under the PTX memory model, but racecheck does not carry them
+//    through the __syncwarp and reports the producer's refill of the stage as racing with them;
+//  - the queues' words are read and written by shared-memory atomics only (entry, fence, count; count, fence,
+//    entry: message passing with relaxed atomics). Plain entries behind a volatile count are ordered as well, but
+//    racecheck orders plain accesses by barriers only; it does not report atomics.
+// Outputs are bitwise the same as with the earlier forms.
 #include "cuda/primitives/pipeline.cuh"
 #include "cuda/selected_attention/forward_plan.h"
 #include "cuda/selected_attention/launchers.h"
@@ -31,6 +42,9 @@ using namespace query_outer;
 constexpr int kProducerThreads = 128;
 constexpr int kTokens = kGroupTokens;
 constexpr int kThreads = kProducerThreads + 32 * kTokens;
+// Arrivals on a stage's empty barrier per token and use: one by every lane of its consumer warp after its own
+// reads of the stage (see the top of the file), or as many by the producer for a token that does not read it.
+constexpr int kReleasesPerToken = 32;
 
 // The key tiles of the union of the blocks that a CTA's tokens t0 .. t0 + kTokens - 1 selected (visible ones:
 // starting at or before the token), walked by the CTA's producer warp: lane i < kTokens follows token t0 + i's
@@ -132,37 +146,50 @@ struct GroupStages {
     return reinterpret_cast<std::uint64_t*>(base + kCount * kStageBytes);
   }
   // Token i's queue: entries (use, keys) in slots entry % kCount, and the count pushed so far (| kDone at the end).
+  // After the start (thread 0 zeroes the counts before the CTA barrier) every access to these words is an atomic
+  // (push, finish, pop), so racecheck reports no hazard on them.
   __device__ __forceinline__ std::uint32_t* uses(int i) const {
     return reinterpret_cast<std::uint32_t*>(barriers() + Ring::kBarriers) + i * 2 * kCount;
   }
   __device__ __forceinline__ std::uint32_t* keys(int i) const { return uses(i) + kCount; }
-  __device__ __forceinline__ volatile std::uint32_t* count(int i) const { return uses(kTokens) + i; }
+  __device__ __forceinline__ std::uint32_t* count(int i) const { return uses(kTokens) + i; }
   // Token i's index list: lists() + i * num_idx.
   __device__ __forceinline__ std::int32_t* lists() const {
     return reinterpret_cast<std::int32_t*>(uses(kTokens) + kTokens);
   }
 
-  // By the producer's lane i: token i's entry number n.
+  // By the producer's lane i: token i's entry number n (the entry, then the count: the fences order them as
+  // release and acquire would; relaxed atomics on both sides make it the memory model's message passing).
   __device__ __forceinline__ void push(int i, unsigned n, unsigned use, int keys_here) const {
-    uses(i)[n % kCount] = use;
-    keys(i)[n % kCount] = static_cast<std::uint32_t>(keys_here);
+    atomicExch(uses(i) + n % kCount, use);
+    atomicExch(keys(i) + n % kCount, static_cast<std::uint32_t>(keys_here));
     __threadfence_block();
-    *count(i) = n + 1;
+    atomicExch(count(i), n + 1);
   }
-  __device__ __forceinline__ void finish(int i, unsigned n) const { *count(i) = n | kDone; }
-  // By token i's consumer warp: its entry number n, or false once there are no more.
-  __device__ __forceinline__ bool pop(int i, unsigned n, unsigned& use, int& keys_here) const {
-    for (;;) {
-      // Lane 0's read for the whole warp: lanes that saw different counts would leave the loop apart, and the
-      // mma.sync that follows needs the whole warp.
-      const std::uint32_t c = __shfl_sync(0xffffffffu, *count(i), 0);
-      if ((c & ~kDone) > n) break;
-      if (c & kDone) return false;
-      __nanosleep(200);  // off the issue slots of the warps that compute (64/4, T = 64K: 16.4 -> 16.1 ms)
+  __device__ __forceinline__ void finish(int i, unsigned n) const { atomicExch(count(i), n | kDone); }
+  // By token i's consumer warp: its entry number n, or false once there are no more. `seen`: the count the warp
+  // read last (0 at first), whose entries are all published, so the count is read again only past them. Lane 0
+  // reads for the whole warp (an atomic OR of 0 is an atomic read): lanes that saw different counts would leave
+  // the loop apart, and the mma.sync that follows needs the whole warp.
+  __device__ __forceinline__ bool pop(int i, unsigned n, std::uint32_t& seen, unsigned& use, int& keys_here) const {
+    const bool reader = threadIdx.x % 32 == 0;
+    if ((seen & ~kDone) <= n) {
+      for (;;) {
+        if (seen & kDone) return false;
+        seen = __shfl_sync(0xffffffffu, reader ? atomicOr(count(i), 0u) : 0u, 0);
+        if ((seen & ~kDone) > n) break;
+        if (seen & kDone) return false;
+        __nanosleep(200);  // off the issue slots of the warps that compute (64/4, T = 64K: 16.4 -> 16.1 ms)
+      }
+      __threadfence_block();
     }
-    __threadfence_block();
-    use = uses(i)[n % kCount];
-    keys_here = static_cast<int>(keys(i)[n % kCount]);
+    std::uint32_t entry[2] = {0u, 0u};
+    if (reader) {
+      entry[0] = atomicOr(uses(i) + n % kCount, 0u);
+      entry[1] = atomicOr(keys(i) + n % kCount, 0u);
+    }
+    use = __shfl_sync(0xffffffffu, entry[0], 0);
+    keys_here = static_cast<int>(__shfl_sync(0xffffffffu, entry[1], 0));
     return true;
   }
 };
@@ -201,8 +228,8 @@ struct GroupTask : HeadChunk<T> {
 
 // The producer warp of a group kernel: fills the ring's stages with the walk's tiles that some token reads, in
 // walk order; releases each stage at once for the tokens that do not read it (the ring's empty barriers expect
-// one release per token), so that a stage is free as soon as its readers are done with it; and pushes each use to
-// its readers' queues.
+// one release per consumer lane, kReleasesPerToken per token), so that a stage is free as soon as its readers
+// are done with it; and pushes each use to its readers' queues.
 template <class Task, class Stages>
 __device__ __forceinline__ void produce(const Task& task, const Stages& stages, const typename Stages::Ring& ring,
                                         const QueryOuterConfig& c) {
@@ -216,7 +243,7 @@ __device__ __forceinline__ void produce(const Task& task, const Stages& stages, 
     task.copy(stages.k(ring.slot(use)), stages.v(ring.slot(use)), tiles);
     ring.commit(use);
     const int others = kTokens - __popc(readers);
-    if (threadIdx.x == 0 && others > 0) ring.release(use, others);
+    if (threadIdx.x == 0 && others > 0) ring.release(use, others * kReleasesPerToken);
     if (threadIdx.x < kTokens && ((readers >> lane) & 1u)) stages.push(lane, pushed++, use, tiles.keys_of(lane));
     ++use;
   }
@@ -237,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const GroupTask<T, kKeys, DQK, DV> task(k, v, seqs, c);
   if (!task.valid) return;
   if (threadIdx.x == 0) {
-    ring.init(kProducerThreads, kTokens);
+    ring.init(kProducerThreads, kTokens * kReleasesPerToken);
     for (int i = 0; i < kTokens; ++i) *stages.count(i) = 0;
     pipeline::fence_init();
   }
@@ -250,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   pipeline::claim_registers<232>();
 
   // Consumer warp: token t0 + its index among the consumers, Q in registers as the A fragments of the Dqk / 16 k-steps.
-  const int token = static_cast<int>(threadIdx.x - kProducerThreads) / 32, lane = static_cast<int>(threadIdx.x % 32);
+  const int token = static_cast<int>(threadIdx.x - kProducerThreads) / 32;
   const auto& seq = task.seq;
   const std::int64_t t = task.t0 + token, row = task.seq.begin + t;
   const int rows_here = task.rows_here;
@@ -258,14 +285,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   ForwardRows<T, DQK, DV> rows(q, seq.batch, row, task.hq0, rows_here);
   unsigned use;
   int keys;
-  for (unsigned n = 0; stages.pop(token, n, use, keys); ++n) {
+  std::uint32_t seen = 0;
+  for (unsigned n = 0; stages.pop(token, n, seen, use, keys); ++n) {
     ring.wait_full(use);
     float s[kKeys / 8][4] = {};
     rows.scores(s, stages.k(ring.slot(use)));  // S = Q K^T
     rows.softmax(s, keys, c.scale_log2);
     rows.product(s, stages.v(ring.slot(use)));  // O += P V
-    __syncwarp();
-    if (lane == 0) ring.release(use);
+    ring.release(use);  // every lane, after its own reads of the stage
   }
 
   rows.store(o, lse, seq.batch, row, task.hq0, rows_here);
