@@ -540,7 +540,15 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       if (m < tokens) {
         const float* const row = slot + m * c.slot_blocks;
         const int candidates = static_cast<int>((t0 + m) / c.sel_block + 1);
-        for (int b = 4 * lane; b < candidates; b += 4 * 32) cp_async_16(dst + b, row + b);
+        // Whole 16-byte pieces, then the row's last scores one by one: the pooling writes no more of the row, and a
+        // whole piece there would read unwritten bytes, which the top-n never uses but initcheck reports.
+        for (int b = 4 * lane; b < candidates; b += 4 * 32) {
+          if (b + 4 <= candidates) {
+            cp_async_16(dst + b, row + b);
+          } else {
+            for (int e = b; e < candidates; ++e) cp_async_4(dst + e, row + e);
+          }
+        }
       }
       cp_async_commit();
     };
