@@ -151,7 +151,8 @@ def test_forward_scratch_is_separate_from_the_kept_workspace():
     q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) for H in (Hq, Hkv, Hkv))
     g = torch.rand(3, 1, T, Hq, device="cuda", dtype=torch.bfloat16)
     o = torch.empty_like(q)
-    sizes = {query: _ops._nsa_size(getattr(_C, query), q, k, v, None, None, None, *g, o, None, None, T, config)
+    sizes = {query: _ops._nsa_size(getattr(_C, query), "nsa_attention", q, k, v, None, None, None, *g, o, None, None,
+                                   T, config)
              for query in ("nsa_workspace_size", "nsa_forward_scratch_size")}
     branch_output = T * Hq * D * 2  # the window's output slice, one of three such slices of the workspace
     assert sizes["nsa_forward_scratch_size"] > branch_output
