@@ -4,6 +4,7 @@
 #include "sparseattn/combine.h"
 #include "sparseattn/compress_kv.h"
 #include "sparseattn/compressed_attention.h"
+#include "sparseattn/create_mask.h"
 #include "sparseattn/error.h"
 #include "sparseattn/flash_attention.h"
 #include "sparseattn/head_dims.h"

@@ -5,6 +5,7 @@
 #include "sparseattn/combine.h"
 #include "sparseattn/compress_kv.h"
 #include "sparseattn/compressed_attention.h"
+#include "sparseattn/create_mask.h"
 #include "sparseattn/flash_attention.h"
 #include "sparseattn/select_blocks.h"
 #include "sparseattn/selected_attention.h"
@@ -22,5 +23,6 @@ void flash_attention(const FlashAttentionParams& params);
 void flash_attention_backward(const FlashAttentionBackwardParams& params);
 void combine(const CombineParams& params);
 void combine_backward(const CombineBackwardParams& params);
+void create_mask(const CreateMaskParams& params);
 
 }  // namespace sparseattn::reference
