@@ -17,6 +17,27 @@ namespace sparseattn {
 // (a negative bound means unbounded). A row with no kept key returns o = 0 and lse = -inf.
 // mask and bias are batched-layout only and broadcast as [B|1, Hq|Hkv|1, T|1, S]; with Hkv heads, query
 // head h uses mask/bias head h / (Hq / Hkv).
+//
+// Gated attention and thresholds (CPU only for now; CUDA tensors raise ErrorKind::unsupported), see
+// docs/semantics.md section 8: with alpha [B, T, Hq] and delta [B, S, Hkv] the logits are scale * (q.k + g),
+// g = logsigmoid(alpha_t * delta_s) (GateMode::logsigmoid) or alpha_t * delta_s (GateMode::product).
+// gate_threshold skips a (query tile, key tile) pair whose upper bound on g is below it; softmax_threshold
+// (tau in (0, 1]) skips a key tile whose largest logit is below every row's running maximum + log(tau_row).
+// Tiles are threshold_block_q queries x threshold_block_k keys, aligned to each sequence's start; the result
+// depends on them.
+enum class GateMode { logsigmoid, product };
+
+// The gate and threshold settings the forward and the backward share (plain data).
+struct FlashGateOptions {
+  TensorView alpha;  // optional, dtype of q or float32: [B, T, Hq] or packed [Nq, Hq]
+  TensorView delta;  // optional (with alpha), dtype of q or float32: [B, S, Hkv] or packed [Nk, Hkv]
+  GateMode gate = GateMode::logsigmoid;
+  std::optional<double> gate_threshold;     // needs alpha and delta; finite
+  std::optional<double> softmax_threshold;  // tau in (0, 1]
+  std::int64_t threshold_block_q = 128;     // tile sizes of both thresholds, positive
+  std::int64_t threshold_block_k = 128;
+};
+
 struct FlashAttentionParams {
   TensorView q;     // [B, T, Hq, Dqk] or packed [Nq, Hq, Dqk]
   TensorView k;     // [B, S, Hkv, Dqk] or packed [Nk, Hkv, Dqk]
@@ -31,6 +52,7 @@ struct FlashAttentionParams {
   std::int64_t window_left = -1;
   std::int64_t window_right = -1;
   std::optional<double> scale;
+  FlashGateOptions gates;
   Stream stream = nullptr;
 };
 
@@ -39,12 +61,15 @@ struct FlashAttentionBackwardParams {
   TensorView d_o;                          // like o
   TensorView dq, dk, dv;                   // out: like q, k, v
   TensorView dbias;  // optional out: the gradient of bias, reduced to bias's own (broadcast) shape
+  TensorView dalpha;  // optional out (needs alpha): like gates.alpha
+  TensorView ddelta;  // optional out (needs delta): like gates.delta, summed over each group's query heads
   Sequences seqs_q;
   Sequences seqs_k;
   bool causal = false;
   std::int64_t window_left = -1;
   std::int64_t window_right = -1;
   std::optional<double> scale;
+  FlashGateOptions gates;  // as in the forward
   void* workspace = nullptr;  // on q's device, 16-byte aligned, of the size the function below gives
   std::size_t workspace_bytes = 0;
   Stream stream = nullptr;

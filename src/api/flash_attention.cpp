@@ -1,5 +1,6 @@
 #include "sparseattn/flash_attention.h"
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -46,6 +47,44 @@ void check_broadcast(const detail::Check& check, const TensorView& t, const std:
                     std::to_string(rows) + "|1, " + std::to_string(keys) + "], got " + t.shape_string());
 }
 
+// A gate tensor: [B, rows, heads] (batched) or [rows, heads] (packed), dtype of q or float32.
+void check_gate_tensor(const detail::Check& check, const TensorView& t, const std::string& arg,
+                       const TensorView& q, const detail::TokenLayout& layout, std::int64_t batch,
+                       std::int64_t heads) {
+  check.tensor(t, arg, t.dtype == DType::float32 ? DType::float32 : q.dtype, q, "q");
+  std::vector<std::int64_t> expected{layout.rows, heads};
+  if (!layout.packed) expected.insert(expected.begin(), batch);
+  check.shape(t, arg, expected);
+}
+
+// alpha and delta (both or neither), the gate mode and the two thresholds with their tile sizes.
+void check_gates(const detail::Check& check, const FlashGateOptions& gates, const TensorView& q,
+                 const FlashShapes& shapes) {
+  const bool has_alpha = gates.alpha.present(), has_delta = gates.delta.present();
+  check.require(has_alpha == has_delta, ErrorKind::config, has_alpha ? "delta" : "alpha",
+                "alpha and delta must be given together (gated attention) or not at all");
+  if (has_alpha) {
+    check_gate_tensor(check, gates.alpha, "alpha", q, shapes.layout_q, shapes.layout_q.batch, shapes.q_heads);
+    check_gate_tensor(check, gates.delta, "delta", q, shapes.layout_k, shapes.layout_q.batch, shapes.kv_heads);
+  }
+  check.require(gates.gate == GateMode::logsigmoid || gates.gate == GateMode::product, ErrorKind::config, "gate",
+                "must be GateMode::logsigmoid or GateMode::product");
+  if (gates.gate_threshold) {
+    check.require(has_alpha, ErrorKind::config, "gate_threshold", "needs alpha and delta (gated attention)");
+    check.require(std::isfinite(*gates.gate_threshold), ErrorKind::config, "gate_threshold",
+                  "must be finite, got " + std::to_string(*gates.gate_threshold));
+  }
+  if (gates.softmax_threshold) {
+    const double tau = *gates.softmax_threshold;
+    check.require(tau > 0 && tau <= 1, ErrorKind::config, "softmax_threshold",
+                  "must lie in (0, 1], got " + std::to_string(tau));
+  }
+  check.require(gates.threshold_block_q > 0, ErrorKind::config, "threshold_block_q",
+                "must be positive, got " + std::to_string(gates.threshold_block_q));
+  check.require(gates.threshold_block_k > 0, ErrorKind::config, "threshold_block_k",
+                "must be positive, got " + std::to_string(gates.threshold_block_k));
+}
+
 // Checks what the forward and the backward share (for the backward, o and lse are inputs).
 template <class Params>
 FlashShapes check_common(const detail::Check& check, const Params& params) {
@@ -82,6 +121,7 @@ FlashShapes check_common(const detail::Check& check, const Params& params) {
   check.shape(params.lse, "lse", shapes.layout_q.lse(shapes.q_heads));
   check_broadcast(check, params.mask, "mask", DType::boolean, q, shapes);
   check_broadcast(check, params.bias, "bias", dtype, q, shapes);
+  check_gates(check, params.gates, q, shapes);
   detail::resolve_scale(check, params.scale, shapes.dim_qk);
   return shapes;
 }
@@ -92,6 +132,15 @@ void check_cuda_flash(const detail::Check& check, const Params& params, const Fl
                 "is not supported on CUDA yet (the CUDA kernels have no mask); use CPU tensors");
   check.require(!params.bias.present(), ErrorKind::unsupported, "bias",
                 "is not supported on CUDA yet (the CUDA kernels have no bias); use CPU tensors");
+  const FlashGateOptions& gates = params.gates;
+  check.require(!gates.alpha.present(), ErrorKind::unsupported, "alpha",
+                "(gated attention) is not supported on CUDA yet; use CPU tensors");
+  check.require(!gates.delta.present(), ErrorKind::unsupported, "delta",
+                "(gated attention) is not supported on CUDA yet; use CPU tensors");
+  check.require(!gates.gate_threshold, ErrorKind::unsupported, "gate_threshold",
+                "is not supported on CUDA yet; use CPU tensors");
+  check.require(!gates.softmax_threshold, ErrorKind::unsupported, "softmax_threshold",
+                "is not supported on CUDA yet; use CPU tensors");
   detail::check_cuda_half(check, params.q);
   detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);
   detail::check_cuda_rows(check, params.q, "q");
@@ -150,6 +199,16 @@ void detail::flash_attention_backward(const FlashAttentionBackwardParams& params
     check.tensor(params.dbias, "dbias", dtype, params.q, "q");
     const TensorView& bias = params.bias;
     check.shape(params.dbias, "dbias", std::vector<std::int64_t>(bias.shape.begin(), bias.shape.begin() + bias.rank));
+  }
+  if (params.dalpha.present()) {
+    check.require(params.gates.alpha.present(), ErrorKind::config, "dalpha", "is given but alpha is not");
+    check.tensor(params.dalpha, "dalpha", params.gates.alpha.dtype, params.gates.alpha, "alpha");
+    check.shape(params.dalpha, "dalpha", detail::shape_of(params.gates.alpha));
+  }
+  if (params.ddelta.present()) {
+    check.require(params.gates.delta.present(), ErrorKind::config, "ddelta", "is given but delta is not");
+    check.tensor(params.ddelta, "ddelta", params.gates.delta.dtype, params.gates.delta, "delta");
+    check.shape(params.ddelta, "ddelta", detail::shape_of(params.gates.delta));
   }
   check.buffer(params.workspace, params.workspace_bytes, flash_attention_backward_workspace_size(params), "workspace",
                "flash_attention_backward_workspace_size");

@@ -38,6 +38,12 @@ struct FlashProblem {
   Dense bias;
   Broadcast4d mask_shape, bias_shape;
   AttentionProblem problem;
+  // Gated attention: alpha [Bq, Nq, Hq] and delta [Bk, Nk, Hkv] (a batch dim of 1 when packed); empty if absent.
+  Dense alpha, delta;
+  GateMode gate_mode = GateMode::logsigmoid;
+  // Thresholds: kept[seq * Hq + h][query tile * key tiles + key tile] is 0 for a skipped pair; empty if none.
+  std::int64_t block_q = 1, block_k = 1;
+  std::vector<std::vector<std::uint8_t>> kept;
 
   template <class Params>
   explicit FlashProblem(const Params& params)
@@ -67,16 +73,152 @@ struct FlashProblem {
       bias = load(params.bias);
       bias_shape = Broadcast4d::of(params.bias);
     }
-    if (params.mask.present() || params.bias.present()) {
+    const FlashGateOptions& gates = params.gates;
+    gate_mode = gates.gate;
+    if (gates.alpha.present()) {
+      alpha = with_batch_dim(load(gates.alpha), layout_q.packed);
+      delta = with_batch_dim(load(gates.delta), layout_k.packed);
+    }
+    const bool thresholds = gates.gate_threshold.has_value() || gates.softmax_threshold.has_value();
+    if (params.mask.present() || params.bias.present() || gated() || thresholds) {
       problem.add_scores = [this](std::int64_t seq, std::int64_t t, std::int64_t head,
                                   const std::vector<std::int64_t>& keys, double* scores) {
-        add_mask_and_bias(seq, t, head, keys, scores);
+        add_terms(seq, t, head, keys, scores);
+        skip_tiles(seq, t, head, keys, scores);
       };
     }
+    if (thresholds) choose_tiles(params.causal, gates);
   }
   FlashProblem(const FlashProblem&) = delete;
 
   std::int64_t group() const { return q.dim(2) / k.dim(2); }
+  bool gated() const { return !alpha.values.empty() || !delta.values.empty(); }
+  static std::int64_t tiles(std::int64_t length, std::int64_t block) { return (length + block - 1) / block; }
+  std::int64_t key_tiles(std::int64_t seq) const { return tiles(problem.k_spans[seq].length, block_k); }
+
+  double gate(double x) const {
+    if (gate_mode == GateMode::product) return x;
+    return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x));  // logsigmoid, stable
+  }
+  // dg/dx: sigmoid(-x) for logsigmoid, 1 for product.
+  double gate_slope(double x) const {
+    if (gate_mode == GateMode::product) return 1.0;
+    return x >= 0 ? std::exp(-x) / (1 + std::exp(-x)) : 1 / (1 + std::exp(x));
+  }
+  double alpha_at(std::int64_t seq, std::int64_t t, std::int64_t head) const {
+    const Span& qs = problem.q_spans[seq];
+    return alpha(qs.batch, qs.begin + t, head);
+  }
+  double delta_at(std::int64_t seq, std::int64_t s, std::int64_t kv_head) const {
+    const Span& ks = problem.k_spans[seq];
+    return delta(ks.batch, ks.begin + s, kv_head);
+  }
+
+  // Mask, bias and the gate term scale * g (everything but the tile skipping).
+  void add_terms(std::int64_t seq, std::int64_t t, std::int64_t head, const std::vector<std::int64_t>& keys,
+                 double* scores) const {
+    if (!mask.empty() || !bias.values.empty()) add_mask_and_bias(seq, t, head, keys, scores);
+    if (gated()) {
+      const double a = alpha_at(seq, t, head);
+      const std::int64_t kv_head = head / group();
+      for (std::size_t i = 0; i < keys.size(); ++i) scores[i] += problem.scale * gate(a * delta_at(seq, keys[i], kv_head));
+    }
+  }
+
+  // Hides the keys of the key tiles the thresholds skipped for this row's query tile.
+  void skip_tiles(std::int64_t seq, std::int64_t t, std::int64_t head, const std::vector<std::int64_t>& keys,
+                  double* scores) const {
+    if (kept.empty()) return;
+    const std::vector<std::uint8_t>& pairs = kept[seq * q.dim(2) + head];
+    const std::uint8_t* row = pairs.data() + (t / block_q) * key_tiles(seq);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (!row[keys[i] / block_k]) scores[i] = -std::numeric_limits<double>::infinity();
+    }
+  }
+
+  // Decides, per (sequence, query head, query tile), which key tiles the gate threshold and the sparse-softmax
+  // threshold skip (docs/semantics.md section 8). Forward and backward run the same decision.
+  void choose_tiles(bool causal, const FlashGateOptions& gates) {
+    constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+    block_q = gates.threshold_block_q;
+    block_k = gates.threshold_block_k;
+    const std::int64_t q_heads = q.dim(2), sequences = static_cast<std::int64_t>(problem.q_spans.size());
+    kept.assign(static_cast<std::size_t>(sequences * q_heads), {});
+    parallel_for(sequences * q_heads, [&](std::int64_t item) {
+      const std::int64_t seq = item / q_heads, head = item % q_heads, kv_head = head / group();
+      const std::int64_t rows = problem.q_spans[seq].length, keys_len = problem.k_spans[seq].length;
+      const std::int64_t q_tiles = tiles(rows, block_q), k_tiles = key_tiles(seq);
+      std::vector<std::uint8_t>& pairs = kept[item];
+      pairs.assign(static_cast<std::size_t>(q_tiles * k_tiles), 1);
+      if (gates.gate_threshold) {
+        std::vector<double> dmin(k_tiles, std::numeric_limits<double>::infinity()), dmax(k_tiles, kNegInf);
+        for (std::int64_t s = 0; s < keys_len; ++s) {
+          const double d = delta_at(seq, s, kv_head);
+          dmin[s / block_k] = std::min(dmin[s / block_k], d);
+          dmax[s / block_k] = std::max(dmax[s / block_k], d);
+        }
+        for (std::int64_t qt = 0; qt < q_tiles; ++qt) {
+          double amin = std::numeric_limits<double>::infinity(), amax = kNegInf;
+          for (std::int64_t t = qt * block_q; t < std::min(rows, (qt + 1) * block_q); ++t) {
+            amin = std::min(amin, alpha_at(seq, t, head));
+            amax = std::max(amax, alpha_at(seq, t, head));
+          }
+          for (std::int64_t kt = 0; kt < k_tiles; ++kt) {
+            const double bound = std::max(std::max(amin * dmin[kt], amin * dmax[kt]),
+                                          std::max(amax * dmin[kt], amax * dmax[kt]));
+            if (gate(bound) < *gates.gate_threshold) pairs[qt * k_tiles + kt] = 0;
+          }
+        }
+      }
+      if (!gates.softmax_threshold || keys_len == 0) return;
+      const double tau = *gates.softmax_threshold;
+      const std::int64_t dim = q.dim(3);
+      const Span& qs = problem.q_spans[seq];
+      const Span& ks = problem.k_spans[seq];
+      std::vector<std::int64_t> keys;
+      std::vector<double> scores;
+      for (std::int64_t qt = 0; qt < q_tiles; ++qt) {
+        const std::int64_t first = qt * block_q, count = std::min(rows, first + block_q) - first;
+        // tile_max[r * k_tiles + kt]: row r's largest logit in key tile kt (-inf if none is visible).
+        std::vector<double> tile_max(static_cast<std::size_t>(count * k_tiles), kNegInf), log_tau(count, kNegInf);
+        for (std::int64_t r = 0; r < count; ++r) {
+          const std::int64_t t = first + r;
+          const double row_tau = causal ? tau * static_cast<double>(t + keys_len - rows + 1) / keys_len : tau;
+          if (row_tau > 0) log_tau[r] = std::log(row_tau);
+          problem.visible_keys(seq, t, kv_head, keys);
+          scores.assign(keys.size(), 0.0);
+          const double* qrow = q.row(qs.batch, qs.begin + t, head);
+          for (std::size_t i = 0; i < keys.size(); ++i) {
+            const double* krow = k.row(ks.batch, ks.begin + keys[i], kv_head);
+            double sum = 0;
+            for (std::int64_t c = 0; c < dim; ++c) sum += qrow[c] * krow[c];
+            scores[i] = problem.scale * sum;
+          }
+          add_terms(seq, t, head, keys, scores.data());
+          for (std::size_t i = 0; i < keys.size(); ++i) {
+            double& m = tile_max[r * k_tiles + keys[i] / block_k];
+            m = std::max(m, scores[i]);
+          }
+        }
+        std::vector<double> running(count, kNegInf);
+        for (std::int64_t kt = 0; kt < k_tiles; ++kt) {
+          std::uint8_t& keep = pairs[qt * k_tiles + kt];
+          if (!keep) continue;  // gate-skipped: counts as fully masked
+          bool skip = true;
+          for (std::int64_t r = 0; r < count && skip; ++r) {
+            const double m = tile_max[r * k_tiles + kt];
+            if (m == kNegInf) continue;  // nothing visible in this tile: no condition
+            if (!(m < running[r] + log_tau[r])) skip = false;
+          }
+          if (skip) {
+            keep = 0;
+            continue;
+          }
+          for (std::int64_t r = 0; r < count; ++r) running[r] = std::max(running[r], tile_max[r * k_tiles + kt]);
+        }
+      }
+    });
+  }
 
   // Mask and bias exist in the batched layout only, where the sequence index is the batch index.
   void add_mask_and_bias(std::int64_t b, std::int64_t t, std::int64_t head, const std::vector<std::int64_t>& keys,
@@ -93,6 +235,21 @@ struct FlashProblem {
     }
   }
 };
+
+// A gate tensor's values ([Bd, N, H]) to `out` ([B, N, H] or packed [N, H], where only the spans' rows are
+// written, as store_tokens does).
+void store_gate(Dense values, const TensorView& out, bool packed, const std::vector<Span>& spans) {
+  if (!packed) {
+    store(values, out);
+    return;
+  }
+  values.shape.push_back(1);
+  TensorView rows = out;
+  rows.rank = 3;
+  rows.shape[2] = 1;
+  rows.stride[2] = 1;
+  store_tokens(values, rows, true, spans);
+}
 
 // dbias reduced to bias's own shape: each row (b', h', t') of dbias sums, in a fixed order, the score
 // gradients of every query row that reads it, so dbias rows can run in parallel and the result is
@@ -123,6 +280,40 @@ void bias_gradient(const FlashProblem& flash, const Dense& o, const Dense& lse, 
   store(dbias, dbias_out);
 }
 
+// dalpha and ddelta from the score gradients: work items are (sequence, KV head), each owning the dalpha
+// entries of its group's query heads and the ddelta entries of its keys; rows then heads in a fixed order.
+void gate_gradients(const FlashProblem& flash, const Dense& o, const Dense& lse, const Dense& d_o,
+                    const TensorView& dalpha_out, const TensorView& ddelta_out) {
+  Dense dalpha = Dense::zeros(flash.alpha.shape), ddelta = Dense::zeros(flash.delta.shape);
+  const std::int64_t kv_heads = flash.k.dim(2), group = flash.group();
+  const double scale = flash.problem.scale;
+  parallel_for(static_cast<std::int64_t>(flash.problem.q_spans.size()) * kv_heads, [&](std::int64_t item) {
+    const std::int64_t seq = item / kv_heads, kv_head = item % kv_heads;
+    const Span& qs = flash.problem.q_spans[seq];
+    const Span& ks = flash.problem.k_spans[seq];
+    std::vector<std::int64_t> keys;
+    std::vector<double> ds;
+    for (std::int64_t t = 0; t < qs.length; ++t) {
+      for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+        score_gradients(flash.problem, o, lse, d_o, seq, t, h, keys, ds);
+        const double a = flash.alpha_at(seq, t, h);
+        double da = 0;
+        for (std::size_t i = 0; i < keys.size(); ++i) {
+          if (ds[i] == 0) continue;
+          const double d = flash.delta_at(seq, keys[i], kv_head);
+          const double dg = ds[i] * scale * flash.gate_slope(a * d);
+          da += dg * d;
+          ddelta(ks.batch, ks.begin + keys[i], kv_head) += dg * a;
+        }
+        dalpha(qs.batch, qs.begin + t, h) += da;
+      }
+    }
+  });
+  const bool packed_q = flash.layout_q.packed, packed_k = flash.layout_k.packed;
+  if (dalpha_out.present()) store_gate(dalpha, dalpha_out, packed_q, flash.problem.q_spans);
+  if (ddelta_out.present()) store_gate(ddelta, ddelta_out, packed_k, flash.problem.k_spans);
+}
+
 }  // namespace
 
 void flash_attention(const FlashAttentionParams& params) {
@@ -136,6 +327,9 @@ void flash_attention_backward(const FlashAttentionBackwardParams& params) {
   const BackwardInputs inputs = load_backward_inputs(params.o, params.lse, params.d_o, packed);
   attention_backward_into(flash.problem, inputs, packed, params.dq, params.dk, params.dv);
   if (params.dbias.present()) bias_gradient(flash, inputs.o, inputs.lse, inputs.d_o, params.dbias);
+  if (params.dalpha.present() || params.ddelta.present()) {
+    gate_gradients(flash, inputs.o, inputs.lse, inputs.d_o, params.dalpha, params.ddelta);
+  }
 }
 
 }  // namespace sparseattn::reference
