@@ -678,3 +678,25 @@ def _nsa_backward(ctx, d_o, d_workspace):
 
 
 nsa_attention.register_autograd(_nsa_backward, setup_context=_nsa_setup)
+
+
+# ------------------------------------------------------------------------------------------------ create_mask
+
+
+@torch.library.custom_op("sparseattn::create_mask", mutates_args=())
+def create_mask(
+    bias: Tensor,
+    key_padding_mask: Optional[Tensor],
+    keep: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+) -> Tensor:
+    mask = torch.empty(bias.shape, dtype=torch.bool, device=bias.device)
+    _C.create_mask(_arr(bias), _arr(key_padding_mask), mask, keep, causal, window_left, window_right, _stream(bias))
+    return mask
+
+
+@create_mask.register_fake
+def _(bias, key_padding_mask, keep, causal, window_left, window_right):
+    return bias.new_empty(bias.shape, dtype=torch.bool)

@@ -26,6 +26,7 @@ __all__ = [
     "compress_kv",
     "compressed_attention",
     "compressed_cu_seqlens",
+    "create_mask",
     "flash_attention",
     "nsa_attention",
     "select_blocks",
@@ -532,3 +533,62 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
         int(config.cmp_block), int(config.cmp_stride), int(config.sel_block), int(config.num_selected),
         int(config.num_init), int(config.num_local), int(config.window), chk.scale_arg(op, "scale", config.scale))
     return o
+
+
+def create_mask(bias: Tensor, keep: int, *, causal: bool = False, key_padding_mask: Optional[Tensor] = None,
+                window: Union[tuple[int, int], list, None] = (-1, -1)) -> Tensor:
+    """The top-k mask of dynamic-mask attention: per row of ``bias``, the ``keep`` largest visible keys.
+
+    A key is visible to query t when the causal rule and the window allow it (bottom-right aligned, exactly as
+    :func:`flash_attention`), its ``key_padding_mask`` entry is True and its bias is not NaN (NaN is never
+    kept). Ties go to the lower key index; when at most ``keep`` keys are visible all of them are kept; a row
+    with none is all False. Not differentiable: pass the result as ``flash_attention(..., mask=m, bias=bias)``.
+    CPU only today.
+
+    Args:
+        bias: [B, H, T, S] in float16, bfloat16, float32 or float64 (H is Hq or Hkv). A broadcast bias such as
+            [B, Hkv, 1, S] is passed expanded (``bias.expand(B, Hkv, T, S)``, no copy).
+        keep: the number of keys kept per row (an int, 1 <= keep < 2**31).
+        causal: a bool; keep only keys at or before the aligned position a = t + S - T.
+        key_padding_mask: bool [B, S], True for a real key; False keys are never kept. None: every key is real.
+        window: (left, right) ints as in :func:`flash_attention`: keys in [a - left, a + right]; a negative side
+            (-1) is unbounded. None is (-1, -1).
+
+    Returns:
+        bool [B, H, T, S], True for the kept keys.
+
+    Raises:
+        SparseAttnTypeError: an argument of the wrong type (``keep=2.0``, ``causal=1``).
+        SparseAttnDTypeError: a non-float bias or a non-bool key_padding_mask.
+        SparseAttnError: bias not 4-D, key_padding_mask not [B, S], keep < 1 or >= 2**31, mixed devices.
+        SparseAttnUnsupportedError: CUDA tensors (no CUDA kernel yet).
+
+    Example:
+        >>> import torch, sparseattn
+        >>> bias = torch.tensor([[[[0.5, 2.0, 1.0, 3.0, -1.0],
+        ...                        [2.0, 9.0, 1.0, 1.0, 5.0],
+        ...                        [float("nan"), 4.0, 0.3, -0.5, 0.7]]]])
+        >>> pad = torch.tensor([[True, False, True, True, True]])
+        >>> m = sparseattn.create_mask(bias, 2, causal=True, key_padding_mask=pad)
+        >>> m.int().tolist()
+        [[[[1, 0, 1, 0, 0], [1, 0, 1, 0, 0], [0, 0, 1, 0, 1]]]]
+        >>> q, k, v = torch.randn(1, 3, 2, 8), torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8)
+        >>> sparseattn.flash_attention(q, k, v, mask=m, bias=bias.nan_to_num()).shape
+        torch.Size([1, 3, 2, 8])
+    """
+    op = "create_mask"
+    keep = chk.int_arg(op, "keep", keep, minimum=1)
+    causal = chk.bool_arg(op, "causal", causal)
+    window_left, window_right = chk.window_arg(op, "window", window)
+    chk.tensor_arg(op, "bias", bias)
+    if bias.dim() != 4:
+        raise make_error(SparseAttnError, "shape", op, "bias",
+                         f"expected 4 dimensions [B, H, T, S], got {list(bias.shape)}")
+    chk.tensor_arg(op, "key_padding_mask", key_padding_mask, optional=True, kind="bool")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (bias.shape[0], bias.shape[3]):
+        raise make_error(SparseAttnError, "shape", op, "key_padding_mask",
+                         f"expected [B, S] = [{bias.shape[0]}, {bias.shape[3]}], got {list(key_padding_mask.shape)}")
+    chk.devices(op, bias, "bias", [("key_padding_mask", key_padding_mask)])
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.detach()
+    return _ops.create_mask(bias.detach(), key_padding_mask, keep, causal, window_left, window_right)

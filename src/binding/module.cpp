@@ -640,4 +640,24 @@ NB_MODULE(_C, m) {
       "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "d_o"_a, "dq"_a, "dk"_a, "dv"_a,
       "dk_cmp"_a.none(), "dv_cmp"_a.none(), "d_g_cmp"_a.none(), "d_g_slc"_a.none(), "d_g_swa"_a.none(),
       "scratch"_a.none(), "stream"_a);
+
+  // ---- create_mask ----
+  m.def(
+      "create_mask",
+      [](const Array& bias, const OptArray& key_padding_mask, const Array& mask, std::int64_t keep, bool causal,
+         std::int64_t window_left, std::int64_t window_right, std::uintptr_t stream) {
+        const OpName op_name("create_mask");
+        CreateMaskParams p;
+        p.bias = view(bias, "bias");
+        p.key_padding_mask = view(key_padding_mask, "key_padding_mask");
+        p.mask = view(mask, "mask");
+        p.keep = keep;
+        p.causal = causal;
+        p.window_left = window_left;
+        p.window_right = window_right;
+        p.stream = as_stream(stream);
+        run(create_mask, p);
+      },
+      "bias"_a, "key_padding_mask"_a.none(), "mask"_a, "keep"_a, "causal"_a, "window_left"_a, "window_right"_a,
+      "stream"_a);
 }

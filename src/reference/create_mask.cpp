@@ -28,8 +28,8 @@ void create_mask(const CreateMaskParams& params) {
       const std::int64_t aligned = t + keys - rows;  // bottom-right alignment, as flash_attention
       std::int64_t first = 0, last = keys - 1;
       if (params.causal) last = std::min(last, aligned);
-      // Bounds clamped to the row's span first, so huge windows cannot overflow.
-      if (params.window_right >= 0) last = std::min(last, aligned + std::min(params.window_right, keys));
+      // Bounds clamped to keys + rows (beyond every key of any row), so huge windows cannot overflow.
+      if (params.window_right >= 0) last = std::min(last, aligned + std::min(params.window_right, keys + rows));
       if (params.window_left >= 0) first = std::max(first, aligned - std::min(params.window_left, keys + rows));
       candidates.clear();
       for (std::int64_t s = first; s <= last; ++s) {

@@ -114,6 +114,10 @@ TEST(CreateMask, WindowAsFlashAttention) {
             (Rows{{1, 0, 0, 0, 0}, {0, 1, 0, 0, 0}, {0, 0, 1, 0, 0}, {0, 0, 0, 1, 0}, {0, 0, 0, 0, 1}}));
   EXPECT_EQ(run(bias, {.keep = 5, .left = 1, .right = 1}),
             (Rows{{1, 1, 0, 0, 0}, {1, 1, 1, 0, 0}, {0, 1, 1, 1, 0}, {0, 0, 1, 1, 1}, {0, 0, 0, 1, 1}}));
+  // More queries than keys (T = 4, S = 2): row t is aligned to t - 2, so (0, 3) sees keys t - 2 .. t + 1.
+  HostF64 tall({1, 1, 4, 2}, 0.0);
+  EXPECT_EQ(run(tall, {.keep = 2, .left = 0, .right = 3}), (Rows{{1, 1}, {1, 1}, {1, 1}, {0, 1}}));
+  EXPECT_EQ(run(tall, {.keep = 2, .left = 0, .right = 2}), (Rows{{1, 0}, {1, 1}, {1, 1}, {0, 1}}));
   // Huge bounds are unbounded in effect (no overflow).
   const std::int64_t huge = std::numeric_limits<std::int64_t>::max();
   EXPECT_EQ(run(bias, {.keep = 1, .causal = true, .left = huge, .right = huge}),
