@@ -129,6 +129,35 @@ def window_arg(op: str, arg: str, value) -> tuple[int, int]:
             int_arg(op, arg, value[1], minimum=INT64_MIN, maximum=INT64_MAX))
 
 
+def optional_float_arg(op: str, arg: str, value) -> Optional[float]:
+    """None, or a real number (as a float; its range is the C++ API's check)."""
+    if value is None or isinstance(value, torch.SymFloat):
+        return value
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise type_error(op, arg, "a float or None", value)
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def choice_arg(op: str, arg: str, value, choices: Sequence[str]) -> str:
+    """One of the strings in `choices`."""
+    if not isinstance(value, str):
+        raise type_error(op, arg, " or ".join(repr(c) for c in choices), value)
+    if value not in choices:
+        raise config_error(op, arg, f"expected {' or '.join(repr(c) for c in choices)}, got {_short(value)}")
+    return value
+
+
+def block_pair_arg(op: str, arg: str, value) -> tuple[int, int]:
+    """flash_attention's threshold_block: (queries, keys), two positive ints."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise type_error(op, arg, "a (block_q, block_k) pair of ints", value)
+    return (int_arg(op, arg, value[0], minimum=1, maximum=INT64_MAX),
+            int_arg(op, arg, value[1], minimum=1, maximum=INT64_MAX))
+
+
 # ------------------------------------------------------------------------------------------------- tensors
 
 

@@ -367,19 +367,28 @@ def flash_attention(
     window_left: int,
     window_right: int,
     scale: Optional[float],
+    alpha: Optional[Tensor] = None,
+    delta: Optional[Tensor] = None,
+    gate: str = "logsigmoid",
+    gate_threshold: Optional[float] = None,
+    softmax_threshold: Optional[float] = None,
+    threshold_block_q: int = 128,
+    threshold_block_k: int = 128,
 ) -> tuple[Tensor, Tensor]:
     packed = cu_seqlens_q is not None
     o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
     lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
     _C.flash_attention(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(cu_seqlens_q),
                        _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
-                       _stream(q))
+                       _arr(alpha), _arr(delta), gate, gate_threshold, softmax_threshold, threshold_block_q,
+                       threshold_block_k, _stream(q))
     return o, lse
 
 
 @flash_attention.register_fake
 def _(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
-      window_right, scale):
+      window_right, scale, alpha=None, delta=None, gate="logsigmoid", gate_threshold=None, softmax_threshold=None,
+      threshold_block_q=128, threshold_block_k=128):
     packed = cu_seqlens_q is not None
     return q.new_empty(_out_shape(q, v.shape[-1])), q.new_empty(_lse_shape(q, packed), dtype=_lse_dtype(q.dtype))
 
@@ -403,42 +412,68 @@ def flash_attention_backward(
     window_right: int,
     scale: Optional[float],
     compute_dbias: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, dbias); dbias has bias's shape if compute_dbias, else it is empty."""
+    alpha: Optional[Tensor] = None,
+    delta: Optional[Tensor] = None,
+    gate: str = "logsigmoid",
+    gate_threshold: Optional[float] = None,
+    softmax_threshold: Optional[float] = None,
+    threshold_block_q: int = 128,
+    threshold_block_k: int = 128,
+    compute_dgates: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dbias, dalpha, ddelta); dbias has bias's shape if compute_dbias, dalpha and ddelta
+    alpha's and delta's if compute_dgates (and alpha is given); each is empty otherwise."""
     packed = cu_seqlens_q is not None
     dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
     with_dbias = compute_dbias and bias is not None
     dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if with_dbias else _empty_grad(q)
+    with_dgates = compute_dgates and alpha is not None and delta is not None
+    if with_dgates:
+        dalpha = torch.zeros(alpha.shape, dtype=alpha.dtype, device=alpha.device)
+        ddelta = torch.zeros(delta.shape, dtype=delta.dtype, device=delta.device)
+    else:
+        dalpha, ddelta = _empty_grad(q), _empty_grad(q)
     _C.flash_attention_backward(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), _arr(o), _arr(lse), _arr(d_o),
                                 dq, dk, dv, dbias if with_dbias else None, _arr(cu_seqlens_q), _arr(cu_seqlens_k),
-                                max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
+                                max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, _arr(alpha),
+                                _arr(delta), dalpha if with_dgates else None, ddelta if with_dgates else None, gate,
+                                gate_threshold, softmax_threshold, threshold_block_q, threshold_block_k,
                                 _workspace_allocator(q), _stream(q))
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, dalpha, ddelta
 
 
 @flash_attention_backward.register_fake
 def _(q, k, v, mask, bias, o, lse, d_o, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
-      window_right, scale, compute_dbias):
+      window_right, scale, compute_dbias, alpha=None, delta=None, gate="logsigmoid", gate_threshold=None,
+      softmax_threshold=None, threshold_block_q=128, threshold_block_k=128, compute_dgates=False):
     with_dbias = compute_dbias and bias is not None
     dbias = bias.new_empty(bias.shape) if with_dbias else q.new_empty((0,))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    with_dgates = compute_dgates and alpha is not None and delta is not None
+    dalpha = alpha.new_empty(alpha.shape) if with_dgates else q.new_empty((0,))
+    ddelta = delta.new_empty(delta.shape) if with_dgates else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dalpha, ddelta
 
 
 def _flash_attention_setup(ctx, inputs, output):
     (q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
-     window_right, scale) = inputs
+     window_right, scale, alpha, delta, gate, gate_threshold, softmax_threshold, threshold_block_q,
+     threshold_block_k) = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k, alpha, delta)
     ctx.args = (max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale)
+    ctx.gate_args = (gate, gate_threshold, softmax_threshold, threshold_block_q, threshold_block_k)
 
 
 def _flash_attention_backward(ctx, d_o, d_lse):
-    q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k, alpha, delta = ctx.saved_tensors
     compute_dbias = bias is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dbias = flash_attention_backward(q, k, v, mask, bias, o, lse, d_o, cu_seqlens_q, cu_seqlens_k,
-                                                 *ctx.args, compute_dbias)
-    return dq, dk, dv, None, (dbias if compute_dbias else None), None, None, None, None, None, None, None, None
+    compute_dgates = alpha is not None and (ctx.needs_input_grad[13] or ctx.needs_input_grad[14])
+    dq, dk, dv, dbias, dalpha, ddelta = flash_attention_backward(
+        q, k, v, mask, bias, o, lse, d_o, cu_seqlens_q, cu_seqlens_k, *ctx.args, compute_dbias, alpha, delta,
+        *ctx.gate_args, compute_dgates)
+    return (dq, dk, dv, None, (dbias if compute_dbias else None), None, None, None, None, None, None, None, None,
+            dalpha if compute_dgates else None, ddelta if compute_dgates else None, None, None, None, None, None)
 
 
 flash_attention.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)

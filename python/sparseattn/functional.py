@@ -353,12 +353,20 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     bias: Optional[Tensor] = None, scale: Optional[float] = None,
                     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                    return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
+                    return_lse: bool = False, alpha: Optional[Tensor] = None, delta: Optional[Tensor] = None,
+                    gate: str = "logsigmoid", gate_threshold: Optional[float] = None,
+                    softmax_threshold: Optional[float] = None,
+                    threshold_block: Union[tuple[int, int], list] = (128, 128)) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Dense attention: s = scale*q.k + bias, kept where mask is True, the causal rule and the window allow.
 
     ``causal`` is bottom-right aligned when the key count differs from the query count (as FlashAttention).
-    A row with no kept key returns 0 (lse -inf). Differentiable w.r.t. q, k, v and bias (dbias has bias's
-    shape).
+    A row with no kept key returns 0 (lse -inf). Differentiable w.r.t. q, k, v, bias (dbias has bias's
+    shape), alpha and delta.
+
+    Gated attention (``alpha`` and ``delta``, CPU only for now) makes the logits scale*(q.k + g) with
+    g = logsigmoid(alpha_t*delta_s) (or the product). ``gate_threshold`` and ``softmax_threshold`` skip
+    (query tile, key tile) pairs of ``threshold_block`` (docs/semantics.md section 8); the result depends on
+    the tile sizes.
 
     Args:
         q: [B, T, Hq, Dqk], or packed [Nq, Hq, Dqk] with cu_seqlens_q.
@@ -373,18 +381,28 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         cu_seqlens_q, cu_seqlens_k: int32 [B+1] for the packed layout; one given alone is used for both.
         max_seqlen_q, max_seqlen_k: upper bounds of the packed lengths (None or 0: not known).
         return_lse: also return the log-sum-exp.
+        alpha: query-side gate, [B, T, Hq] (packed [Nq, Hq]), dtype of q or float32; needs delta.
+        delta: key-side gate, [B, S, Hkv] (packed [Nk, Hkv]), dtype of q or float32; needs alpha.
+        gate: "logsigmoid" (g = logsigmoid(alpha*delta), the default) or "product" (g = alpha*delta).
+        gate_threshold: a float or None; skip a tile pair whose upper bound on g is below it (needs alpha).
+        softmax_threshold: tau in (0, 1] or None; skip a key tile whose largest logit is below every row's
+            running maximum + log(tau_row) (tau_row = tau*(a+1)/S when causal). None is plain attention.
+        threshold_block: (block_q, block_k) positive ints, the tiles of both thresholds, aligned to each
+            sequence's first query and key.
 
     Returns:
         o [B, T, Hq, Dv] (packed [Nq, Hq, Dv]), or (o, lse) with ``return_lse``; lse [B, Hq, T] (packed
         [Hq, Nq]) in float32 (float64 for float64 inputs).
 
     Raises:
-        SparseAttnTypeError: an argument of the wrong type (e.g. ``window=5``, ``causal="yes"``).
+        SparseAttnTypeError: an argument of the wrong type (e.g. ``window=5``, ``causal="yes"``,
+            ``gate_threshold="1"``).
         SparseAttnDTypeError: non-float or mismatched dtypes, a non-bool mask, cu_seqlens not int32.
         SparseAttnError: wrong ranks or sizes, mixed devices, mask/bias with the packed layout, bad
-            scale or max_seqlen, bad cu_seqlens (contents checked on the CPU).
-        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (mask and bias on
-            CUDA included).
+            scale or max_seqlen, bad cu_seqlens (contents checked on the CPU), alpha without delta, an
+            unknown gate, softmax_threshold outside (0, 1], a non-positive threshold_block.
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (mask, bias, alpha,
+            delta and the thresholds on CUDA included).
 
     Example:
         >>> import torch, sparseattn
@@ -392,6 +410,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         >>> o, lse = sparseattn.flash_attention(q, k, v, causal=True, window=(3, 0), return_lse=True)
         >>> tuple(o.shape), tuple(lse.shape)
         ((2, 10, 4, 8), (2, 4, 10))
+        >>> alpha, delta = torch.randn(2, 10, 4), torch.randn(2, 10, 2)
+        >>> o = sparseattn.flash_attention(q, k, v, causal=True, alpha=alpha, delta=delta,
+        ...                                softmax_threshold=0.01, threshold_block=(4, 4))
+        >>> tuple(o.shape)
+        (2, 10, 4, 8)
     """
     op = "flash_attention"
     causal = chk.bool_arg(op, "causal", causal)
@@ -400,6 +423,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     scale = chk.scale_arg(op, "scale", scale)
     max_seqlen_q = chk.optional_int_arg(op, "max_seqlen_q", max_seqlen_q, minimum=0)
     max_seqlen_k = chk.optional_int_arg(op, "max_seqlen_k", max_seqlen_k, minimum=0)
+    gate = chk.choice_arg(op, "gate", gate, ("logsigmoid", "product"))
+    gate_threshold = chk.optional_float_arg(op, "gate_threshold", gate_threshold)
+    softmax_threshold = chk.optional_float_arg(op, "softmax_threshold", softmax_threshold)
+    threshold_block_q, threshold_block_k = chk.block_pair_arg(op, "threshold_block", threshold_block)
     chk.cu_seqlens_arg(op, "cu_seqlens_q", cu_seqlens_q)
     chk.cu_seqlens_arg(op, "cu_seqlens_k", cu_seqlens_k)
     if cu_seqlens_k is None:
@@ -413,11 +440,14 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     chk.same_rank(op, "v", v, k, "k")
     chk.tensor_arg(op, "mask", mask, optional=True, kind="bool")
     chk.tensor_arg(op, "bias", bias, optional=True)
+    chk.tensor_arg(op, "alpha", alpha, optional=True)
+    chk.tensor_arg(op, "delta", delta, optional=True)
     chk.devices(op, q, "q", [("k", k), ("v", v), ("mask", mask), ("bias", bias), ("cu_seqlens_q", cu_seqlens_q),
-                             ("cu_seqlens_k", cu_seqlens_k)])
+                             ("cu_seqlens_k", cu_seqlens_k), ("alpha", alpha), ("delta", delta)])
     mask = None if mask is None else mask.detach()
     o, lse = _ops.flash_attention(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  causal, window_left, window_right, scale)
+                                  causal, window_left, window_right, scale, alpha, delta, gate, gate_threshold,
+                                  softmax_threshold, threshold_block_q, threshold_block_k)
     return (o, lse) if return_lse else o
 
 

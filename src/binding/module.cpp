@@ -99,6 +99,25 @@ TensorView view(const Array& a, const char* arg) {
 
 TensorView view(const OptArray& a, const char* arg) { return a ? view(*a, arg) : TensorView{}; }
 
+// flash_attention's gate settings (both entry points); an unknown gate name reaches the C++ validation as an
+// invalid GateMode, which rejects it naming 'gate'.
+FlashGateOptions flash_gates(const OptArray& alpha, const OptArray& delta, const std::string& gate,
+                             std::optional<double> gate_threshold, std::optional<double> softmax_threshold,
+                             std::int64_t block_q, std::int64_t block_k) {
+  FlashGateOptions g;
+  g.alpha = view(alpha, "alpha");
+  g.delta = view(delta, "delta");
+  g.gate = gate == "logsigmoid" ? GateMode::logsigmoid
+           : gate == "product"  ? GateMode::product
+                                : static_cast<GateMode>(-1);
+  g.gate_threshold = gate_threshold;
+  g.softmax_threshold = softmax_threshold;
+  g.threshold_block_q = block_q;
+  g.threshold_block_k = block_k;
+  return g;
+}
+
+
 Stream as_stream(std::uintptr_t stream) { return reinterpret_cast<Stream>(stream); }
 
 Sequences seqs(const OptArray& cu_seqlens, std::int64_t max_seqlen, const char* arg = "cu_seqlens") {
@@ -443,9 +462,13 @@ NB_MODULE(_C, m) {
       [](const Array& q, const Array& k, const Array& v, const OptArray& mask, const OptArray& bias,
          const Array& o, const Array& lse, const OptArray& cu_seqlens_q, const OptArray& cu_seqlens_k,
          std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, bool causal, std::int64_t window_left,
-         std::int64_t window_right, std::optional<double> scale, std::uintptr_t stream) {
+         std::int64_t window_right, std::optional<double> scale, const OptArray& alpha, const OptArray& delta,
+         const std::string& gate, std::optional<double> gate_threshold, std::optional<double> softmax_threshold,
+         std::int64_t threshold_block_q, std::int64_t threshold_block_k, std::uintptr_t stream) {
         const OpName op_name("flash_attention");
         FlashAttentionParams p;
+        p.gates = flash_gates(alpha, delta, gate, gate_threshold, softmax_threshold, threshold_block_q,
+                              threshold_block_k);
         p.q = view(q, "q");
         p.k = view(k, "k");
         p.v = view(v, "v");
@@ -464,16 +487,24 @@ NB_MODULE(_C, m) {
       },
       "q"_a, "k"_a, "v"_a, "mask"_a.none(), "bias"_a.none(), "o"_a, "lse"_a, "cu_seqlens_q"_a.none(),
       "cu_seqlens_k"_a.none(), "max_seqlen_q"_a, "max_seqlen_k"_a, "causal"_a, "window_left"_a,
-      "window_right"_a, "scale"_a.none(), "stream"_a);
+      "window_right"_a, "scale"_a.none(), "alpha"_a.none(), "delta"_a.none(), "gate"_a, "gate_threshold"_a.none(),
+      "softmax_threshold"_a.none(), "threshold_block_q"_a, "threshold_block_k"_a, "stream"_a);
   m.def(
       "flash_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const OptArray& mask, const OptArray& bias,
          const Array& o, const Array& lse, const Array& d_o, const Array& dq, const Array& dk, const Array& dv,
          const OptArray& dbias, const OptArray& cu_seqlens_q, const OptArray& cu_seqlens_k,
          std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, bool causal, std::int64_t window_left,
-         std::int64_t window_right, std::optional<double> scale, const nb::callable& allocate, std::uintptr_t stream) {
+         std::int64_t window_right, std::optional<double> scale, const OptArray& alpha, const OptArray& delta,
+         const OptArray& dalpha, const OptArray& ddelta, const std::string& gate, std::optional<double> gate_threshold,
+         std::optional<double> softmax_threshold, std::int64_t threshold_block_q, std::int64_t threshold_block_k,
+         const nb::callable& allocate, std::uintptr_t stream) {
         const OpName op_name("flash_attention_backward");
         FlashAttentionBackwardParams p;
+        p.gates = flash_gates(alpha, delta, gate, gate_threshold, softmax_threshold, threshold_block_q,
+                              threshold_block_k);
+        p.dalpha = view(dalpha, "dalpha");
+        p.ddelta = view(ddelta, "ddelta");
         p.q = view(q, "q");
         p.k = view(k, "k");
         p.v = view(v, "v");
@@ -497,7 +528,9 @@ NB_MODULE(_C, m) {
       },
       "q"_a, "k"_a, "v"_a, "mask"_a.none(), "bias"_a.none(), "o"_a, "lse"_a, "d_o"_a, "dq"_a, "dk"_a, "dv"_a,
       "dbias"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "max_seqlen_q"_a, "max_seqlen_k"_a,
-      "causal"_a, "window_left"_a, "window_right"_a, "scale"_a.none(), "allocate"_a, "stream"_a);
+      "causal"_a, "window_left"_a, "window_right"_a, "scale"_a.none(), "alpha"_a.none(), "delta"_a.none(),
+      "dalpha"_a.none(), "ddelta"_a.none(), "gate"_a, "gate_threshold"_a.none(), "softmax_threshold"_a.none(),
+      "threshold_block_q"_a, "threshold_block_k"_a, "allocate"_a, "stream"_a);
 
   // ---- combine ----
   m.def(
