@@ -38,6 +38,37 @@ struct FlashGateOptions {
   std::int64_t threshold_block_k = 128;
 };
 
+// Block-sparse masks (CPU only for now; CUDA tensors raise ErrorKind::unsupported), docs/semantics.md section 8:
+// which (query tile, key tile) pairs exist, tiles of block_q queries x block_k keys aligned to each sequence's
+// first query and key. Either a dense tile mask or FlexAttention's lists, not both. Batched, the batch index is
+// b; packed, it counts sequences (B = len(cu_seqlens) - 1). Hb is Hq, Hkv or 1; nQ and nK are at least every
+// sequence's tile count. A key of an absent tile is hidden (AND with every other rule); a key of a full tile
+// does not read the element mask.
+struct FlashBlockMask {
+  TensorView block_mask;          // optional bool [B|1, Hb|1, nQ, nK]; true = the tile exists
+  TensorView kv_num_blocks;       // optional int32 [B|1, Hb|1, nQ]: query tile i lists kv_num_blocks[.., i] tiles
+  TensorView kv_indices;          // int32 [B|1, Hb|1, nQ, maxK]: strictly ascending key tiles, past the count ignored
+  TensorView full_kv_num_blocks;  // optional (with full_kv_indices): full tiles, disjoint from the partial ones
+  TensorView full_kv_indices;
+  std::int64_t block_q = 0;  // tile sizes, positive; required when any of the tensors is given
+  std::int64_t block_k = 0;
+
+  bool present() const {
+    return block_mask.present() || kv_num_blocks.present() || kv_indices.present() ||
+           full_kv_num_blocks.present() || full_kv_indices.present();
+  }
+};
+
+// Per-head windows (CPU only for now): optional int32 [Hq] tensors on q's device replacing window_left /
+// window_right for their side (which must then stay -1); query head h keeps keys in
+// [a - left[h], a + right[h]], -1 meaning unbounded.
+struct FlashHeadWindows {
+  TensorView left;
+  TensorView right;
+
+  bool present() const { return left.present() || right.present(); }
+};
+
 struct FlashAttentionParams {
   TensorView q;     // [B, T, Hq, Dqk] or packed [Nq, Hq, Dqk]
   TensorView k;     // [B, S, Hkv, Dqk] or packed [Nk, Hkv, Dqk]
@@ -53,6 +84,8 @@ struct FlashAttentionParams {
   std::int64_t window_right = -1;
   std::optional<double> scale;
   FlashGateOptions gates;
+  FlashBlockMask blocks;
+  FlashHeadWindows head_windows;
   Stream stream = nullptr;
 };
 
@@ -70,6 +103,8 @@ struct FlashAttentionBackwardParams {
   std::int64_t window_right = -1;
   std::optional<double> scale;
   FlashGateOptions gates;  // as in the forward
+  FlashBlockMask blocks;   // as in the forward
+  FlashHeadWindows head_windows;
   void* workspace = nullptr;  // on q's device, 16-byte aligned, of the size the function below gives
   std::size_t workspace_bytes = 0;
   Stream stream = nullptr;

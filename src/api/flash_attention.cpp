@@ -1,7 +1,10 @@
 #include "sparseattn/flash_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -85,6 +88,196 @@ void check_gates(const detail::Check& check, const FlashGateOptions& gates, cons
                 "must be positive, got " + std::to_string(gates.threshold_block_k));
 }
 
+// Element `index` (row-major over t's shape) of a CPU int32 tensor of any strides.
+std::int32_t int32_at(const TensorView& t, std::initializer_list<std::int64_t> index) {
+  std::int64_t offset = 0;
+  int d = 0;
+  for (std::int64_t i : index) offset += i * t.stride[d++];
+  return static_cast<const std::int32_t*>(t.data)[offset];
+}
+
+// Each sequence's (query count, key count): from the batched shapes, or from cu_seqlens (CPU only; empty on
+// CUDA, where cu_seqlens is not read on the host).
+std::vector<std::pair<std::int64_t, std::int64_t>> sequence_lengths(const FlashShapes& shapes, const Sequences& seqs_q,
+                                                                    const Sequences& seqs_k) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> lengths;
+  if (!shapes.layout_q.packed) {
+    lengths.assign(static_cast<std::size_t>(shapes.layout_q.batch), {shapes.layout_q.rows, shapes.layout_k.rows});
+    return lengths;
+  }
+  if (seqs_q.cu_seqlens.device != DeviceType::cpu) return lengths;
+  for (std::int64_t b = 0; b < shapes.layout_q.batch; ++b) {
+    lengths.emplace_back(std::int64_t{int32_at(seqs_q.cu_seqlens, {b + 1})} - int32_at(seqs_q.cu_seqlens, {b}),
+                         std::int64_t{int32_at(seqs_k.cu_seqlens, {b + 1})} - int32_at(seqs_k.cu_seqlens, {b}));
+  }
+  return lengths;
+}
+
+std::int64_t tile_count(std::int64_t length, std::int64_t block) { return (length + block - 1) / block; }
+
+// The batch and head dimensions of a block-sparse tensor: [B|1, Hb|1, ...] with Hb = Hq or Hkv.
+bool block_leading_ok(const TensorView& t, const FlashShapes& shapes) {
+  return (t.shape[0] == shapes.layout_q.batch || t.shape[0] == 1) &&
+         (t.shape[1] == shapes.q_heads || t.shape[1] == shapes.kv_heads || t.shape[1] == 1);
+}
+
+// A list pair (kv_num_blocks [B|1, Hb|1, nQ] and kv_indices [B|1, Hb|1, nQ, maxK]): dtypes and shapes, and on
+// the CPU the contents: counts in [0, maxK], indices strictly ascending in [0, nK of the sequences reading them).
+void check_block_lists(const detail::Check& check, const TensorView& counts, const TensorView& indices,
+                       const std::string& counts_arg, const std::string& indices_arg, const TensorView& q,
+                       const FlashShapes& shapes, std::int64_t needed_q_tiles,
+                       const std::vector<std::int64_t>& key_tiles) {
+  check.tensor(counts, counts_arg, DType::int32, q, "q");
+  check.tensor(indices, indices_arg, DType::int32, q, "q");
+  const std::string expected = "[" + std::to_string(shapes.layout_q.batch) + "|1, " + std::to_string(shapes.q_heads) +
+                               "|" + std::to_string(shapes.kv_heads) + "|1, nQ]";
+  check.require(counts.rank == 3 && block_leading_ok(counts, shapes), ErrorKind::shape, counts_arg,
+                "expected a shape " + expected + ", got " + counts.shape_string());
+  check.require(counts.shape[2] >= needed_q_tiles, ErrorKind::shape, counts_arg,
+                "has " + std::to_string(counts.shape[2]) + " query tiles, fewer than the " +
+                    std::to_string(needed_q_tiles) + " of the longest sequence");
+  check.require(indices.rank == 4 && indices.shape[0] == counts.shape[0] && indices.shape[1] == counts.shape[1] &&
+                    indices.shape[2] == counts.shape[2] && indices.shape[3] >= 1,
+                ErrorKind::shape, indices_arg,
+                "expected [" + std::to_string(counts.shape[0]) + ", " + std::to_string(counts.shape[1]) + ", " +
+                    std::to_string(counts.shape[2]) + ", maxK >= 1] (the leading dimensions of " + counts_arg +
+                    "), got " + indices.shape_string());
+  if (q.device != DeviceType::cpu || key_tiles.empty()) return;
+  const std::int64_t width = indices.shape[3];
+  std::int64_t widest = 0;
+  for (std::int64_t n : key_tiles) widest = std::max(widest, n);
+  for (std::int64_t b = 0; b < counts.shape[0]; ++b) {
+    // A list shared by every sequence (batch dimension 1) may name tiles up to the longest sequence's count.
+    const std::int64_t limit = counts.shape[0] == 1 ? widest : key_tiles[static_cast<std::size_t>(b)];
+    for (std::int64_t h = 0; h < counts.shape[1]; ++h) {
+      for (std::int64_t i = 0; i < counts.shape[2]; ++i) {
+        const auto at = [&](std::int64_t j = -1) {
+          std::string text("[");
+          for (std::int64_t part : {b, h, i, j}) {
+            if (part < 0) break;
+            if (text.size() > 1) text += ", ";
+            text += std::to_string(part);
+          }
+          return text + "]";
+        };
+        const std::int64_t count = int32_at(counts, {b, h, i});
+        if (count < 0 || count > width) {
+          check.fail(ErrorKind::config, counts_arg,
+                     "entry " + at() + " is " + std::to_string(count) + ", outside [0, " + std::to_string(width) +
+                         "] (the width of " + indices_arg + ")");
+        }
+        std::int64_t previous = -1;
+        for (std::int64_t j = 0; j < count; ++j) {
+          const std::int64_t tile = int32_at(indices, {b, h, i, j});
+          if (tile < 0 || tile >= limit) {
+            check.fail(ErrorKind::config, indices_arg,
+                       "entry " + at(j) + " is " +
+                           std::to_string(tile) + ", outside the key tiles [0, " + std::to_string(limit) + ")");
+          }
+          if (tile <= previous) {
+            check.fail(ErrorKind::config, indices_arg,
+                       "row " + at() + " is not strictly ascending (" + std::to_string(previous) + " then " +
+                           std::to_string(tile) + ")");
+          }
+          previous = tile;
+        }
+      }
+    }
+  }
+}
+
+// Block-sparse masks: one form, tile sizes, shapes against every sequence's tile counts, list contents (CPU).
+void check_blocks(const detail::Check& check, const FlashBlockMask& blocks, const TensorView& q,
+                  const FlashShapes& shapes, const Sequences& seqs_q, const Sequences& seqs_k) {
+  if (!blocks.present()) return;
+  const bool dense = blocks.block_mask.present();
+  const bool lists = blocks.kv_num_blocks.present() || blocks.kv_indices.present();
+  const bool full = blocks.full_kv_num_blocks.present() || blocks.full_kv_indices.present();
+  check.require(!(dense && (lists || full)), ErrorKind::config, "block_mask",
+                "give either a dense tile mask (block_mask) or the lists (kv_num_blocks, kv_indices), not both");
+  check.require(blocks.kv_num_blocks.present() == blocks.kv_indices.present(), ErrorKind::config,
+                blocks.kv_num_blocks.present() ? "kv_indices" : "kv_num_blocks",
+                "kv_num_blocks and kv_indices must be given together");
+  check.require(blocks.full_kv_num_blocks.present() == blocks.full_kv_indices.present(), ErrorKind::config,
+                blocks.full_kv_num_blocks.present() ? "full_kv_indices" : "full_kv_num_blocks",
+                "full_kv_num_blocks and full_kv_indices must be given together");
+  check.require(blocks.block_q > 0, ErrorKind::config, "block_q",
+                "(the block-sparse mask's query tile size) must be positive, got " + std::to_string(blocks.block_q));
+  check.require(blocks.block_k > 0, ErrorKind::config, "block_k",
+                "(the block-sparse mask's key tile size) must be positive, got " + std::to_string(blocks.block_k));
+  const auto lengths = sequence_lengths(shapes, seqs_q, seqs_k);
+  std::int64_t needed_q = 0, needed_k = 0;
+  std::vector<std::int64_t> key_tiles;
+  for (const auto& [rows, keys] : lengths) {
+    needed_q = std::max(needed_q, tile_count(rows, blocks.block_q));
+    needed_k = std::max(needed_k, tile_count(keys, blocks.block_k));
+    key_tiles.push_back(tile_count(keys, blocks.block_k));
+  }
+  if (dense) {
+    const TensorView& m = blocks.block_mask;
+    check.tensor(m, "block_mask", DType::boolean, q, "q");
+    check.require(m.rank == 4 && block_leading_ok(m, shapes), ErrorKind::shape, "block_mask",
+                  "expected a shape [" + std::to_string(shapes.layout_q.batch) + "|1, " +
+                      std::to_string(shapes.q_heads) + "|" + std::to_string(shapes.kv_heads) +
+                      "|1, nQ, nK], got " + m.shape_string());
+    check.require(m.shape[2] >= needed_q && m.shape[3] >= needed_k, ErrorKind::shape, "block_mask",
+                  "has " + std::to_string(m.shape[2]) + " x " + std::to_string(m.shape[3]) +
+                      " tiles, fewer than the " + std::to_string(needed_q) + " x " + std::to_string(needed_k) +
+                      " of the longest sequence (block_size " + std::to_string(blocks.block_q) + " x " +
+                      std::to_string(blocks.block_k) + ")");
+    return;
+  }
+  if (lists) {
+    check_block_lists(check, blocks.kv_num_blocks, blocks.kv_indices, "kv_num_blocks", "kv_indices", q, shapes,
+                      needed_q, key_tiles);
+  }
+  if (!full) return;
+  check_block_lists(check, blocks.full_kv_num_blocks, blocks.full_kv_indices, "full_kv_num_blocks",
+                    "full_kv_indices", q, shapes, needed_q, key_tiles);
+  if (!lists) return;
+  check.shape(blocks.full_kv_num_blocks, "full_kv_num_blocks", detail::shape_of(blocks.kv_num_blocks));
+  if (q.device != DeviceType::cpu) return;
+  const TensorView &counts = blocks.kv_num_blocks, &full_counts = blocks.full_kv_num_blocks;
+  for (std::int64_t b = 0; b < counts.shape[0]; ++b) {
+    for (std::int64_t h = 0; h < counts.shape[1]; ++h) {
+      for (std::int64_t i = 0; i < counts.shape[2]; ++i) {
+        const std::int64_t n = int32_at(counts, {b, h, i}), nf = int32_at(full_counts, {b, h, i});
+        for (std::int64_t j = 0, jf = 0; j < n && jf < nf;) {  // both strictly ascending: a merge walk
+          const std::int32_t a = int32_at(blocks.kv_indices, {b, h, i, j});
+          const std::int32_t f = int32_at(blocks.full_kv_indices, {b, h, i, jf});
+          check.require(a != f, ErrorKind::config, "full_kv_indices",
+                        "key tile " + std::to_string(a) + " of row [" + std::to_string(b) + ", " + std::to_string(h) +
+                            ", " + std::to_string(i) + "] is in both kv_indices and full_kv_indices");
+          if (a < f) ++j; else ++jf;
+        }
+      }
+    }
+  }
+}
+
+// Per-head windows: int32 [Hq] on q's device, replacing that side's int (which stays -1); entries >= -1 (CPU).
+void check_head_windows(const detail::Check& check, const FlashHeadWindows& windows, const TensorView& q,
+                        const FlashShapes& shapes, std::int64_t window_left, std::int64_t window_right) {
+  const std::pair<const TensorView*, std::int64_t> sides[2] = {{&windows.left, window_left},
+                                                               {&windows.right, window_right}};
+  for (int side = 0; side < 2; ++side) {
+    const TensorView& t = *sides[side].first;
+    if (!t.present()) continue;
+    const std::string arg = side == 0 ? "window_left" : "window_right";
+    check.tensor(t, arg, DType::int32, q, "q");
+    check.shape(t, arg, {shapes.q_heads});
+    check.require(sides[side].second == -1, ErrorKind::config, arg,
+                  "is given both as a per-head tensor and as an int (" + std::to_string(sides[side].second) +
+                      "); leave the int at -1");
+    if (q.device != DeviceType::cpu) continue;
+    for (std::int64_t h = 0; h < shapes.q_heads; ++h) {
+      const std::int64_t w = int32_at(t, {h});
+      check.require(w >= -1, ErrorKind::config, arg,
+                    "entry " + std::to_string(h) + " is " + std::to_string(w) + "; expected -1 (unbounded) or >= 0");
+    }
+  }
+}
+
 // Checks what the forward and the backward share (for the backward, o and lse are inputs).
 template <class Params>
 FlashShapes check_common(const detail::Check& check, const Params& params) {
@@ -122,6 +315,8 @@ FlashShapes check_common(const detail::Check& check, const Params& params) {
   check_broadcast(check, params.mask, "mask", DType::boolean, q, shapes);
   check_broadcast(check, params.bias, "bias", dtype, q, shapes);
   check_gates(check, params.gates, q, shapes);
+  check_blocks(check, params.blocks, q, shapes, params.seqs_q, params.seqs_k);
+  check_head_windows(check, params.head_windows, q, shapes, params.window_left, params.window_right);
   detail::resolve_scale(check, params.scale, shapes.dim_qk);
   return shapes;
 }
@@ -141,6 +336,17 @@ void check_cuda_flash(const detail::Check& check, const Params& params, const Fl
                 "is not supported on CUDA yet; use CPU tensors");
   check.require(!gates.softmax_threshold, ErrorKind::unsupported, "softmax_threshold",
                 "is not supported on CUDA yet; use CPU tensors");
+  const FlashBlockMask& blocks = params.blocks;
+  check.require(!blocks.block_mask.present(), ErrorKind::unsupported, "block_mask",
+                "(block-sparse mask) is not supported on CUDA yet; use CPU tensors");
+  check.require(!blocks.kv_num_blocks.present() && !blocks.kv_indices.present(), ErrorKind::unsupported,
+                "kv_num_blocks", "(block-sparse lists) is not supported on CUDA yet; use CPU tensors");
+  check.require(!blocks.full_kv_num_blocks.present() && !blocks.full_kv_indices.present(), ErrorKind::unsupported,
+                "full_kv_num_blocks", "(block-sparse lists) is not supported on CUDA yet; use CPU tensors");
+  check.require(!params.head_windows.left.present(), ErrorKind::unsupported, "window_left",
+                "as a per-head tensor is not supported on CUDA yet; use an int or CPU tensors");
+  check.require(!params.head_windows.right.present(), ErrorKind::unsupported, "window_right",
+                "as a per-head tensor is not supported on CUDA yet; use an int or CPU tensors");
   detail::check_cuda_half(check, params.q);
   detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);
   detail::check_cuda_rows(check, params.q, "q");

@@ -30,6 +30,74 @@ struct Broadcast4d {
   }
 };
 
+// A block-sparse mask as a table of tile states over [Bt, Ht, nQ, nK] (Bt, Ht: B|1, Hb|1 as given):
+// 0 absent, 1 exists (the element mask is read), 2 full (exists, the element mask is not read).
+struct TileTable {
+  enum : std::uint8_t { absent = 0, partial = 1, full = 2 };
+  std::array<std::int64_t, 4> shape{};
+  std::int64_t block_q = 1, block_k = 1;
+  std::vector<std::uint8_t> state;  // empty: no block-sparse mask
+
+  bool present() const { return !state.empty(); }
+
+  static TileTable of(const FlashBlockMask& blocks) {
+    TileTable table;
+    if (!blocks.present()) return table;
+    table.block_q = blocks.block_q;
+    table.block_k = blocks.block_k;
+    if (blocks.block_mask.present()) {
+      const TensorView& m = blocks.block_mask;
+      table.shape = {m.shape[0], m.shape[1], m.shape[2], m.shape[3]};
+      table.state = load_bool(m);  // 1 where the tile exists
+      return table;
+    }
+    // Lists: the table is as wide as the largest index (validation bounds them by every sequence's tile count).
+    const TensorView& counts = blocks.kv_num_blocks.present() ? blocks.kv_num_blocks : blocks.full_kv_num_blocks;
+    std::int64_t width = 1;
+    std::vector<std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>> lists;
+    for (const auto& [n, idx] : {std::pair{&blocks.kv_num_blocks, &blocks.kv_indices},
+                                 std::pair{&blocks.full_kv_num_blocks, &blocks.full_kv_indices}}) {
+      if (!n->present()) {
+        lists.emplace_back();
+        continue;
+      }
+      lists.emplace_back(load_int32(*n), load_int32(*idx));
+      const std::int64_t max_k = idx->shape[3];
+      const auto& [c, ids] = lists.back();
+      for (std::size_t row = 0; row < c.size(); ++row) {
+        for (std::int64_t j = 0; j < c[row]; ++j) width = std::max<std::int64_t>(width, ids[row * max_k + j] + 1);
+      }
+    }
+    table.shape = {counts.shape[0], counts.shape[1], counts.shape[2], width};
+    table.state.assign(static_cast<std::size_t>(counts.numel() * width), absent);
+    const TensorView* indices[2] = {&blocks.kv_indices, &blocks.full_kv_indices};
+    for (int form = 0; form < 2; ++form) {
+      const auto& [c, ids] = lists[form];
+      if (c.empty()) continue;
+      const std::int64_t max_k = indices[form]->shape[3];
+      for (std::size_t row = 0; row < c.size(); ++row) {
+        for (std::int64_t j = 0; j < c[row]; ++j) {
+          table.state[row * width + ids[row * max_k + j]] = form == 0 ? partial : full;
+        }
+      }
+    }
+    return table;
+  }
+
+  // The states of the key tiles of query row t for (sequence/batch b, query head h): a row of nK entries.
+  const std::uint8_t* row(std::int64_t b, std::int64_t h, std::int64_t t, std::int64_t q_heads,
+                          std::int64_t group) const {
+    const std::int64_t bb = shape[0] == 1 ? 0 : b;
+    const std::int64_t hb = shape[1] == q_heads ? h : (shape[1] == 1 ? 0 : h / group);
+    return state.data() + ((bb * shape[1] + hb) * shape[2] + t / block_q) * shape[3];
+  }
+  // The state of key s in a row: keys past the table (a sequence's tiles past nK) are absent.
+  std::uint8_t at(const std::uint8_t* row, std::int64_t s) const {
+    const std::int64_t tile = s / block_k;
+    return tile < shape[3] ? row[tile] : static_cast<std::uint8_t>(absent);
+  }
+};
+
 // Everything a flash-attention pass needs in float64, with the causal/window rule and the mask/bias hook.
 struct FlashProblem {
   Dense q, k, v;
@@ -44,6 +112,9 @@ struct FlashProblem {
   // Thresholds: kept[seq * Hq + h][query tile * key tiles + key tile] is 0 for a skipped pair; empty if none.
   std::int64_t block_q = 1, block_k = 1;
   std::vector<std::vector<std::uint8_t>> kept;
+  // Block-sparse mask (empty if none) and per-head windows ([Hq] each; empty if not given).
+  TileTable tiles_mask;
+  std::vector<std::int32_t> head_left, head_right;
 
   template <class Params>
   explicit FlashProblem(const Params& params)
@@ -79,8 +150,12 @@ struct FlashProblem {
       alpha = with_batch_dim(load(gates.alpha), layout_q.packed);
       delta = with_batch_dim(load(gates.delta), layout_k.packed);
     }
+    tiles_mask = TileTable::of(params.blocks);
+    if (params.head_windows.left.present()) head_left = load_int32(params.head_windows.left);
+    if (params.head_windows.right.present()) head_right = load_int32(params.head_windows.right);
     const bool thresholds = gates.gate_threshold.has_value() || gates.softmax_threshold.has_value();
-    if (params.mask.present() || params.bias.present() || gated() || thresholds) {
+    if (params.mask.present() || params.bias.present() || gated() || thresholds || tiles_mask.present() ||
+        !head_left.empty() || !head_right.empty()) {
       problem.add_scores = [this](std::int64_t seq, std::int64_t t, std::int64_t head,
                                   const std::vector<std::int64_t>& keys, double* scores) {
         add_terms(seq, t, head, keys, scores);
@@ -114,10 +189,26 @@ struct FlashProblem {
     return delta(ks.batch, ks.begin + s, kv_head);
   }
 
-  // Mask, bias and the gate term scale * g (everything but the tile skipping).
+  // Mask, bias, block-sparse mask, per-head windows and the gate term scale * g (everything but the
+  // thresholds' tile skipping).
   void add_terms(std::int64_t seq, std::int64_t t, std::int64_t head, const std::vector<std::int64_t>& keys,
                  double* scores) const {
-    if (!mask.empty() || !bias.values.empty()) add_mask_and_bias(seq, t, head, keys, scores);
+    constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+    const std::uint8_t* tile_row = tiles_mask.present() ? tiles_mask.row(seq, head, t, q.dim(2), group()) : nullptr;
+    if (!mask.empty() || !bias.values.empty()) add_mask_and_bias(seq, t, head, keys, tile_row, scores);
+    if (tile_row) {
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        if (tiles_mask.at(tile_row, keys[i]) == TileTable::absent) scores[i] = kNegInf;
+      }
+    }
+    if (!head_left.empty() || !head_right.empty()) {
+      const std::int64_t aligned = t + problem.k_spans[seq].length - problem.q_spans[seq].length;
+      const std::int64_t left = head_left.empty() ? -1 : head_left[head];
+      const std::int64_t right = head_right.empty() ? -1 : head_right[head];
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        if ((left >= 0 && keys[i] < aligned - left) || (right >= 0 && keys[i] > aligned + right)) scores[i] = kNegInf;
+      }
+    }
     if (gated()) {
       const double a = alpha_at(seq, t, head);
       const std::int64_t kv_head = head / group();
@@ -221,11 +312,13 @@ struct FlashProblem {
   }
 
   // Mask and bias exist in the batched layout only, where the sequence index is the batch index.
+  // Keys of full tiles (tile_row, when given) do not read the mask.
   void add_mask_and_bias(std::int64_t b, std::int64_t t, std::int64_t head, const std::vector<std::int64_t>& keys,
-                         double* scores) const {
+                         const std::uint8_t* tile_row, double* scores) const {
     if (!mask.empty()) {
       const std::uint8_t* keep = mask.data() + mask_shape.row_offset(b, head, t, q.dim(2), group());
       for (std::size_t i = 0; i < keys.size(); ++i) {
+        if (tile_row && tiles_mask.at(tile_row, keys[i]) == TileTable::full) continue;
         if (!keep[keys[i]]) scores[i] = -std::numeric_limits<double>::infinity();
       }
     }
