@@ -129,6 +129,36 @@ def window_arg(op: str, arg: str, value) -> tuple[int, int]:
             int_arg(op, arg, value[1], minimum=INT64_MIN, maximum=INT64_MAX))
 
 
+def flash_window_arg(op: str, arg: str, value) -> tuple[int, int, Optional[Tensor], Optional[Tensor]]:
+    """flash_attention's window: (left, right), each an int (a negative side is unbounded) or an int32 tensor
+    [Hq] of per-head bounds (-1 unbounded); None is (-1, -1). Returns (left, right, left_heads, right_heads),
+    the int of a side given as a tensor being -1."""
+    if value is None:
+        return (-1, -1, None, None)
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise type_error(op, arg, "a (left, right) pair of ints or int32 [Hq] tensors, or None", value)
+    ints, tensors = [], []
+    for side, name in zip(value, ("window_left", "window_right")):
+        if isinstance(side, Tensor):
+            tensor_arg(op, name, side, kind="int32")
+            ints.append(-1)
+            tensors.append(side)
+        else:
+            ints.append(int_arg(op, arg, side, minimum=INT64_MIN, maximum=INT64_MAX))
+            tensors.append(None)
+    return (ints[0], ints[1], tensors[0], tensors[1])
+
+
+def optional_block_pair_arg(op: str, arg: str, value) -> Optional[tuple[int, int]]:
+    """None, or a (block_q, block_k) pair of positive ints (flash_attention's block_size)."""
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return (int_arg(op, arg, value[0], minimum=1, maximum=INT64_MAX),
+                int_arg(op, arg, value[1], minimum=1, maximum=INT64_MAX))
+    raise type_error(op, arg, "a (block_q, block_k) pair of positive ints or None", value)
+
+
 def optional_float_arg(op: str, arg: str, value) -> Optional[float]:
     """None, or a real number (as a float; its range is the C++ API's check)."""
     if value is None or isinstance(value, torch.SymFloat):

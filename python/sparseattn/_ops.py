@@ -352,6 +352,13 @@ selected_attention.register_autograd(_selected_attention_backward, setup_context
 # -------------------------------------------------------------------------------------------- flash_attention
 
 
+def _flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q, block_k,
+                  window_left_heads, window_right_heads):
+    """The binding's block-sparse and per-head window arguments, in its order."""
+    return (_arr(block_mask), _arr(kv_num_blocks), _arr(kv_indices), _arr(full_kv_num_blocks), _arr(full_kv_indices),
+            block_q, block_k, _arr(window_left_heads), _arr(window_right_heads))
+
+
 @torch.library.custom_op("sparseattn::flash_attention", mutates_args=())
 def flash_attention(
     q: Tensor,
@@ -374,6 +381,15 @@ def flash_attention(
     softmax_threshold: Optional[float] = None,
     threshold_block_q: int = 128,
     threshold_block_k: int = 128,
+    block_mask: Optional[Tensor] = None,
+    kv_num_blocks: Optional[Tensor] = None,
+    kv_indices: Optional[Tensor] = None,
+    full_kv_num_blocks: Optional[Tensor] = None,
+    full_kv_indices: Optional[Tensor] = None,
+    block_q: int = 0,
+    block_k: int = 0,
+    window_left_heads: Optional[Tensor] = None,
+    window_right_heads: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     packed = cu_seqlens_q is not None
     o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
@@ -381,14 +397,18 @@ def flash_attention(
     _C.flash_attention(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(cu_seqlens_q),
                        _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
                        _arr(alpha), _arr(delta), gate, gate_threshold, softmax_threshold, threshold_block_q,
-                       threshold_block_k, _stream(q))
+                       threshold_block_k, *_flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                                         full_kv_indices, block_q, block_k, window_left_heads,
+                                                         window_right_heads), _stream(q))
     return o, lse
 
 
 @flash_attention.register_fake
 def _(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
       window_right, scale, alpha=None, delta=None, gate="logsigmoid", gate_threshold=None, softmax_threshold=None,
-      threshold_block_q=128, threshold_block_k=128):
+      threshold_block_q=128, threshold_block_k=128, block_mask=None, kv_num_blocks=None, kv_indices=None,
+      full_kv_num_blocks=None, full_kv_indices=None, block_q=0, block_k=0, window_left_heads=None,
+      window_right_heads=None):
     packed = cu_seqlens_q is not None
     return q.new_empty(_out_shape(q, v.shape[-1])), q.new_empty(_lse_shape(q, packed), dtype=_lse_dtype(q.dtype))
 
@@ -420,6 +440,15 @@ def flash_attention_backward(
     threshold_block_q: int = 128,
     threshold_block_k: int = 128,
     compute_dgates: bool = False,
+    block_mask: Optional[Tensor] = None,
+    kv_num_blocks: Optional[Tensor] = None,
+    kv_indices: Optional[Tensor] = None,
+    full_kv_num_blocks: Optional[Tensor] = None,
+    full_kv_indices: Optional[Tensor] = None,
+    block_q: int = 0,
+    block_k: int = 0,
+    window_left_heads: Optional[Tensor] = None,
+    window_right_heads: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias, dalpha, ddelta); dbias has bias's shape if compute_dbias, dalpha and ddelta
     alpha's and delta's if compute_dgates (and alpha is given); each is empty otherwise."""
@@ -438,14 +467,18 @@ def flash_attention_backward(
                                 max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, _arr(alpha),
                                 _arr(delta), dalpha if with_dgates else None, ddelta if with_dgates else None, gate,
                                 gate_threshold, softmax_threshold, threshold_block_q, threshold_block_k,
-                                _workspace_allocator(q), _stream(q))
+                                *_flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                               full_kv_indices, block_q, block_k, window_left_heads,
+                                               window_right_heads), _workspace_allocator(q), _stream(q))
     return dq, dk, dv, dbias, dalpha, ddelta
 
 
 @flash_attention_backward.register_fake
 def _(q, k, v, mask, bias, o, lse, d_o, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
       window_right, scale, compute_dbias, alpha=None, delta=None, gate="logsigmoid", gate_threshold=None,
-      softmax_threshold=None, threshold_block_q=128, threshold_block_k=128, compute_dgates=False):
+      softmax_threshold=None, threshold_block_q=128, threshold_block_k=128, compute_dgates=False, block_mask=None,
+      kv_num_blocks=None, kv_indices=None, full_kv_num_blocks=None, full_kv_indices=None, block_q=0, block_k=0,
+      window_left_heads=None, window_right_heads=None):
     with_dbias = compute_dbias and bias is not None
     dbias = bias.new_empty(bias.shape) if with_dbias else q.new_empty((0,))
     with_dgates = compute_dgates and alpha is not None and delta is not None
@@ -457,23 +490,30 @@ def _(q, k, v, mask, bias, o, lse, d_o, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 def _flash_attention_setup(ctx, inputs, output):
     (q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
      window_right, scale, alpha, delta, gate, gate_threshold, softmax_threshold, threshold_block_q,
-     threshold_block_k) = inputs
+     threshold_block_k, block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q, block_k,
+     window_left_heads, window_right_heads) = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k, alpha, delta)
+    ctx.save_for_backward(q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k, alpha, delta, block_mask,
+                          kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, window_left_heads,
+                          window_right_heads)
+    ctx.block_sizes = (block_q, block_k)
     ctx.args = (max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale)
     ctx.gate_args = (gate, gate_threshold, softmax_threshold, threshold_block_q, threshold_block_k)
 
 
 def _flash_attention_backward(ctx, d_o, d_lse):
-    q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k, alpha, delta = ctx.saved_tensors
+    (q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k, alpha, delta, block_mask, kv_num_blocks, kv_indices,
+     full_kv_num_blocks, full_kv_indices, window_left_heads, window_right_heads) = ctx.saved_tensors
     compute_dbias = bias is not None and ctx.needs_input_grad[4]
     compute_dgates = alpha is not None and (ctx.needs_input_grad[13] or ctx.needs_input_grad[14])
     dq, dk, dv, dbias, dalpha, ddelta = flash_attention_backward(
         q, k, v, mask, bias, o, lse, d_o, cu_seqlens_q, cu_seqlens_k, *ctx.args, compute_dbias, alpha, delta,
-        *ctx.gate_args, compute_dgates)
+        *ctx.gate_args, compute_dgates, block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+        *ctx.block_sizes, window_left_heads, window_right_heads)
     return (dq, dk, dv, None, (dbias if compute_dbias else None), None, None, None, None, None, None, None, None,
-            dalpha if compute_dgates else None, ddelta if compute_dgates else None, None, None, None, None, None)
+            dalpha if compute_dgates else None, ddelta if compute_dgates else None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None)
 
 
 flash_attention.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)

@@ -356,7 +356,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     return_lse: bool = False, alpha: Optional[Tensor] = None, delta: Optional[Tensor] = None,
                     gate: str = "logsigmoid", gate_threshold: Optional[float] = None,
                     softmax_threshold: Optional[float] = None,
-                    threshold_block: Union[tuple[int, int], list] = (128, 128)) -> Union[Tensor, tuple[Tensor, Tensor]]:
+                    threshold_block: Union[tuple[int, int], list] = (128, 128), block_mask=None,
+                    block_size: Union[tuple[int, int], list, None] = None, kv_num_blocks: Optional[Tensor] = None,
+                    kv_indices: Optional[Tensor] = None, full_kv_num_blocks: Optional[Tensor] = None,
+                    full_kv_indices: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Dense attention: s = scale*q.k + bias, kept where mask is True, the causal rule and the window allow.
 
     ``causal`` is bottom-right aligned when the key count differs from the query count (as FlashAttention).
@@ -368,12 +371,19 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     (query tile, key tile) pairs of ``threshold_block`` (docs/semantics.md section 8); the result depends on
     the tile sizes.
 
+    Block-sparse masks (CPU only for now) say which (query tile, key tile) pairs of ``block_size`` exist: a
+    dense tile mask ``block_mask``, or FlexAttention's lists (``kv_num_blocks``/``kv_indices``, optionally
+    ``full_kv_num_blocks``/``full_kv_indices`` for tiles whose element mask is not read), or a
+    ``torch.nn.attention.flex_attention.BlockMask`` as ``block_mask`` (its lists and ``BLOCK_SIZE``; its
+    ``mask_mod`` is not evaluated). Keys of absent tiles are hidden and get no gradient.
+
     Args:
         q: [B, T, Hq, Dqk], or packed [Nq, Hq, Dqk] with cu_seqlens_q.
         k: [B, S, Hkv, Dqk] (packed [Nk, Hkv, Dqk]); Hkv divides Hq.
         v: [B, S, Hkv, Dv] (packed [Nk, Hkv, Dv]).
         causal: a bool; keep keys at or before the aligned position a = t + S - T.
-        window: (left, right) ints: keep keys in [a - left, a + right]; a negative side (-1) is unbounded.
+        window: (left, right): keep keys in [a - left, a + right]; a negative side (-1) is unbounded. Each
+            side is an int, or an int32 [Hq] tensor of per-head bounds (-1 unbounded; CPU only for now).
             None is (-1, -1).
         mask: bool, broadcast as [B|1, Hq|Hkv|1, T|1, S] (batched layout only); True keeps.
         bias: dtype of q, broadcast like mask (batched layout only).
@@ -389,6 +399,14 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             running maximum + log(tau_row) (tau_row = tau*(a+1)/S when causal). None is plain attention.
         threshold_block: (block_q, block_k) positive ints, the tiles of both thresholds, aligned to each
             sequence's first query and key.
+        block_mask: a bool tile mask [B|1, Hq|Hkv|1, nQ, nK] (True: the tile exists; B counts sequences when
+            packed), or a FlexAttention BlockMask; needs ``block_size`` unless a BlockMask gives it.
+        block_size: (bq, bk) positive ints, the tiles of the block-sparse mask, aligned to each sequence's first
+            query and key; None unless a block-sparse mask is given.
+        kv_num_blocks: int32 [B|1, Hq|Hkv|1, nQ]: query tile i has the key tiles kv_indices[..., i, :count].
+        kv_indices: int32 [B|1, Hq|Hkv|1, nQ, maxK], strictly ascending within each count.
+        full_kv_num_blocks, full_kv_indices: like the two above, listing full tiles (the element mask is not
+            read there); disjoint from the partial lists.
 
     Returns:
         o [B, T, Hq, Dv] (packed [Nq, Hq, Dv]), or (o, lse) with ``return_lse``; lse [B, Hq, T] (packed
@@ -400,9 +418,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         SparseAttnDTypeError: non-float or mismatched dtypes, a non-bool mask, cu_seqlens not int32.
         SparseAttnError: wrong ranks or sizes, mixed devices, mask/bias with the packed layout, bad
             scale or max_seqlen, bad cu_seqlens (contents checked on the CPU), alpha without delta, an
-            unknown gate, softmax_threshold outside (0, 1], a non-positive threshold_block.
+            unknown gate, softmax_threshold outside (0, 1], a non-positive threshold_block; a block-sparse mask
+            in two forms, without block_size, of the wrong shape or with bad list contents (out-of-range,
+            repeated or descending tiles, a tile both partial and full).
         SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (mask, bias, alpha,
-            delta and the thresholds on CUDA included).
+            delta, the thresholds, block-sparse masks and per-head windows on CUDA included).
 
     Example:
         >>> import torch, sparseattn
@@ -415,14 +435,30 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         ...                                softmax_threshold=0.01, threshold_block=(4, 4))
         >>> tuple(o.shape)
         (2, 10, 4, 8)
+        >>> tiles = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)[None, None]
+        >>> o = sparseattn.flash_attention(q, k, v, causal=True, block_mask=tiles, block_size=(4, 4))
+        >>> tuple(o.shape)
+        (2, 10, 4, 8)
     """
     op = "flash_attention"
     causal = chk.bool_arg(op, "causal", causal)
     return_lse = chk.bool_arg(op, "return_lse", return_lse)
-    window_left, window_right = chk.window_arg(op, "window", window)
+    window_left, window_right, window_left_heads, window_right_heads = chk.flash_window_arg(op, "window", window)
     scale = chk.scale_arg(op, "scale", scale)
     max_seqlen_q = chk.optional_int_arg(op, "max_seqlen_q", max_seqlen_q, minimum=0)
     max_seqlen_k = chk.optional_int_arg(op, "max_seqlen_k", max_seqlen_k, minimum=0)
+    block_size = chk.optional_block_pair_arg(op, "block_size", block_size)
+    if block_mask is not None and not isinstance(block_mask, Tensor):
+        block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_size = _from_block_mask(
+            op, block_mask, block_size, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices))
+    for name, t in (("kv_num_blocks", kv_num_blocks), ("kv_indices", kv_indices),
+                    ("full_kv_num_blocks", full_kv_num_blocks), ("full_kv_indices", full_kv_indices)):
+        chk.tensor_arg(op, name, t, optional=True, kind="int32")
+    chk.tensor_arg(op, "block_mask", block_mask, optional=True, kind="bool")
+    block_tensors = (block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    if block_size is None and any(t is not None for t in block_tensors):
+        raise chk.config_error(op, "block_size", "is required with a block-sparse mask (block_mask or the lists)")
+    block_q, block_k = block_size if block_size is not None else (0, 0)
     gate = chk.choice_arg(op, "gate", gate, ("logsigmoid", "product"))
     gate_threshold = chk.optional_float_arg(op, "gate_threshold", gate_threshold)
     softmax_threshold = chk.optional_float_arg(op, "softmax_threshold", softmax_threshold)
@@ -443,12 +479,34 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     chk.tensor_arg(op, "alpha", alpha, optional=True)
     chk.tensor_arg(op, "delta", delta, optional=True)
     chk.devices(op, q, "q", [("k", k), ("v", v), ("mask", mask), ("bias", bias), ("cu_seqlens_q", cu_seqlens_q),
-                             ("cu_seqlens_k", cu_seqlens_k), ("alpha", alpha), ("delta", delta)])
+                             ("cu_seqlens_k", cu_seqlens_k), ("alpha", alpha), ("delta", delta),
+                             ("block_mask", block_mask), ("kv_num_blocks", kv_num_blocks),
+                             ("kv_indices", kv_indices), ("full_kv_num_blocks", full_kv_num_blocks),
+                             ("full_kv_indices", full_kv_indices), ("window_left", window_left_heads),
+                             ("window_right", window_right_heads)])
     mask = None if mask is None else mask.detach()
+    block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = (
+        None if t is None else t.detach() for t in block_tensors)
     o, lse = _ops.flash_attention(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   causal, window_left, window_right, scale, alpha, delta, gate, gate_threshold,
-                                  softmax_threshold, threshold_block_q, threshold_block_k)
+                                  softmax_threshold, threshold_block_q, threshold_block_k, block_mask,
+                                  kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q, block_k,
+                                  window_left_heads, window_right_heads)
     return (o, lse) if return_lse else o
+
+
+def _from_block_mask(op: str, block_mask, block_size, lists):
+    """The lists and tile sizes of a FlexAttention BlockMask (its mask_mod is not evaluated)."""
+    if not all(hasattr(block_mask, name) for name in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE")):
+        raise chk.type_error(op, "block_mask", "a bool torch.Tensor, a FlexAttention BlockMask or None", block_mask)
+    if any(t is not None for t in lists):
+        raise chk.config_error(op, "block_mask", "a BlockMask carries its own lists: do not also pass kv_num_blocks, "
+                                                 "kv_indices or the full_ lists")
+    sizes = tuple(int(b) for b in block_mask.BLOCK_SIZE)
+    if block_size is not None and tuple(block_size) != sizes:
+        raise chk.config_error(op, "block_size", f"is {tuple(block_size)} but the BlockMask's BLOCK_SIZE is {sizes}")
+    return (None, block_mask.kv_num_blocks, block_mask.kv_indices, getattr(block_mask, "full_kv_num_blocks", None),
+            getattr(block_mask, "full_kv_indices", None), sizes)
 
 
 def combine(o_cmp: Optional[Tensor], o_slc: Optional[Tensor], o_swa: Optional[Tensor], g_cmp: Optional[Tensor],

@@ -117,6 +117,24 @@ FlashGateOptions flash_gates(const OptArray& alpha, const OptArray& delta, const
   return g;
 }
 
+// flash_attention's block-sparse mask and per-head windows (both entry points).
+FlashBlockMask flash_blocks(const OptArray& block_mask, const OptArray& kv_num_blocks, const OptArray& kv_indices,
+                            const OptArray& full_kv_num_blocks, const OptArray& full_kv_indices, std::int64_t block_q,
+                            std::int64_t block_k) {
+  FlashBlockMask b;
+  b.block_mask = view(block_mask, "block_mask");
+  b.kv_num_blocks = view(kv_num_blocks, "kv_num_blocks");
+  b.kv_indices = view(kv_indices, "kv_indices");
+  b.full_kv_num_blocks = view(full_kv_num_blocks, "full_kv_num_blocks");
+  b.full_kv_indices = view(full_kv_indices, "full_kv_indices");
+  b.block_q = block_q;
+  b.block_k = block_k;
+  return b;
+}
+
+FlashHeadWindows head_windows(const OptArray& left, const OptArray& right) {
+  return {view(left, "window_left"), view(right, "window_right")};
+}
 
 Stream as_stream(std::uintptr_t stream) { return reinterpret_cast<Stream>(stream); }
 
@@ -464,9 +482,15 @@ NB_MODULE(_C, m) {
          std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, bool causal, std::int64_t window_left,
          std::int64_t window_right, std::optional<double> scale, const OptArray& alpha, const OptArray& delta,
          const std::string& gate, std::optional<double> gate_threshold, std::optional<double> softmax_threshold,
-         std::int64_t threshold_block_q, std::int64_t threshold_block_k, std::uintptr_t stream) {
+         std::int64_t threshold_block_q, std::int64_t threshold_block_k, const OptArray& block_mask,
+         const OptArray& kv_num_blocks, const OptArray& kv_indices, const OptArray& full_kv_num_blocks,
+         const OptArray& full_kv_indices, std::int64_t block_q, std::int64_t block_k,
+         const OptArray& window_left_heads, const OptArray& window_right_heads, std::uintptr_t stream) {
         const OpName op_name("flash_attention");
         FlashAttentionParams p;
+        p.blocks = flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q,
+                                block_k);
+        p.head_windows = head_windows(window_left_heads, window_right_heads);
         p.gates = flash_gates(alpha, delta, gate, gate_threshold, softmax_threshold, threshold_block_q,
                               threshold_block_k);
         p.q = view(q, "q");
@@ -488,7 +512,9 @@ NB_MODULE(_C, m) {
       "q"_a, "k"_a, "v"_a, "mask"_a.none(), "bias"_a.none(), "o"_a, "lse"_a, "cu_seqlens_q"_a.none(),
       "cu_seqlens_k"_a.none(), "max_seqlen_q"_a, "max_seqlen_k"_a, "causal"_a, "window_left"_a,
       "window_right"_a, "scale"_a.none(), "alpha"_a.none(), "delta"_a.none(), "gate"_a, "gate_threshold"_a.none(),
-      "softmax_threshold"_a.none(), "threshold_block_q"_a, "threshold_block_k"_a, "stream"_a);
+      "softmax_threshold"_a.none(), "threshold_block_q"_a, "threshold_block_k"_a, "block_mask"_a.none(),
+      "kv_num_blocks"_a.none(), "kv_indices"_a.none(), "full_kv_num_blocks"_a.none(), "full_kv_indices"_a.none(),
+      "block_q"_a, "block_k"_a, "window_left_heads"_a.none(), "window_right_heads"_a.none(), "stream"_a);
   m.def(
       "flash_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const OptArray& mask, const OptArray& bias,
@@ -498,9 +524,15 @@ NB_MODULE(_C, m) {
          std::int64_t window_right, std::optional<double> scale, const OptArray& alpha, const OptArray& delta,
          const OptArray& dalpha, const OptArray& ddelta, const std::string& gate, std::optional<double> gate_threshold,
          std::optional<double> softmax_threshold, std::int64_t threshold_block_q, std::int64_t threshold_block_k,
+         const OptArray& block_mask, const OptArray& kv_num_blocks, const OptArray& kv_indices,
+         const OptArray& full_kv_num_blocks, const OptArray& full_kv_indices, std::int64_t block_q,
+         std::int64_t block_k, const OptArray& window_left_heads, const OptArray& window_right_heads,
          const nb::callable& allocate, std::uintptr_t stream) {
         const OpName op_name("flash_attention_backward");
         FlashAttentionBackwardParams p;
+        p.blocks = flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q,
+                                block_k);
+        p.head_windows = head_windows(window_left_heads, window_right_heads);
         p.gates = flash_gates(alpha, delta, gate, gate_threshold, softmax_threshold, threshold_block_q,
                               threshold_block_k);
         p.dalpha = view(dalpha, "dalpha");
@@ -530,7 +562,9 @@ NB_MODULE(_C, m) {
       "dbias"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "max_seqlen_q"_a, "max_seqlen_k"_a,
       "causal"_a, "window_left"_a, "window_right"_a, "scale"_a.none(), "alpha"_a.none(), "delta"_a.none(),
       "dalpha"_a.none(), "ddelta"_a.none(), "gate"_a, "gate_threshold"_a.none(), "softmax_threshold"_a.none(),
-      "threshold_block_q"_a, "threshold_block_k"_a, "allocate"_a, "stream"_a);
+      "threshold_block_q"_a, "threshold_block_k"_a, "block_mask"_a.none(), "kv_num_blocks"_a.none(),
+      "kv_indices"_a.none(), "full_kv_num_blocks"_a.none(), "full_kv_indices"_a.none(), "block_q"_a, "block_k"_a,
+      "window_left_heads"_a.none(), "window_right_heads"_a.none(), "allocate"_a, "stream"_a);
 
   // ---- combine ----
   m.def(
