@@ -76,8 +76,26 @@ def test_compile_pipeline_of_ops():
     eager_vs_compiled(fn, [q, k, v, bias, *gs])
 
 
-OPS = ["compress_kv", "compressed_attention", "select_blocks", "selected_attention", "flash_attention", "combine",
-       "nsa_attention"]
+def test_compile_flash_gated():
+    """Gated flash_attention (CPU only) with both thresholds, and create_mask feeding a mask: the gradients of
+    q, k, v, alpha and delta through the registered autograd."""
+    q, k, v = qkv(1, 30, 4, 2, 16)
+    alpha, delta = randn(1, 30, 4), randn(1, 30, 2)
+    bias = randn(1, 2, 30, 30)
+
+    def fn(q, k, v, alpha, delta):
+        mask = sa.create_mask(bias, 12, causal=True)
+        o = sa.flash_attention(q, k, v, causal=True, alpha=alpha, delta=delta, gate_threshold=-4.0,
+                               softmax_threshold=0.02, threshold_block=(8, 4))
+        return o + sa.flash_attention(q, k, v, causal=True, mask=mask, bias=bias, alpha=alpha, delta=delta,
+                                      gate="product")
+
+    eager_vs_compiled(fn, [q, k, v, alpha, delta])
+
+
+# flash_attention_gated / _product: the same op called with alpha and delta (recorded under their own names).
+OPS = ["compress_kv", "compressed_attention", "select_blocks", "selected_attention", "flash_attention",
+       "flash_attention_gated", "flash_attention_product", "combine", "nsa_attention", "create_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +106,14 @@ def recorded_calls():
     calls = {}
 
     class Recorder(TorchDispatchMode):
+        def __init__(self, suffix=""):
+            super().__init__()
+            self.suffix = suffix
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func.namespace == "sparseattn":
-                calls.setdefault(func.name().split("::")[-1].split(".")[0], (func, args, kwargs))
+                calls.setdefault(func.name().split("::")[-1].split(".")[0] + self.suffix, (func, args, kwargs))
             return func(*args, **kwargs)
 
     torch.manual_seed(0)
@@ -107,6 +129,13 @@ def recorded_calls():
         sa.flash_attention(q, k, v, causal=True, bias=bias, mask=torch.rand(1, 1, 40, 40) > 0.2)
         sa.combine(q, q, q, *gs)
         sa.nsa_attention(q, k, v, *gs, config=cfg)
+        sa.create_mask(bias.detach(), 5, causal=True, key_padding_mask=torch.rand(1, 40) < 0.8, window=(9, 0))
+    alpha, delta = randn(1, 40, 4, requires_grad=True), randn(1, 40, 2, requires_grad=True)
+    with Recorder("_gated"):
+        sa.flash_attention(q, k, v, causal=True, alpha=alpha, delta=delta, gate_threshold=-3.0,
+                           softmax_threshold=0.05, threshold_block=(8, 4))
+    with Recorder("_product"):
+        sa.flash_attention(q, k, v, bias=bias, alpha=alpha, delta=delta, gate="product")
     return calls
 
 

@@ -2,19 +2,23 @@
 operation and an argument, before touching its inputs, and never crash the process.
 
 A seeded generator takes a valid call of each target (compress_kv, compressed_attention, select_blocks,
-selected_attention, flash_attention, combine, nsa_attention, compressed_cu_seqlens, NSAConfig, and the modules'
-constructors and forwards, batched and packed) and changes one argument: a wrong Python type, a negative, zero or
+selected_attention, flash_attention (plain, and gated with both thresholds), combine, nsa_attention,
+compressed_cu_seqlens, create_mask, NSAConfig, and the modules' constructors and forwards, batched and packed)
+and changes one argument: a wrong Python type, a negative, zero or
 out-of-range int (2**31, 2**63, ...), a wrong rank, dtype (int64 indices included) or device (a meta tensor next
 to CPU tensors), a sparse tensor, a size that does not match the other arguments, bad cu_seqlens or index
-contents, an inconsistent configuration. Each mutation comes with what it must give: an error (of a given
+contents, an inconsistent configuration, an unknown gate name, a threshold out of range or NaN, a bad tile
+pair. Each mutation comes with what it must give: an error (of a given
 class: a wrong Python type raises SparseAttnTypeError, also a TypeError; a wrong dtype SparseAttnDTypeError), or,
 for the few that are still valid calls (a non-contiguous last dimension, a numpy int, window=None, ...), success,
 and for some of those the unmutated call's exact output.
 
 The calls run in a child process, in chunks (one per test), so that a crash fails the test with the call that
-caused it; each chunk's child writes every call's description to a file before making it.
+caused it; each chunk's child writes every call's description to a file before making it. The newest targets
+(EXHAUSTIVE) also run every one of their mutations once, in order.
 
-Run a chunk by hand: python tests/python/test_invalid_calls.py SEED COUNT
+Run a chunk by hand: python tests/python/test_invalid_calls.py SEED COUNT [PROGRESS [TARGET,...]]
+(with targets: every mutation of those targets, COUNT ignored)
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import pytest
 import torch
 
 CHUNKS = 4
-CALLS_PER_CHUNK = 1250
+CALLS_PER_CHUNK = 1400
+# Every mutation of these targets runs once (test_every_mutation), on top of the random chunks.
+EXHAUSTIVE = ("create_mask", "flash_attention_gated", "flash_attention_gated_packed")
 SEED = 20240917
 TIMEOUT_S = 240
 
@@ -64,18 +70,21 @@ class Arg:
     """How one argument of a target may be mutated.
 
     kind: tensor (float), mask (bool tensor), index (int32 block indices), cu, cu_cmp, int, scale, flag,
-    window, config, device, dtype. sizes: (dim, size) changes known to be invalid. none: what None gives
+    window, config, device, dtype, real (an optional float: thresholds), choice (a string of `choices`), pair
+    (two positive ints: tiles). sizes: (dim, size) changes known to be invalid. none: what None gives
     ("error", "type", "valid", "same" or None: not generated). minimum/maximum: the valid range of an int.
     bad/good: further (description, value) pairs that are invalid / valid. absent: the base call does not pass
     it. packed: an index tensor of the packed layout. rows: cu_seqlens bounded by the rows of a tensor. meta,
-    noncontig: what a meta tensor and a non-contiguous last dimension give.
+    noncontig: what a meta tensor and a non-contiguous last dimension give. float_dtypes: what the other float
+    dtypes of a tensor give ("dtype": must match; "valid": any float dtype is taken).
     """
 
     def __init__(self, kind, *, sizes=(), none="error", minimum=1, maximum=2**31 - 1, bad=(), good=(), absent=False,
-                 packed=False, rows=True, meta="error", noncontig="same"):
+                 packed=False, rows=True, meta="error", noncontig="same", float_dtypes="dtype", choices=()):
         self.kind, self.sizes, self.none = kind, sizes, none
         self.minimum, self.maximum, self.bad, self.good = minimum, maximum, bad, good
         self.absent, self.packed, self.rows, self.meta, self.noncontig = absent, packed, rows, meta, noncontig
+        self.float_dtypes, self.choices = float_dtypes, choices
 
 
 # Expectations: "type" (SparseAttnTypeError), "dtype" (SparseAttnDTypeError), "error" (any SparseAttnError),
@@ -112,9 +121,10 @@ def mutations(arg: Arg, base):
         if t.dim() >= 2:
             out.append(("one dim less", t[0].clone(), "error"))
         if kind == "tensor":
-            for dtype in (torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.float64,
-                          torch.float16, torch.bfloat16):
+            for dtype in (torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64):
                 out.append((f"dtype {dtype}", t.to(dtype), "dtype"))
+            for dtype in (torch.float64, torch.float16, torch.bfloat16):
+                out.append((f"dtype {dtype}", t.to(dtype), arg.float_dtypes))
         elif kind == "mask":
             for dtype in (torch.float32, torch.int64, torch.uint8, torch.int32):
                 out.append((f"dtype {dtype}", t.to(dtype), "dtype"))
@@ -180,6 +190,39 @@ def mutations(arg: Arg, base):
                 ("(2**63, 0)", (2**63, 0), "error"), ("(0, -2**63 - 1)", (0, -(2**63) - 1), "error"),
                 ("None", None, "valid"), ("list [3, 0]", [3, 0], "valid"), ("(-5, 0)", (-5, 0), "valid"),
                 ("(2**40, 0)", (2**40, 0), "valid"), ("numpy ints", (np.int64(3), np.int32(0)), "valid")]
+        return out
+    if kind == "real":  # an optional float: the range checks are the C++ API's; non-finite is never taken
+        out += [("str '0.5'", "0.5", "type"), ("bool True", True, "type"), ("bool False", False, "type"),
+                ("list", [0.5], "type"), ("complex", 0.5 + 1j, "type"), ("tensor", torch.tensor(0.5), "type"),
+                ("dict", {"a": 0.5}, "type")]
+        out += [(repr(v), v, "error") for v in (math.nan, -math.nan, math.inf, -math.inf, 10**400, -(10**400))]
+        out.append(("numpy float32 0.25", np.float32(0.25), "valid"))
+        if arg.none is not None:
+            out.append(("None", None, arg.none))
+        out += [(d, v, "error") for d, v in arg.bad]
+        out += [(d, v, "valid") for d, v in arg.good]
+        return out
+    if kind == "choice":
+        out += [("None", None, "type"), ("int 1", 1, "type"), ("bytes", arg.choices[0].encode(), "type"),
+                ("list", [arg.choices[0]], "type"), ("bool True", True, "type"), ("''", "", "error"),
+                ("'nonsense'", "nonsense", "error"), ("upper case", arg.choices[0].upper(), "error"),
+                ("leading space", " " + arg.choices[0], "error")]
+        out += [(repr(c), c, "valid") for c in arg.choices]
+        return out
+    if kind == "pair":  # (block_q, block_k), positive int64s
+        out += [("int 5", 5, "type"), ("str 'ab'", "ab", "type"), ("None", None, "type"), ("(4,)", (4,), "type"),
+                ("(4, 4, 4)", (4, 4, 4), "type"), ("set", {4, 5}, "type"), ("(1.5, 4)", (1.5, 4), "type"),
+                ("(True, 4)", (True, 4), "type"), ("(None, 4)", (None, 4), "type"), ("('4', 4)", ("4", 4), "type"),
+                ("(4, 4.0)", (4, 4.0), "type"), ("(0, 4)", (0, 4), "error"), ("(4, 0)", (4, 0), "error"),
+                ("(-1, -1)", (-1, -1), "error"), ("(4, -2**63)", (4, -(2**63)), "error"),
+                ("(2**63, 4)", (2**63, 4), "error"), ("(4, 2**64 + 4)", (4, 2**64 + 4), "error"),
+                ("list [4, 4]", [4, 4], "valid"), ("(1, 1)", (1, 1), "valid"),
+                ("numpy ints", (np.int64(4), np.int32(4)), "valid"), ("(2**31, 4)", (2**31, 4), "valid"),
+                ("(2**62, 2**62)", (2**62, 2**62), "valid")]
+        # GAP (not included): a tile within the keys (or queries) of 2**63 - 1, e.g. (4, 2**63 - 1) or
+        # (2**63 - 1, 4), is taken by the checks but overflows tiles() in src/reference/flash_attention.cpp
+        # ((length + block - 1) / block): a segfault, or a ValueError "cannot create std::vector larger than
+        # max_size()" for (2**63 - 39, 4) with 40 queries, instead of a result or a SparseAttnError.
         return out
     if kind == "config":
         out += [("int 5", 5, "type"), ("str", "cfg", "type"), ("dict", {"window": 64}, "type")]
@@ -382,13 +425,47 @@ def targets():
                 specs["mask"] = Arg("mask", none="valid", sizes=[(0, 3), (1, 3), (2, 3), (3, 41)])
                 specs["bias"] = Arg("tensor", none="valid", sizes=[(0, 3), (1, 3), (2, 3), (3, 41)])
                 specs["cu_seqlens_q"] = Arg("cu", absent=True)
+            # Not gated: alpha or delta alone is an error.
+            specs["alpha"] = Arg("tensor", absent=True)
+            specs["delta"] = Arg("tensor", absent=True)
             return a, lambda a: sa.flash_attention(
                 a["q"], a["k"], a["v"], causal=a["causal"], window=a["window"], mask=a.get("mask"),
                 bias=a.get("bias"), scale=a["scale"], cu_seqlens_q=a.get("cu_seqlens_q"),
                 cu_seqlens_k=a.get("cu_seqlens_k"), max_seqlen_q=a["max_seqlen_q"], max_seqlen_k=a["max_seqlen_k"],
-                return_lse=a["return_lse"]), specs
+                return_lse=a["return_lse"], alpha=a.get("alpha"), delta=a.get("delta")), specs
 
         out["flash_attention" + sfx] = ({"flash_attention"}, flash_attention)
+
+        def flash_gated(packed=packed):
+            """Gated attention with both thresholds (CPU only): mutations of the gate arguments."""
+            q, k, v = tokens(HQ, D, packed), tokens(HKV, D, packed), tokens(HKV, DV, packed)
+            alpha = torch.randn(N, HQ) if packed else torch.randn(B, T, HQ)
+            delta = torch.randn(N, HKV) if packed else torch.randn(B, T, HKV)
+            a = dict(q=q, k=k, v=v, alpha=alpha, delta=delta, gate="logsigmoid", gate_threshold=-2.0,
+                     softmax_threshold=0.05, threshold_block=(8, 4))
+            specs = dict(
+                # (alpha or delta alone, None for the other, is an error; float dtypes must match q's float32)
+                alpha=Arg("tensor", sizes=[(0, 41), (0, 43), (1, 2)] if packed else
+                          [(0, 3), (1, 41), (2, 5), (2, 2)]),
+                delta=Arg("tensor", sizes=[(0, 41), (1, 4)] if packed else [(0, 3), (1, 41), (2, 4), (2, 1)]),
+                gate=Arg("choice", choices=("logsigmoid", "product")),
+                gate_threshold=Arg("real", none="valid", good=[("0", 0), ("-100.0", -100.0), ("1e300", 1e300),
+                                                              ("-1e300", -1e300), ("int 5", 5)]),
+                softmax_threshold=Arg("real", none="valid",
+                                      bad=[("0", 0), ("0.0", 0.0), ("-0.0", -0.0), ("-0.5", -0.5), ("1.5", 1.5),
+                                           ("1 + 1e-9", 1 + 1e-9), ("int 2", 2), ("-1e-300", -1e-300)],
+                                      good=[("int 1", 1), ("1.0", 1.0), ("1e-300", 1e-300), ("5e-324", 5e-324),
+                                            ("0.999", 0.999)]),
+                threshold_block=Arg("pair"))
+            if packed:
+                a["cu_seqlens_q"] = cu()
+            return a, lambda a: sa.flash_attention(
+                a["q"], a["k"], a["v"], causal=True, window=(9, 0), cu_seqlens_q=a.get("cu_seqlens_q"),
+                return_lse=True, alpha=a["alpha"], delta=a["delta"], gate=a["gate"],
+                gate_threshold=a["gate_threshold"], softmax_threshold=a["softmax_threshold"],
+                threshold_block=a["threshold_block"]), specs
+
+        out["flash_attention_gated" + sfx] = ({"flash_attention"}, flash_gated)
 
         def combine(packed=packed):
             names = ("o_cmp", "o_slc", "o_swa", "g_cmp", "g_slc", "g_swa")
@@ -483,6 +560,18 @@ def targets():
 
     out["compressed_cu_seqlens"] = ({"compressed_cu_seqlens"}, compressed_cu)
 
+    def create_mask():
+        a = dict(bias=torch.randn(B, HKV, T, T), keep=5, causal=True, key_padding_mask=torch.rand(B, T) < 0.8,
+                 window=(7, 0))
+        # (any 4-D float bias is taken: H and T are free, B and S must match key_padding_mask)
+        specs = dict(bias=Arg("tensor", sizes=[(0, 3), (3, 41)], none="type", float_dtypes="valid"),
+                     keep=Arg("int", none="type", good=[("41 (more than the keys)", 41)]), causal=Arg("flag"),
+                     key_padding_mask=Arg("mask", none="valid", sizes=[(0, 3), (1, 41)]), window=Arg("window"))
+        return a, lambda a: sa.create_mask(a["bias"], a["keep"], causal=a["causal"],
+                                           key_padding_mask=a["key_padding_mask"], window=a["window"]), specs
+
+    out["create_mask"] = ({"create_mask"}, create_mask)
+
     def config():
         a = {"cfg." + k: v for k, v in SMALL.items()}
         specs = _config_fields_args(False, SMALL)
@@ -548,21 +637,38 @@ def _outputs_equal(got, ref) -> bool:
     return len(got) == len(ref) and all(torch.equal(a, b) for (_, a), (_, b) in zip(got, ref))
 
 
-def worker(seed: int, count: int, progress: str) -> int:
-    """Runs `count` random mutated calls; prints one line per failure; returns the number of failures."""
+def _plan(rng, table, count: int, only):
+    """(name, arg, mutation index) of each call: `count` random ones, or every mutation of the targets in
+    `only` in order (the mutation lists are rebuilt per call, so an index names the same mutation)."""
+    if not only:
+        names = sorted(table)
+        for _ in range(count):
+            name = rng.choice(names)
+            yield name, None, None
+        return
+    for name in only:
+        a, _, specs = table[name][1]()
+        for arg in sorted(specs):
+            for j in range(len(mutations(specs[arg], a.get(arg)))):
+                yield name, arg, j
+
+
+def worker(seed: int, count: int, progress: str, only=()) -> int:
+    """Runs `count` random mutated calls (or every mutation of the targets in `only`); prints one line per
+    failure; returns the number of failures."""
     import sparseattn as sa
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
     abort_at = int(os.environ.get("SPARSEATTN_TEST_ABORT_AT", "-1"))
     table = targets()
-    names = sorted(table)
     built = {}
     failures = 0
     counts = {"invalid": 0, "valid": 0}
+    plan = list(_plan(rng, table, count, only))
+    count = len(plan)
     with open(progress, "w") as log:
-        for i in range(count):
-            name = rng.choice(names)
+        for i, (name, arg, index) in enumerate(plan):
             ops, build = table[name]
             if name not in built:
                 log.seek(0)
@@ -573,9 +679,12 @@ def worker(seed: int, count: int, progress: str) -> int:
                 ref = call(dict(a))
                 built[name] = (a, call, specs, ref)
             a, call, specs, ref = built[name]
-            arg = rng.choice(sorted(specs))
+            if arg is None:
+                arg = rng.choice(sorted(specs))
             candidates = mutations(specs[arg], a.get(arg))
-            desc, value, expect = candidates[rng.randrange(len(candidates))]
+            if index is None:
+                index = rng.randrange(len(candidates))
+            desc, value, expect = candidates[index]
             what = f"call {i} (seed {seed}): {name} with {arg} = {desc} (expect {expect})"
             log.seek(0)
             log.write(what + "\n")
@@ -629,12 +738,15 @@ def worker(seed: int, count: int, progress: str) -> int:
 # ------------------------------------------------------------------------------------------------------ tests
 
 
-def run_chunk(seed: int, count: int, env_extra=None) -> str:
-    """Runs a chunk in a child process; returns '' or why it failed (with the call it was making)."""
+def run_chunk(seed: int, count: int, env_extra=None, only=()) -> str:
+    """Runs a chunk (or every mutation of the targets in `only`) in a child process; returns '' or why it
+    failed (with the call it was making)."""
     with tempfile.TemporaryDirectory() as tmp:
         progress = os.path.join(tmp, "last_call.txt")
         env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
         cmd = [sys.executable, os.path.abspath(__file__), str(seed), str(count), progress]
+        if only:
+            cmd.append(",".join(only))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
         except subprocess.TimeoutExpired as exc:
@@ -657,6 +769,13 @@ def test_random_invalid_calls(chunk):
     assert not failure, failure
 
 
+@pytest.mark.parametrize("target", EXHAUSTIVE)
+def test_every_mutation(target):
+    """Every mutation of the newest targets once (create_mask, gated flash_attention with thresholds)."""
+    failure = run_chunk(SEED, 0, only=(target,))
+    assert not failure, failure
+
+
 def test_a_crash_names_the_call():
     """The guard itself: a call that kills the process fails the chunk with that call's description."""
     failure = run_chunk(SEED, 5, {"SPARSEATTN_TEST_ABORT_AT": "3"})
@@ -664,5 +783,6 @@ def test_a_crash_names_the_call():
 
 
 if __name__ == "__main__":
-    sys.exit(1 if worker(int(sys.argv[1]), int(sys.argv[2]),
-                         sys.argv[3] if len(sys.argv) > 3 else os.devnull) else 0)
+    sys.exit(1 if worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else
+                         os.path.join(tempfile.gettempdir(), "sparseattn_last_call.txt"),
+                         tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ()) else 0)
