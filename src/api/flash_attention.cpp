@@ -113,7 +113,8 @@ std::vector<std::pair<std::int64_t, std::int64_t>> sequence_lengths(const FlashS
   return lengths;
 }
 
-std::int64_t tile_count(std::int64_t length, std::int64_t block) { return (length + block - 1) / block; }
+// ceil(length / block) for length >= 0 and block > 0, without the overflow of length + block - 1 for huge blocks.
+std::int64_t tile_count(std::int64_t length, std::int64_t block) { return length > 0 ? (length - 1) / block + 1 : 0; }
 
 // The batch and head dimensions of a block-sparse tensor: [B|1, Hb|1, ...] with Hb = Hq or Hkv.
 bool block_leading_ok(const TensorView& t, const FlashShapes& shapes) {

@@ -168,7 +168,8 @@ struct FlashProblem {
 
   std::int64_t group() const { return q.dim(2) / k.dim(2); }
   bool gated() const { return !alpha.values.empty() || !delta.values.empty(); }
-  static std::int64_t tiles(std::int64_t length, std::int64_t block) { return (length + block - 1) / block; }
+  // ceil(length / block), without the overflow of length + block - 1 for huge blocks.
+  static std::int64_t tiles(std::int64_t length, std::int64_t block) { return length > 0 ? (length - 1) / block + 1 : 0; }
   std::int64_t key_tiles(std::int64_t seq) const { return tiles(problem.k_spans[seq].length, block_k); }
 
   double gate(double x) const {

@@ -307,7 +307,17 @@ BAD = [
     (dict(window=(-1, torch.zeros(2))), sa.SparseAttnDTypeError, "window_right"),
     (dict(window=(torch.tensor([0, -2], dtype=I32), -1)), sa.SparseAttnError, "window_left"),
     (dict(block_mask=[[True]], block_size=(4, 4)), sa.SparseAttnTypeError, "block_mask"),
+    # A tile larger than any sequence is one tile (the tile count does not overflow).
+    (dict(block_mask=torch.ones(1, 1, 0, 0, dtype=torch.bool), block_size=(2**63 - 1, 2**63 - 1)), sa.SparseAttnError,
+     "block_mask"),
 ]
+
+
+def test_tiles_larger_than_the_sequence_are_one_tile():
+    q, k, v = _qkv()
+    one = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    o = sa.flash_attention(q, k, v, causal=True, block_mask=one, block_size=(2**63 - 1, 2**63 - 1))
+    torch.testing.assert_close(o, sa.flash_attention(q, k, v, causal=True), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kw,exc,arg", BAD)

@@ -218,11 +218,9 @@ def mutations(arg: Arg, base):
                 ("(2**63, 4)", (2**63, 4), "error"), ("(4, 2**64 + 4)", (4, 2**64 + 4), "error"),
                 ("list [4, 4]", [4, 4], "valid"), ("(1, 1)", (1, 1), "valid"),
                 ("numpy ints", (np.int64(4), np.int32(4)), "valid"), ("(2**31, 4)", (2**31, 4), "valid"),
-                ("(2**62, 2**62)", (2**62, 2**62), "valid")]
-        # GAP (not included): a tile within the keys (or queries) of 2**63 - 1, e.g. (4, 2**63 - 1) or
-        # (2**63 - 1, 4), is taken by the checks but overflows tiles() in src/reference/flash_attention.cpp
-        # ((length + block - 1) / block): a segfault, or a ValueError "cannot create std::vector larger than
-        # max_size()" for (2**63 - 39, 4) with 40 queries, instead of a result or a SparseAttnError.
+                ("(2**62, 2**62)", (2**62, 2**62), "valid"), ("(2**63 - 1, 4)", (2**63 - 1, 4), "valid"),
+                ("(4, 2**63 - 1)", (4, 2**63 - 1), "valid"), ("(2**63 - 39, 4)", (2**63 - 39, 4), "valid"),
+                ("(2**63 - 1, 2**63 - 1)", (2**63 - 1, 2**63 - 1), "valid")]
         return out
     if kind == "config":
         out += [("int 5", 5, "type"), ("str", "cfg", "type"), ("dict", {"window": 64}, "type")]
