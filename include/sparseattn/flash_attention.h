@@ -15,8 +15,11 @@ namespace sparseattn {
 // Query t of a sequence with T queries and S keys is aligned to key position a = t + S - T (bottom-right,
 // as FlashAttention): causal keeps keys <= a; the window keeps keys in [a - window_left, a + window_right]
 // (a negative bound means unbounded). A row with no kept key returns o = 0 and lse = -inf.
-// mask and bias are batched-layout only and broadcast as [B|1, Hq|Hkv|1, T|1, S]; with Hkv heads, query
-// head h uses mask/bias head h / (Hq / Hkv).
+// mask and bias (CPU only) broadcast as [B|1, Hq|Hkv|1, T|1, S] in the batched layout; packed, they take the row
+// form [Hm|1, Nq|1, Lk] (column j: key j of the row's own sequence; Lk >= every key count, on CUDA >=
+// seqs_k.max_seqlen, which is then required) or the key form [Hm|1, Nk] (entry m: packed key m for every query of
+// its sequence), told apart by rank; Hm is Hq, Hkv or 1. With Hkv heads, query head h uses mask/bias head
+// h / (Hq / Hkv). A packed dbias leaves the entries no sequence reads untouched.
 //
 // Gated attention and thresholds (CPU only for now; CUDA tensors raise ErrorKind::unsupported), see
 // docs/semantics.md section 8: with alpha [B, T, Hq] and delta [B, S, Hkv] the logits are scale * (q.k + g),
@@ -73,8 +76,8 @@ struct FlashAttentionParams {
   TensorView q;     // [B, T, Hq, Dqk] or packed [Nq, Hq, Dqk]
   TensorView k;     // [B, S, Hkv, Dqk] or packed [Nk, Hkv, Dqk]
   TensorView v;     // [B, S, Hkv, Dv]  or packed [Nk, Hkv, Dv]
-  TensorView mask;  // optional bool [B|1, Hq|Hkv|1, T|1, S]; true = keep
-  TensorView bias;  // optional, dtype of q, [B|1, Hq|Hkv|1, T|1, S]
+  TensorView mask;  // optional bool [B|1, Hq|Hkv|1, T|1, S], packed [Hm|1, Nq|1, Lk] or [Hm|1, Nk]; true = keep
+  TensorView bias;  // optional, dtype of q, shaped like mask
   TensorView o;     // out: [B, T, Hq, Dv] or packed [Nq, Hq, Dv]
   TensorView lse;   // out: [B, Hq, T] or packed [Hq, Nq]; float32 (float64 for float64 inputs)
   Sequences seqs_q;

@@ -32,22 +32,49 @@ struct FlashShapes {
   }
 };
 
-// mask and bias broadcast as [B|1, Hq|Hkv|1, T|1, S] and exist in the batched layout only.
+// mask and bias: batched, 4-D broadcast as [B|1, Hq|Hkv|1, T|1, S]; packed, the row form [Hm|1, Nq|1, Lk]
+// (Lk at least every sequence's key count: from cu_seqlens on the CPU, max_seqlen_k on CUDA) or the key form
+// [Hm|1, Nk], told apart by rank (docs/semantics.md section 8).
 void check_broadcast(const detail::Check& check, const TensorView& t, const std::string& arg, DType dtype,
-                     const TensorView& q, const FlashShapes& shapes) {
+                     const TensorView& q, const FlashShapes& shapes, std::int64_t longest_keys,
+                     std::int64_t max_seqlen_k) {
   if (!t.present()) return;
-  if (shapes.layout_q.packed) {
-    check.absent(t, arg, "with the packed layout (mask and bias are batched-layout only)");
-  }
   check.tensor(t, arg, dtype, q, "q");
   const std::int64_t batch = shapes.layout_q.batch, rows = shapes.layout_q.rows, keys = shapes.layout_k.rows;
+  const std::string heads = std::to_string(shapes.q_heads) + "|" + std::to_string(shapes.kv_heads) + "|1";
+  if (shapes.layout_q.packed) {
+    const bool heads_ok = t.rank >= 2 && t.rank <= 3 &&
+                          (t.shape[0] == shapes.q_heads || t.shape[0] == shapes.kv_heads || t.shape[0] == 1);
+    const std::string expected = "expected the row form [Hm|1, Nq|1, Lk] = [" + heads + ", " + std::to_string(rows) +
+                                 "|1, Lk] or the key form [Hm|1, Nk] = [" + heads + ", " + std::to_string(keys) +
+                                 "] with the packed layout, got " + t.shape_string();
+    check.require(heads_ok, ErrorKind::shape, arg, expected);
+    if (t.rank == 2) {
+      check.require(t.shape[1] == keys, ErrorKind::shape, arg, expected);
+      return;
+    }
+    check.require(t.shape[1] == rows || t.shape[1] == 1, ErrorKind::shape, arg, expected);
+    const std::int64_t width = t.shape[2];
+    if (q.device == DeviceType::cpu) {
+      check.require(width >= longest_keys, ErrorKind::shape, arg,
+                    "(row form) has Lk = " + std::to_string(width) + " columns, fewer than the " +
+                        std::to_string(longest_keys) + " keys of the longest sequence (cu_seqlens_k)");
+    } else {
+      check.require(max_seqlen_k > 0, ErrorKind::config, "max_seqlen_k",
+                    "must be given with a row-form " + arg + " on CUDA (cu_seqlens is not read on the host)");
+      check.require(max_seqlen_k <= width, ErrorKind::shape, arg,
+                    "(row form) has Lk = " + std::to_string(width) + " columns, fewer than max_seqlen_k = " +
+                        std::to_string(max_seqlen_k));
+    }
+    return;
+  }
   const bool ok = t.rank == 4 && (t.shape[0] == batch || t.shape[0] == 1) &&
                   (t.shape[1] == shapes.q_heads || t.shape[1] == shapes.kv_heads || t.shape[1] == 1) &&
                   (t.shape[2] == rows || t.shape[2] == 1) && t.shape[3] == keys;
   check.require(ok, ErrorKind::shape, arg,
                 "expected a shape broadcastable as [B|1, Hq|Hkv|1, T|1, S] = [" + std::to_string(batch) + "|1, " +
-                    std::to_string(shapes.q_heads) + "|" + std::to_string(shapes.kv_heads) + "|1, " +
-                    std::to_string(rows) + "|1, " + std::to_string(keys) + "], got " + t.shape_string());
+                    heads + ", " + std::to_string(rows) + "|1, " + std::to_string(keys) + "], got " +
+                    t.shape_string());
 }
 
 // A gate tensor: [B, rows, heads] (batched) or [rows, heads] (packed), dtype of q or float32.
@@ -313,8 +340,15 @@ FlashShapes check_common(const detail::Check& check, const Params& params) {
   check.shape(params.o, "o", shapes.layout_q.tokens(shapes.q_heads, shapes.dim_v));
   check.tensor(params.lse, "lse", detail::lse_dtype(dtype), q, "q");
   check.shape(params.lse, "lse", shapes.layout_q.lse(shapes.q_heads));
-  check_broadcast(check, params.mask, "mask", DType::boolean, q, shapes);
-  check_broadcast(check, params.bias, "bias", dtype, q, shapes);
+  if (params.mask.present() || params.bias.present()) {
+    std::int64_t longest_keys = 0;
+    for (const auto& lengths : sequence_lengths(shapes, params.seqs_q, params.seqs_k)) {
+      longest_keys = std::max(longest_keys, lengths.second);
+    }
+    const std::int64_t max_seqlen_k = params.seqs_k.max_seqlen;
+    check_broadcast(check, params.mask, "mask", DType::boolean, q, shapes, longest_keys, max_seqlen_k);
+    check_broadcast(check, params.bias, "bias", dtype, q, shapes, longest_keys, max_seqlen_k);
+  }
   check_gates(check, params.gates, q, shapes);
   check_blocks(check, params.blocks, q, shapes, params.seqs_q, params.seqs_k);
   check_head_windows(check, params.head_windows, q, shapes, params.window_left, params.window_right);

@@ -11,22 +11,35 @@ namespace sparseattn::reference {
 
 namespace {
 
-// The mask and the bias of one call, broadcast as [B|1, Hq|Hkv|1, T|1, S] (batched layout only).
+// The mask or the bias of one call: batched, 4-D [B|1, Hq|Hkv|1, T|1, S]; packed, the row form
+// [Hm|1, Nq|1, Lk] (rank 3) or the key form [Hm|1, Nk] (rank 2), docs/semantics.md section 8.
 struct Broadcast4d {
+  int rank = 4;
   std::array<std::int64_t, 4> shape{};
 
-  static Broadcast4d of(const TensorView& t) { return {{t.shape[0], t.shape[1], t.shape[2], t.shape[3]}}; }
+  static Broadcast4d of(const TensorView& t) {
+    Broadcast4d b;
+    b.rank = t.rank;
+    for (int d = 0; d < t.rank; ++d) b.shape[d] = t.shape[d];
+    return b;
+  }
+  std::int64_t heads() const { return rank == 4 ? shape[1] : shape[0]; }
   // The head of this tensor that query head h of `q_heads` (group size `group`) reads.
   std::int64_t head(std::int64_t h, std::int64_t q_heads, std::int64_t group) const {
-    if (shape[1] == q_heads) return h;
-    return shape[1] == 1 ? 0 : h / group;
+    if (heads() == q_heads) return h;
+    return heads() == 1 ? 0 : h / group;
   }
-  // Row-major offset of the first key of (batch b, query head h, query row t).
-  std::int64_t row_offset(std::int64_t b, std::int64_t h, std::int64_t t, std::int64_t q_heads,
-                          std::int64_t group) const {
+  // Row-major offset of the entry of key 0 of (batch/sequence b, query head h, query row t of the sequence),
+  // so that key s of the sequence is at offset + s. q_row and k_row are the sequence's first packed query and
+  // key rows (packed forms only).
+  std::int64_t row_offset(std::int64_t b, std::int64_t h, std::int64_t t, std::int64_t q_heads, std::int64_t group,
+                          std::int64_t q_row = 0, std::int64_t k_row = 0) const {
+    const std::int64_t hh = head(h, q_heads, group);
+    if (rank == 2) return hh * shape[1] + k_row;
+    if (rank == 3) return (hh * shape[1] + (shape[1] == 1 ? 0 : q_row + t)) * shape[2];
     const std::int64_t bb = shape[0] == 1 ? 0 : b;
     const std::int64_t tt = shape[2] == 1 ? 0 : t;
-    return ((bb * shape[1] + head(h, q_heads, group)) * shape[2] + tt) * shape[3];
+    return ((bb * shape[1] + hh) * shape[2] + tt) * shape[3];
   }
 };
 
@@ -312,19 +325,24 @@ struct FlashProblem {
     });
   }
 
-  // Mask and bias exist in the batched layout only, where the sequence index is the batch index.
+  // Offset of key 0 of (sequence b, query head, query row t) in the mask or bias of shape `shape`: batched,
+  // the sequence index is the batch index; packed, the row and key forms index packed rows.
+  std::int64_t offset(const Broadcast4d& shape, std::int64_t b, std::int64_t t, std::int64_t head) const {
+    return shape.row_offset(b, head, t, q.dim(2), group(), problem.q_spans[b].begin, problem.k_spans[b].begin);
+  }
+
   // Keys of full tiles (tile_row, when given) do not read the mask.
   void add_mask_and_bias(std::int64_t b, std::int64_t t, std::int64_t head, const std::vector<std::int64_t>& keys,
                          const std::uint8_t* tile_row, double* scores) const {
     if (!mask.empty()) {
-      const std::uint8_t* keep = mask.data() + mask_shape.row_offset(b, head, t, q.dim(2), group());
+      const std::uint8_t* keep = mask.data() + offset(mask_shape, b, t, head);
       for (std::size_t i = 0; i < keys.size(); ++i) {
         if (tile_row && tiles_mask.at(tile_row, keys[i]) == TileTable::full) continue;
         if (!keep[keys[i]]) scores[i] = -std::numeric_limits<double>::infinity();
       }
     }
     if (!bias.values.empty()) {
-      const double* row = bias.values.data() + bias_shape.row_offset(b, head, t, q.dim(2), group());
+      const double* row = bias.values.data() + offset(bias_shape, b, t, head);
       for (std::size_t i = 0; i < keys.size(); ++i) scores[i] += row[keys[i]];
     }
   }
@@ -349,7 +367,7 @@ void store_gate(Dense values, const TensorView& out, bool packed, const std::vec
 // gradients of every query row that reads it, so dbias rows can run in parallel and the result is
 // deterministic.
 void bias_gradient(const FlashProblem& flash, const Dense& o, const Dense& lse, const Dense& d_o,
-                   const TensorView& dbias_out) {
+                   const TensorView& dbias_out) {  // batched layout
   const std::array<std::int64_t, 4>& shape = flash.bias_shape.shape;
   Dense dbias = Dense::zeros({shape[0], shape[1], shape[2], shape[3]});
   const std::int64_t batch = flash.layout_q.batch, q_heads = flash.q.dim(2), rows = flash.layout_q.rows;
@@ -371,6 +389,71 @@ void bias_gradient(const FlashProblem& flash, const Dense& o, const Dense& lse, 
       }
     }
   });
+  store(dbias, dbias_out);
+}
+
+// dbias of a packed-form bias (row form [Hm|1, Nq|1, Lk] or key form [Hm|1, Nk]): each entry sums the score
+// gradients of the (head, packed query row) pairs that read it, heads ascending, then packed rows ascending.
+// Entries no sequence reads (columns past a sequence's keys, rows past the last sequence) are left untouched.
+void packed_bias_gradient(const FlashProblem& flash, const Dense& o, const Dense& lse, const Dense& d_o,
+                          const TensorView& dbias_out) {
+  const Broadcast4d& shape = flash.bias_shape;
+  Dense dbias = load(dbias_out);
+  const std::vector<Span>& q_spans = flash.problem.q_spans;
+  const std::vector<Span>& k_spans = flash.problem.k_spans;
+  const std::int64_t q_heads = flash.q.dim(2), group = flash.group(), heads = shape.heads();
+  const std::int64_t sequences = static_cast<std::int64_t>(q_spans.size());
+  // Adds the score gradients of query rows [t_begin, t_end) of sequence seq, for every query head reading bias
+  // head hb, to out (key 0 of the sequence at out[0]); heads ascending, rows ascending.
+  const auto accumulate = [&](std::int64_t hb, std::int64_t seq, std::int64_t t_begin, std::int64_t t_end,
+                              double* out, std::vector<std::int64_t>& keys, std::vector<double>& ds) {
+    for (std::int64_t h = 0; h < q_heads; ++h) {
+      if (shape.head(h, q_heads, group) != hb) continue;
+      for (std::int64_t t = t_begin; t < t_end; ++t) {
+        score_gradients(flash.problem, o, lse, d_o, seq, t, h, keys, ds);
+        for (std::size_t i = 0; i < keys.size(); ++i) out[keys[i]] += ds[i];
+      }
+    }
+  };
+  if (shape.rank == 2) {  // key form: (bias head, sequence) items own the sequence's keys
+    parallel_for(heads * sequences, [&](std::int64_t item) {
+      const std::int64_t hb = item / sequences, seq = item % sequences;
+      double* out = dbias.values.data() + hb * shape.shape[1] + k_spans[seq].begin;
+      std::fill(out, out + k_spans[seq].length, 0.0);
+      std::vector<std::int64_t> keys;
+      std::vector<double> ds;
+      accumulate(hb, seq, 0, q_spans[seq].length, out, keys, ds);
+    });
+  } else if (shape.shape[1] == 1) {  // row form shared by every query row: one item per bias head
+    std::int64_t longest = 0;
+    for (const Span& ks : k_spans) longest = std::max(longest, ks.length);
+    parallel_for(heads, [&](std::int64_t hb) {
+      double* out = dbias.values.data() + hb * shape.shape[2];
+      std::fill(out, out + longest, 0.0);
+      std::vector<std::int64_t> keys;
+      std::vector<double> ds;
+      for (std::int64_t h = 0; h < q_heads; ++h) {
+        if (shape.head(h, q_heads, group) != hb) continue;
+        for (std::int64_t seq = 0; seq < sequences; ++seq) {
+          for (std::int64_t t = 0; t < q_spans[seq].length; ++t) {
+            score_gradients(flash.problem, o, lse, d_o, seq, t, h, keys, ds);
+            for (std::size_t i = 0; i < keys.size(); ++i) out[keys[i]] += ds[i];
+          }
+        }
+      }
+    });
+  } else {  // row form [Hm|1, Nq, Lk]: (bias head, sequence) items own the sequence's rows
+    parallel_for(heads * sequences, [&](std::int64_t item) {
+      const std::int64_t hb = item / sequences, seq = item % sequences;
+      std::vector<std::int64_t> keys;
+      std::vector<double> ds;
+      for (std::int64_t t = 0; t < q_spans[seq].length; ++t) {
+        double* out = dbias.values.data() + (hb * shape.shape[1] + q_spans[seq].begin + t) * shape.shape[2];
+        std::fill(out, out + k_spans[seq].length, 0.0);
+        accumulate(hb, seq, t, t + 1, out, keys, ds);
+      }
+    });
+  }
   store(dbias, dbias_out);
 }
 
@@ -420,7 +503,13 @@ void flash_attention_backward(const FlashAttentionBackwardParams& params) {
   const bool packed = flash.layout_q.packed;
   const BackwardInputs inputs = load_backward_inputs(params.o, params.lse, params.d_o, packed);
   attention_backward_into(flash.problem, inputs, packed, params.dq, params.dk, params.dv);
-  if (params.dbias.present()) bias_gradient(flash, inputs.o, inputs.lse, inputs.d_o, params.dbias);
+  if (params.dbias.present()) {
+    if (packed) {
+      packed_bias_gradient(flash, inputs.o, inputs.lse, inputs.d_o, params.dbias);
+    } else {
+      bias_gradient(flash, inputs.o, inputs.lse, inputs.d_o, params.dbias);
+    }
+  }
   if (params.dalpha.present() || params.ddelta.present()) {
     gate_gradients(flash, inputs.o, inputs.lse, inputs.d_o, params.dalpha, params.ddelta);
   }

@@ -390,13 +390,13 @@ TEST(FlashAttention, ValidationNamesTheArgumentAndWritesNothing) {
   for (double x : f.o.data) EXPECT_EQ(x, poison);
   for (double x : f.lse.data) EXPECT_EQ(x, poison);
 
-  // Packed layout: cu_seqlens contents, batch counts, and no mask or bias.
+  // Packed layout: cu_seqlens contents, batch counts, and no batched (4-D) mask.
   HostF64 q({6, 3, 2}), k({6, 1, 2}), v({6, 1, 2}), o({6, 3, 2}, poison), lse({3, 6}, poison);
   const std::vector<Case> packed_cases = {
       {"cu_seqlens_q decreasing", [&](auto& p) { p.seqs_q.cu_seqlens = cu_bad.view(); }, ErrorKind::value, "cu_seqlens_q"},
       {"cu_seqlens_k past the rows", [&](auto& p) { p.seqs_k.cu_seqlens = cu_over.view(); }, ErrorKind::value, "cu_seqlens_k"},
       {"batch counts differ", [&](auto& p) { p.seqs_k.cu_seqlens = cu_long.view(); }, ErrorKind::shape, "cu_seqlens_k"},
-      {"mask when packed", [&](auto& p) { p.mask = mask.view(); }, ErrorKind::config, "mask"},
+      {"batched mask when packed", [&](auto& p) { p.mask = mask.view(); }, ErrorKind::shape, "mask"},
       {"batched q when packed", [&](auto& p) { p.q = f.q.view(); }, ErrorKind::shape, "q"},
   };
   for (const Case& c : packed_cases) {
