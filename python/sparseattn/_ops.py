@@ -455,7 +455,8 @@ def flash_attention_backward(
     packed = cu_seqlens_q is not None
     dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
     with_dbias = compute_dbias and bias is not None
-    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if with_dbias else _empty_grad(q)
+    # zeros: a packed-form dbias leaves the entries no sequence reads untouched (they stay 0)
+    dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device) if with_dbias else _empty_grad(q)
     with_dgates = compute_dgates and alpha is not None and delta is not None
     if with_dgates:
         dalpha = torch.zeros(alpha.shape, dtype=alpha.dtype, device=alpha.device)

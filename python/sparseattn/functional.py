@@ -385,8 +385,12 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         window: (left, right): keep keys in [a - left, a + right]; a negative side (-1) is unbounded. Each
             side is an int, or an int32 [Hq] tensor of per-head bounds (-1 unbounded; CPU only for now).
             None is (-1, -1).
-        mask: bool, broadcast as [B|1, Hq|Hkv|1, T|1, S] (batched layout only); True keeps.
-        bias: dtype of q, broadcast like mask (batched layout only).
+        mask: bool, broadcast as [B|1, Hq|Hkv|1, T|1, S]; True keeps. Packed (CPU only for now): the row
+            form [Hm|1, Nq|1, Lk] (column j is key j of the row's own sequence; Lk at least every key count)
+            or the key form [Hm|1, Nk] (entry m applies to packed key m for every query of its sequence),
+            told apart by rank; Hm is Hq, Hkv or 1.
+        bias: dtype of q, shaped like mask (either packed form, chosen independently of mask's); dbias has
+            its shape, 0 on entries no sequence reads.
         scale: softmax scale; None: 1/sqrt(Dqk).
         cu_seqlens_q, cu_seqlens_k: int32 [B+1] for the packed layout; one given alone is used for both.
         max_seqlen_q, max_seqlen_k: upper bounds of the packed lengths (None or 0: not known).
@@ -416,7 +420,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         SparseAttnTypeError: an argument of the wrong type (e.g. ``window=5``, ``causal="yes"``,
             ``gate_threshold="1"``).
         SparseAttnDTypeError: non-float or mismatched dtypes, a non-bool mask, cu_seqlens not int32.
-        SparseAttnError: wrong ranks or sizes, mixed devices, mask/bias with the packed layout, bad
+        SparseAttnError: wrong ranks or sizes, mixed devices, a packed mask/bias narrower than a sequence, bad
             scale or max_seqlen, bad cu_seqlens (contents checked on the CPU), alpha without delta, an
             unknown gate, softmax_threshold outside (0, 1], a non-positive threshold_block; a block-sparse mask
             in two forms, without block_size, of the wrong shape or with bad list contents (out-of-range,
