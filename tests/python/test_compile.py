@@ -94,8 +94,11 @@ def test_compile_flash_gated():
 
 
 # flash_attention_gated / _product: the same op called with alpha and delta (recorded under their own names).
+# flash_attention_packed: packed q/k/v with a row-form mask and a key-form bias; flash_attention_tiles: a block-sparse
+# tile mask and per-head windows.
 OPS = ["compress_kv", "compressed_attention", "select_blocks", "selected_attention", "flash_attention",
-       "flash_attention_gated", "flash_attention_product", "combine", "nsa_attention", "create_mask"]
+       "flash_attention_gated", "flash_attention_product", "flash_attention_packed", "flash_attention_tiles",
+       "combine", "nsa_attention", "create_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +139,15 @@ def recorded_calls():
                            softmax_threshold=0.05, threshold_block=(8, 4))
     with Recorder("_product"):
         sa.flash_attention(q, k, v, bias=bias, alpha=alpha, delta=delta, gate="product")
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    qp, kp, vp = (t.detach()[0].requires_grad_(True) for t in (q, k, v))
+    key_bias = randn(2, 40, requires_grad=True)
+    with Recorder("_packed"):
+        sa.flash_attention(qp, kp, vp, causal=True, mask=torch.rand(1, 40, 25) > 0.2, bias=key_bias, cu_seqlens_q=cu,
+                           cu_seqlens_k=cu, max_seqlen_q=25, max_seqlen_k=25)
+    with Recorder("_tiles"):
+        sa.flash_attention(q, k, v, block_mask=torch.rand(1, 4, 5, 5) > 0.3, block_size=(8, 8),
+                           window=(torch.tensor([3, -1, 7, -1], dtype=torch.int32), -1))
     return calls
 
 
