@@ -412,7 +412,7 @@ def flash_attention(q, k, v, causal=False, window=(-1, -1), mask=None, bias=None
             outs.append(masked_attention(q[b], k[b], v[b], keep, scale, bb))
         o, lse = torch.stack([o for o, _ in outs]), torch.stack([l for _, l in outs])
     else:
-        assert mask is None and bias is None, "mask/bias are batched-layout only"
+        assert mask is None and bias is None, "this naive helper takes mask/bias in the batched layout only"
         kb = seq_bounds(cu_seqlens_k)
 
         def fn(b, sl):
