@@ -4,68 +4,19 @@
 #include <optional>
 
 #include "attention_testing.h"
+#include "flash_case.h"
 #include "sparseattn/flash_attention.h"
 
 namespace sparseattn::test {
 namespace {
 
-struct Sizes {
-  std::int64_t batch = 1, q_len = 1, k_len = 1, q_heads = 1, kv_heads = 1, dim = 1, dim_v = 1;
-};
-
-// Owning float64 tensors of one batched flash-attention call, with the forward and backward params.
-struct Flash {
-  Sizes n;
-  HostF64 q, k, v, o, lse, d_o, dq, dk, dv, bias, dbias;
-  Host<std::uint8_t> mask;
-  bool causal = false;
-  std::int64_t left = -1, right = -1;
-  std::optional<double> scale;
-
-  explicit Flash(const Sizes& sizes)
-      : n(sizes),
-        q({n.batch, n.q_len, n.q_heads, n.dim}),
-        k({n.batch, n.k_len, n.kv_heads, n.dim}),
-        v({n.batch, n.k_len, n.kv_heads, n.dim_v}),
-        o({n.batch, n.q_len, n.q_heads, n.dim_v}),
-        lse({n.batch, n.q_heads, n.q_len}),
-        d_o({n.batch, n.q_len, n.q_heads, n.dim_v}),
-        dq({n.batch, n.q_len, n.q_heads, n.dim}),
-        dk({n.batch, n.k_len, n.kv_heads, n.dim}),
-        dv({n.batch, n.k_len, n.kv_heads, n.dim_v}) {}
+// flash_case.h's call with the naive attention and the window rule of these tests.
+struct Flash : FlashCase {
+  using FlashCase::FlashCase;
 
   void randomize(std::mt19937_64& rng) {
     for (HostF64* t : {&q, &k, &v, &d_o}) fill_random(*t, rng);
   }
-  FlashAttentionParams forward_params() {
-    FlashAttentionParams p;
-    p.q = q.view();
-    p.k = k.view();
-    p.v = v.view();
-    if (!mask.data.empty()) p.mask = mask.view();
-    if (!bias.data.empty()) p.bias = bias.view();
-    p.o = o.view();
-    p.lse = lse.view();
-    p.causal = causal;
-    p.window_left = left;
-    p.window_right = right;
-    p.scale = scale;
-    return p;
-  }
-  FlashAttentionBackwardParams backward_params() {
-    FlashAttentionBackwardParams p;
-    const FlashAttentionParams f = forward_params();
-    p.q = f.q, p.k = f.k, p.v = f.v, p.mask = f.mask, p.bias = f.bias, p.o = f.o, p.lse = f.lse;
-    p.d_o = d_o.view();
-    p.dq = dq.view();
-    p.dk = dk.view();
-    p.dv = dv.view();
-    if (!dbias.data.empty()) p.dbias = dbias.view();
-    p.causal = causal, p.window_left = left, p.window_right = right, p.scale = scale;
-    return p;
-  }
-  void forward() { flash_attention(forward_params()); }
-  void backward() { flash_attention_backward(backward_params()); }
   NaiveAttention naive(const std::function<bool(std::int64_t, std::int64_t, std::int64_t, std::int64_t)>& keep,
                        const std::function<double(std::int64_t, std::int64_t, std::int64_t, std::int64_t)>& add = nullptr) {
     return naive_attention(q, k, v, scale ? *scale : 1.0 / std::sqrt(double(n.dim)), keep, add);
@@ -117,7 +68,7 @@ TEST(FlashAttention, CausalAndWindowMatchNaive) {
 
 TEST(FlashAttention, MaskAndBiasBroadcastMatchNaive) {
   std::mt19937_64 rng(2);
-  const Sizes sizes{.batch = 2, .q_len = 4, .k_len = 5, .q_heads = 6, .kv_heads = 2, .dim = 3, .dim_v = 2};
+  const FlashSizes sizes{.batch = 2, .q_len = 4, .k_len = 5, .q_heads = 6, .kv_heads = 2, .dim = 3, .dim_v = 2};
   struct Shapes { std::int64_t mask_b, mask_h, mask_t, bias_b, bias_h, bias_t; };
   for (const Shapes& shapes : {Shapes{2, 6, 4, 1, 2, 1}, Shapes{1, 1, 1, 2, 1, 4}, Shapes{1, 2, 4, 2, 6, 1}}) {
     Flash f(sizes);

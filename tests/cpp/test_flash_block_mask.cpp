@@ -3,11 +3,13 @@
 // with the expanded element mask, gradients, validation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <random>
 #include <vector>
 
 #include "attention_testing.h"
+#include "flash_case.h"
 #include "sparseattn/flash_attention.h"
 
 namespace sparseattn::test {
@@ -15,50 +17,25 @@ namespace {
 
 using Keep = std::function<bool(std::int64_t, std::int64_t, std::int64_t, std::int64_t)>;
 
-// Owning float64 tensors of one batched flash-attention call with its gradients.
-struct Call {
-  std::int64_t batch, q_len, k_len, q_heads, kv_heads, dim, dim_v;
-  HostF64 q, k, v, o, lse, d_o, dq, dk, dv, bias, dbias;
-  Host<std::uint8_t> mask;
-  bool causal = false;
-  bool with_bias = false;
-  FlashBlockMask blocks;
-  FlashHeadWindows windows;
+// flash_case.h's call with random inputs and a random bias [B, Hq, T, S] that use_bias() passes.
+struct Call : FlashCase {
+  HostF64 bias_values;
 
   Call(std::int64_t b, std::int64_t t, std::int64_t s, std::int64_t hq, std::int64_t hkv, std::int64_t d,
        std::int64_t dv_, std::uint64_t seed)
-      : batch(b), q_len(t), k_len(s), q_heads(hq), kv_heads(hkv), dim(d), dim_v(dv_),
-        q({b, t, hq, d}), k({b, s, hkv, d}), v({b, s, hkv, dv_}), o({b, t, hq, dv_}), lse({b, hq, t}),
-        d_o({b, t, hq, dv_}), dq({b, t, hq, d}), dk({b, s, hkv, d}), dv({b, s, hkv, dv_}), bias({b, hq, t, s}),
-        dbias({b, hq, t, s}) {
+      : FlashCase({b, t, s, hq, hkv, d, dv_}), bias_values({b, hq, t, s}) {
     std::mt19937_64 rng(seed);
-    for (HostF64* x : {&q, &k, &v, &d_o, &bias}) fill_random(*x, rng);
+    for (HostF64* x : {&q, &k, &v, &d_o, &bias_values}) fill_random(*x, rng);
   }
-  FlashAttentionParams forward_params() {
-    FlashAttentionParams p;
-    p.q = q.view(), p.k = k.view(), p.v = v.view(), p.o = o.view(), p.lse = lse.view();
-    if (!mask.data.empty()) p.mask = mask.view();
-    if (with_bias) p.bias = bias.view();
-    p.causal = causal;
-    p.blocks = blocks;
-    p.head_windows = windows;
-    return p;
+  void use_bias() {
+    bias = dbias = bias_values;
+    std::fill(dbias.data.begin(), dbias.data.end(), 0.0);
   }
-  void forward() { flash_attention(forward_params()); }
-  void backward() {
-    const FlashAttentionParams f = forward_params();
-    FlashAttentionBackwardParams p;
-    p.q = f.q, p.k = f.k, p.v = f.v, p.mask = f.mask, p.bias = f.bias, p.o = f.o, p.lse = f.lse;
-    p.d_o = d_o.view(), p.dq = dq.view(), p.dk = dk.view(), p.dv = dv.view();
-    if (with_bias) p.dbias = dbias.view();
-    p.causal = causal, p.blocks = blocks, p.head_windows = windows;
-    flash_attention_backward(p);
-  }
-  bool causal_keep(std::int64_t t, std::int64_t s) const { return !causal || s <= t + k_len - q_len; }
+  bool causal_keep(std::int64_t t, std::int64_t s) const { return !causal || s <= t + n.k_len - n.q_len; }
   NaiveAttention naive(const Keep& keep) const {
     const Keep all = [&](auto b, auto h, auto t, auto s) { return causal_keep(t, s) && keep(b, h, t, s); };
-    return naive_attention(q, k, v, 1.0 / std::sqrt(double(dim)), all, [&](auto b, auto h, auto t, auto s) {
-      return with_bias ? bias.data[((b * q_heads + h) * q_len + t) * k_len + s] : 0.0;
+    return naive_attention(q, k, v, 1.0 / std::sqrt(double(n.dim)), all, [&](auto b, auto h, auto t, auto s) {
+      return bias.data.empty() ? 0.0 : bias.data[((b * n.q_heads + h) * n.q_len + t) * n.k_len + s];
     });
   }
 };
@@ -87,7 +64,7 @@ TEST(FlashBlockMask, ListsAndDenseTileMaskEqualTheExpandedElementMask) {
     for (int t = 0; t < 10; ++t) {
       for (int s = 0; s < 10; ++s) element.mask.data[t * 10 + s] = static_cast<std::uint8_t>(kTiles[t / 4][s / 4]);
     }
-    for (Call* c : {&lists_call, &dense_call, &element}) c->causal = causal, c->with_bias = true;
+    for (Call* c : {&lists_call, &dense_call, &element}) c->causal = causal, c->use_bias();
     lists_call.blocks.kv_num_blocks = lists.counts.view();
     lists_call.blocks.kv_indices = lists.indices.view();
     dense_call.blocks.block_mask = tile_mask.view();
@@ -112,7 +89,7 @@ TEST(FlashBlockMask, ListsAndDenseTileMaskEqualTheExpandedElementMask) {
 TEST(FlashBlockMask, AbsentTilesGiveZeroRowsAndNoGradient) {
   // Query tile 1 (rows 2, 3) has no tile at all; query tile 0 only key tile 1.
   Call c(1, 4, 6, 2, 2, 4, 3, 2);
-  c.with_bias = true;
+  c.use_bias();
   Host<std::int32_t> counts({1, 1, 2}), indices({1, 1, 2, 3}, 0);
   counts.data = {1, 0};
   indices.data[0] = 1;

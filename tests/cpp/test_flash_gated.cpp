@@ -6,71 +6,26 @@
 #include <optional>
 
 #include "attention_testing.h"
+#include "flash_case.h"
 #include "sparseattn/flash_attention.h"
 #include "sparseattn/version.h"
 
 namespace sparseattn::test {
 namespace {
 
-struct Sizes {
-  std::int64_t batch = 1, q_len = 1, k_len = 1, q_heads = 1, kv_heads = 1, dim = 1, dim_v = 1;
-};
-
 double logsigmoid(double x) { return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x)); }
 
-// Owning float64 tensors of one batched gated flash-attention call.
-struct Gated {
-  Sizes n;
-  HostF64 q, k, v, o, lse, d_o, dq, dk, dv, alpha, delta, dalpha, ddelta;
-  bool causal = false;
-  std::optional<double> scale;
-  FlashGateOptions gates;
-
-  explicit Gated(const Sizes& sizes)
-      : n(sizes),
-        q({n.batch, n.q_len, n.q_heads, n.dim}),
-        k({n.batch, n.k_len, n.kv_heads, n.dim}),
-        v({n.batch, n.k_len, n.kv_heads, n.dim_v}),
-        o({n.batch, n.q_len, n.q_heads, n.dim_v}),
-        lse({n.batch, n.q_heads, n.q_len}),
-        d_o({n.batch, n.q_len, n.q_heads, n.dim_v}, 1.0),
-        dq({n.batch, n.q_len, n.q_heads, n.dim}),
-        dk({n.batch, n.k_len, n.kv_heads, n.dim}),
-        dv({n.batch, n.k_len, n.kv_heads, n.dim_v}),
-        alpha({n.batch, n.q_len, n.q_heads}),
-        delta({n.batch, n.k_len, n.kv_heads}),
-        dalpha({n.batch, n.q_len, n.q_heads}),
-        ddelta({n.batch, n.k_len, n.kv_heads}) {}
+// flash_case.h's call with alpha and delta, d_o of ones, and the naive gated attention.
+struct Gated : FlashCase {
+  explicit Gated(const FlashSizes& sizes) : FlashCase(sizes) {
+    add_gates();
+    d_o = HostF64({n.batch, n.q_len, n.q_heads, n.dim_v}, 1.0);
+  }
 
   void randomize(std::mt19937_64& rng) {
     for (HostF64* t : {&q, &k, &v, &d_o, &delta}) fill_random(*t, rng);
     fill_random(alpha, rng, 2.0);
   }
-  FlashGateOptions gate_views() {
-    FlashGateOptions g = gates;
-    g.alpha = alpha.view();
-    g.delta = delta.view();
-    return g;
-  }
-  FlashAttentionParams forward_params() {
-    FlashAttentionParams p;
-    p.q = q.view(), p.k = k.view(), p.v = v.view(), p.o = o.view(), p.lse = lse.view();
-    p.causal = causal;
-    p.scale = scale;
-    p.gates = gate_views();
-    return p;
-  }
-  FlashAttentionBackwardParams backward_params() {
-    FlashAttentionBackwardParams p;
-    const FlashAttentionParams f = forward_params();
-    p.q = f.q, p.k = f.k, p.v = f.v, p.o = f.o, p.lse = f.lse;
-    p.d_o = d_o.view(), p.dq = dq.view(), p.dk = dk.view(), p.dv = dv.view();
-    p.dalpha = dalpha.view(), p.ddelta = ddelta.view();
-    p.causal = causal, p.scale = scale, p.gates = f.gates;
-    return p;
-  }
-  void forward() { flash_attention(forward_params()); }
-  void backward() { flash_attention_backward(backward_params()); }
   double g(double x) const { return gates.gate == GateMode::product ? x : logsigmoid(x); }
   // Naive gated attention; keep(b, h, t, s) adds key rules (causal, skipped tiles) on top.
   NaiveAttention naive(const std::function<bool(std::int64_t, std::int64_t, std::int64_t, std::int64_t)>& keep) {
