@@ -146,8 +146,9 @@ BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, 
            .workspace_bytes = workspace_bytes, .stream = f.stream};
   b.swa = {.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = ws.o[2], .lse = ws.lse[2],
            .d_o = d_o, .dq = dq_of(2), .dk = scratch.dk[2], .dv = scratch.dv[2], .dbias = {},
-           .seqs_q = f.seqs, .seqs_k = f.seqs, .causal = true, .window_left = c.window - 1, .window_right = 0,
-           .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = f.stream};
+           .dalpha = {}, .ddelta = {}, .seqs_q = f.seqs, .seqs_k = f.seqs, .causal = true,
+           .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .gates = {}, .blocks = {},
+           .head_windows = {}, .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = f.stream};
   return b;
 }
 
@@ -217,7 +218,8 @@ void nsa_attention(const NsaParams& params) {
   if (plan.branch[2]) {
     flash_attention({.q = params.q, .k = params.k, .v = params.v, .mask = {}, .bias = {}, .o = ws.o[2],
                      .lse = ws.lse[2], .seqs_q = params.seqs, .seqs_k = params.seqs, .causal = true,
-                     .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .stream = params.stream});
+                     .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .gates = {}, .blocks = {},
+                     .head_windows = {}, .stream = params.stream});
   }
   if (!plan.layout.packed) {
     combine({.outputs = ws.o, .gates = params.gates, .o = params.o, .stream = params.stream});
