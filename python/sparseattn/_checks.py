@@ -193,8 +193,8 @@ def block_pair_arg(op: str, arg: str, value) -> tuple[int, int]:
 
 def tensor_arg(op: str, arg: str, t, *, optional: bool = False, kind: str = "float") -> None:
     """A strided torch.Tensor (or None where optional) whose dtype is of `kind`: "float" (float16, bfloat16,
-    float32 or float64), "int32" (index tensors and cu_seqlens) or "bool" (masks). Which float dtype, and
-    whether it matches the other tensors', is the C++ API's check."""
+    float32 or float64), "int32" (index tensors and cu_seqlens), "bool" (masks) or "tile_states" (tile maps:
+    bool or uint8). Which float dtype, and whether it matches the other tensors', is the C++ API's check."""
     if t is None:
         if optional:
             return
@@ -212,6 +212,9 @@ def tensor_arg(op: str, arg: str, t, *, optional: bool = False, kind: str = "flo
         hint = f" (use {arg}.int())" if not t.is_floating_point() and not t.is_complex() else ""
         raise make_error(SparseAttnDTypeError, "dtype", op, arg,
                          f"expected dtype int32, got {dtype_name(t.dtype)}{hint}")
+    if kind == "tile_states" and t.dtype not in (torch.bool, torch.uint8):
+        raise make_error(SparseAttnDTypeError, "dtype", op, arg,
+                         f"expected dtype bool or uint8, got {dtype_name(t.dtype)}")
     if kind == "bool" and t.dtype != torch.bool:
         raise make_error(SparseAttnDTypeError, "dtype", op, arg, f"expected dtype bool, got {dtype_name(t.dtype)}")
 

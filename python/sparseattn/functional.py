@@ -18,6 +18,7 @@ from torch import Tensor
 
 from . import _checks as chk
 from . import _ops
+from . import _tiles
 from ._errors import SparseAttnError, make_error
 
 __all__ = [
@@ -458,7 +459,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     for name, t in (("kv_num_blocks", kv_num_blocks), ("kv_indices", kv_indices),
                     ("full_kv_num_blocks", full_kv_num_blocks), ("full_kv_indices", full_kv_indices)):
         chk.tensor_arg(op, name, t, optional=True, kind="int32")
-    chk.tensor_arg(op, "block_mask", block_mask, optional=True, kind="bool")
+    chk.tensor_arg(op, "block_mask", block_mask, optional=True, kind="tile_states")
     block_tensors = (block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     if block_size is None and any(t is not None for t in block_tensors):
         raise chk.config_error(op, "block_size", "is required with a block-sparse mask (block_mask or the lists)")
@@ -491,12 +492,52 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     mask = None if mask is None else mask.detach()
     block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = (
         None if t is None else t.detach() for t in block_tensors)
+    if q.is_cuda:
+        block_mask, block_q, block_k = _cuda_tile_states(q, k, mask, block_mask, kv_num_blocks, kv_indices,
+                                                         full_kv_num_blocks, full_kv_indices, block_q, block_k,
+                                                         packed, max_seqlen_q, max_seqlen_k)
+        kv_num_blocks = kv_indices = full_kv_num_blocks = full_kv_indices = None
     o, lse = _ops.flash_attention(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   causal, window_left, window_right, scale, alpha, delta, gate, gate_threshold,
                                   softmax_threshold, threshold_block_q, threshold_block_k, block_mask,
                                   kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q, block_k,
                                   window_left_heads, window_right_heads)
     return (o, lse) if return_lse else o
+
+
+def _cuda_tile_states(q: Tensor, k: Tensor, mask: Optional[Tensor], block_mask: Optional[Tensor],
+                      kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
+                      full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor], block_q: int,
+                      block_k: int, packed: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int]):
+    """The one tile-state map (uint8, _tiles.py) and tile sizes that the CUDA kernels read, from the block-sparse
+    mask in any of its forms and the summary of a batched element mask; (None, 0, 0) when neither is given."""
+    if packed:
+        rows = max_seqlen_q or q.shape[0]
+        keys = max_seqlen_k or k.shape[0]
+    else:
+        rows, keys = q.shape[1], k.shape[1]
+    given = None
+    if block_mask is not None:
+        given = _tiles.from_bool(block_mask) if block_mask.dtype == torch.bool else block_mask
+    elif kv_num_blocks is not None and kv_indices is not None:
+        given = _tiles.from_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                  _tiles.tile_counts(keys, block_k))
+    if mask is None or mask.dim() != 4:
+        return given, block_q, block_k
+    if given is None:
+        block_q, block_k = _DEFAULT_MASK_TILES
+        n_q, n_k = _tiles.tile_counts(rows, block_q), _tiles.tile_counts(keys, block_k)
+    else:
+        n_q, n_k = given.shape[-2], given.shape[-1]
+        if given.dim() != 4 or n_q < _tiles.tile_counts(rows, block_q) or n_k < _tiles.tile_counts(keys, block_k):
+            return given, block_q, block_k  # the C++ API reports the shape
+    summary = _tiles.from_mask(mask, block_q, block_k, n_q, n_k)
+    return (summary.contiguous() if given is None else _tiles.combine(given, summary)), block_q, block_k
+
+
+# Tiles of the summary of an element mask given without a block-sparse mask: the forward kernels' tiles on
+# Hopper (128 queries x 128 keys).
+_DEFAULT_MASK_TILES = (128, 128)
 
 
 def _from_block_mask(op: str, block_mask, block_size, lists):
