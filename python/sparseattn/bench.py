@@ -4,6 +4,7 @@ the cuDNN and flash backends), timed in the same process.
     python -m sparseattn.bench                                  # the whole matrix of the issue
     python -m sparseattn.bench --time-budget-s 420              # ... fitted into about 7 minutes
     python -m sparseattn.bench --shapes 64/4/128/128 --seqlens 8K 64K --no-stages
+    python -m sparseattn.bench --inputs drifting                # q and k with locality (drifting_tokens)
     python -m sparseattn.bench --from-json bench/results/X.json # redo the markdown and plot of a run (no GPU)
 
 Shapes are Hq/Hkv/Dqk/Dv; batch 1, causal, NSA defaults except --window. Cases run shortest T first (all shapes
@@ -300,12 +301,39 @@ def measurements_per_case(stages: bool) -> int:
     return 2 * len(DENSE) + 2 + (len(STAGES) if stages else 0)
 
 
+INPUTS = ("random", "drifting")
+
+
+def drifting_tokens(seqlen: int, heads: int, dim: int, *, device="cuda", dtype=torch.bfloat16,
+                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Queries or keys with locality: [1, seqlen, heads, dim], a random walk along the sequence (steps of 0.05,
+    normalised by sqrt(position) so that every token has about unit size) plus independent noise of 0.5. Nearby
+    tokens are alike, so neighbouring queries choose mostly the same blocks (NSA defaults, 64/4 heads: about a
+    third as many distinct blocks among 8 consecutive tokens as with independent random tokens)."""
+    steps = torch.randn(seqlen, heads, dim, device=device, generator=generator) * 0.05
+    positions = torch.arange(1, seqlen + 1, device=device, dtype=torch.float32)[:, None, None]
+    walk = steps.cumsum(0) / (positions.sqrt() * 0.05)
+    noise = torch.randn(seqlen, heads, dim, device=device, generator=generator)
+    return (walk + 0.5 * noise).to(dtype)[None]
+
+
+def make_qk(shape: Shape, seqlen: int, dtype: torch.dtype, inputs: str, device="cuda"):
+    """q and k of a case (requiring grad): independent standard normal tokens ("random") or drifting_tokens."""
+    if inputs == "drifting":
+        q = drifting_tokens(seqlen, shape.heads_q, shape.dim_qk, device=device, dtype=dtype)
+        k = drifting_tokens(seqlen, shape.heads_kv, shape.dim_qk, device=device, dtype=dtype)
+    else:
+        q = torch.randn(1, seqlen, shape.heads_q, shape.dim_qk, device=device, dtype=dtype)
+        k = torch.randn(1, seqlen, shape.heads_kv, shape.dim_qk, device=device, dtype=dtype)
+    return q.requires_grad_(), k.requires_grad_()
+
+
 def run_case(shape: Shape, seqlen: int, dtype: torch.dtype, config: NSAConfig, timer: Timer,
-             stages: bool = True, kernels: bool = False) -> dict:
+             stages: bool = True, kernels: bool = False, inputs: str = "random") -> dict:
     case = Case(shape, seqlen, timer)
+    case.result["inputs"] = inputs
     try:
-        q = torch.randn(1, seqlen, shape.heads_q, shape.dim_qk, device="cuda", dtype=dtype, requires_grad=True)
-        k = torch.randn(1, seqlen, shape.heads_kv, shape.dim_qk, device="cuda", dtype=dtype, requires_grad=True)
+        q, k = make_qk(shape, seqlen, dtype, inputs)
         v = torch.randn(1, seqlen, shape.heads_kv, shape.dim_v, device="cuda", dtype=dtype, requires_grad=True)
         gates = [torch.rand(1, seqlen, shape.heads_q, device="cuda", dtype=dtype, requires_grad=True)
                  for _ in range(3)]
@@ -384,7 +412,8 @@ def ordered(results: list[dict]) -> list[dict]:
 def markdown(meta: dict, results: list[dict]) -> str:
     results = ordered(results)
     lines = [f"# sparseattn benchmark: {meta['gpu']}, {meta['date']}, commit {meta['commit']}", "",
-             f"dtype {meta['dtype']}, batch 1, causal; NSA config {meta['config']}. Times in ms (median); fwd runs "
+             f"dtype {meta['dtype']}, batch 1, causal, {meta.get('inputs', 'random')} q and k; NSA config "
+             f"{meta['config']}. Times in ms (median); fwd runs "
              "under torch.no_grad(), fwd+bwd includes the gradients of q, k, v (and the NSA gates). cuDNN/NSA = SDPA "
              "cuDNN time / sparseattn time (> 1: sparseattn is faster). Peak memory: the most allocated on top of the "
              "inputs during fwd+bwd.", "",
@@ -501,6 +530,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seqlens", nargs="+", type=parse_seqlen, default=SEQLENS, help="e.g. 8192 or 8K")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--inputs", choices=INPUTS, default="random",
+                        help="q and k: independent random tokens, or tokens drifting along the sequence "
+                             "(locality: neighbouring queries select alike; see drifting_tokens)")
     parser.add_argument("--out", default="bench/results", help="folder for the JSON, markdown and PNG files")
     parser.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
                         help="also time every NSA stage's forward on its own")
@@ -526,7 +558,8 @@ def git_commit() -> str:
 
 
 def report_stem(out: str, meta: dict) -> str:
-    return os.path.join(out, f"{meta['gpu'].replace(' ', '_')}_{meta['date']}_{meta['commit']}")
+    inputs = "" if meta.get("inputs", "random") == "random" else f"_{meta['inputs']}"
+    return os.path.join(out, f"{meta['gpu'].replace(' ', '_')}_{meta['date']}_{meta['commit']}{inputs}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -544,7 +577,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     started = time.monotonic()
     timer = Timer(args.rep_ms, args.warmup_ms, args.max_reps, args.time_budget_s)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": git_commit(),
-            "torch": torch.__version__, "dtype": args.dtype, "config": asdict(config),
+            "torch": torch.__version__, "dtype": args.dtype, "inputs": args.inputs, "config": asdict(config),
             "timing": {"rep_ms": args.rep_ms, "warmup_ms": args.warmup_ms, "max_reps": args.max_reps,
                        "time_budget_s": args.time_budget_s, "stages": args.stages,
                        "kernels": args.kernels}}
@@ -558,7 +591,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                shape, seqlen, config)
         else:
             timer.measurements_left = (len(cases) - index) * measurements_per_case(args.stages)
-            result = run_case(shape, seqlen, dtype, config, timer, args.stages, args.kernels)
+            result = run_case(shape, seqlen, dtype, config, timer, args.stages, args.kernels, args.inputs)
         results.append(result)
         torch.cuda.empty_cache()
         meta["wall_s"] = round(time.monotonic() - started, 1)

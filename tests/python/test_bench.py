@@ -148,3 +148,24 @@ def test_markdown_lists_the_kernel_breakdown():
     assert "Kernels of one NSA fwd+bwd at 64/4, 128/128, T=8K (GPU ms, torch.profiler; total 52.10)" in text
     assert "| `attention_dkv_wgmma_kernel<__nv_bfloat16>` | 50.60 |" in text
     assert "--kernels" in bench.__doc__ and bench.parse_args(["--kernels"]).kernels
+
+
+def test_drifting_tokens_have_locality_and_unit_size():
+    gen = torch.Generator().manual_seed(0)
+    x = bench.drifting_tokens(4096, 2, 64, device="cpu", dtype=torch.float32, generator=gen)[0]
+    y = torch.randn(4096, 2, 64, generator=gen)
+    assert x.shape == (4096, 2, 64)
+    assert 0.5 < float(x.pow(2).mean().sqrt()) < 2.0
+
+    def neighbour_cosine(t):
+        return float(torch.nn.functional.cosine_similarity(t[1:], t[:-1], dim=-1).mean())
+
+    assert neighbour_cosine(x) > 0.5 > 0.1 > abs(neighbour_cosine(y))
+
+
+def test_inputs_mode_is_parsed_and_named_in_the_report_stem():
+    args = bench.parse_args(["--inputs", "drifting"])
+    assert args.inputs == "drifting"
+    meta = {"gpu": "NVIDIA H100", "date": "2026-11-27", "commit": "abc", "inputs": "drifting"}
+    assert bench.report_stem("out", meta).endswith("_abc_drifting")
+    assert bench.report_stem("out", {**meta, "inputs": "random"}).endswith("_abc")
