@@ -12,6 +12,7 @@ import pytest
 from helpers import require_sparseattn
 
 sa = require_sparseattn()
+import sparseattn.compat  # noqa: E402
 import sparseattn.functional  # noqa: E402
 import sparseattn.modules  # noqa: E402
 
@@ -21,6 +22,7 @@ def public_callables():
     items = [(name, getattr(sa, name)) for name in sa.__all__ if callable(getattr(sa, name))]
     items += [(f"{cls.__name__}.forward", cls.forward) for cls in (sa.NativeSparseAttention,
                                                                     sa.NativeSparseAttentionCore)]
+    items += [(f"compat.{name}", getattr(sparseattn.compat, name)) for name in sparseattn.compat.__all__]
     return items
 
 
@@ -47,7 +49,7 @@ def test_docstring_sections(name, obj):
     assert not missing, f"{name}'s docstring lacks {missing}"
 
 
-@pytest.mark.parametrize("module", [sa, sparseattn.functional, sparseattn.modules],
+@pytest.mark.parametrize("module", [sa, sparseattn.functional, sparseattn.modules, sparseattn.compat],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     finder = doctest.DocTestFinder(exclude_empty=True)
