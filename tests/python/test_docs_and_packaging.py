@@ -13,6 +13,7 @@ from helpers import require_sparseattn
 
 sa = require_sparseattn()
 import sparseattn.compat  # noqa: E402
+import sparseattn.hf  # noqa: E402
 import sparseattn.functional  # noqa: E402
 import sparseattn.modules  # noqa: E402
 
@@ -23,6 +24,7 @@ def public_callables():
     items += [(f"{cls.__name__}.forward", cls.forward) for cls in (sa.NativeSparseAttention,
                                                                     sa.NativeSparseAttentionCore)]
     items += [(f"compat.{name}", getattr(sparseattn.compat, name)) for name in sparseattn.compat.__all__]
+    items += [(f"hf.{name}", getattr(sparseattn.hf, name)) for name in sparseattn.hf.__all__]
     return items
 
 
@@ -49,7 +51,8 @@ def test_docstring_sections(name, obj):
     assert not missing, f"{name}'s docstring lacks {missing}"
 
 
-@pytest.mark.parametrize("module", [sa, sparseattn.functional, sparseattn.modules, sparseattn.compat],
+@pytest.mark.parametrize("module", [sa, sparseattn.functional, sparseattn.modules, sparseattn.compat,
+                                    sparseattn.hf],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     finder = doctest.DocTestFinder(exclude_empty=True)

@@ -1,0 +1,273 @@
+"""transformers integration: a Llama-family causal LM whose attention layers are sparseattn's Native Sparse
+Attention, trainable and usable with ``model.generate()``.
+
+- :class:`NSALlamaConfig` / :class:`NSALlamaForCausalLM`: LlamaConfig and LlamaForCausalLM with every attention
+  layer replaced by :class:`NSAAttention` (Llama's q/k/v/o projections and rotary embedding, plus a gate
+  projection giving NSA's three branch gates through a sigmoid). ``save_pretrained`` / ``from_pretrained`` work
+  as for any transformers model.
+- :class:`SparseAttnCache`: a transformers ``Cache`` whose layers keep keys and values token-major
+  ([B, capacity, Hkv, D], the layout sparseattn reads) with room to grow, so that a decode step writes only its
+  new tokens and NSA reads the whole cache without a copy. Any other transformers cache works too (the keys are
+  then transposed on every step).
+
+A step with cached keys runs NSA for the new tokens against every key so far (bottom-right aligned), which gives
+the rows the full forward gives for those positions: greedy ``generate()`` equals re-running the full forward on
+the growing sequence. Limits: sequences in a batch have equal lengths (no padding: an attention mask with zeros is
+refused), and the compressed keys are recomputed from the cached keys at every step.
+
+Needs the ``transformers`` package (imported when this module is).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from transformers import Cache, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicLayer
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ._errors import SparseAttnError, SparseAttnUnsupportedError, make_error
+from .functional import NSAConfig, nsa_attention
+
+__all__ = ["NSALlamaConfig", "NSALlamaForCausalLM", "NSAAttention", "SparseAttnCache"]
+
+_NSA_FIELDS = ("cmp_block", "cmp_stride", "sel_block", "num_selected", "num_init", "num_local", "window")
+
+
+class NSALlamaConfig(LlamaConfig):
+    """LlamaConfig plus NSA's hyper-parameters (``nsa_`` + the fields of :class:`sparseattn.NSAConfig`).
+
+    Args:
+        nsa_cmp_block, nsa_cmp_stride, nsa_sel_block, nsa_num_selected, nsa_num_init, nsa_num_local,
+            nsa_window: NSAConfig's fields (defaults: the NSA paper's).
+        **kwargs: LlamaConfig's arguments.
+
+    Raises:
+        SparseAttnError: an NSA field out of range (as NSAConfig).
+
+    Example:
+        >>> from sparseattn.hf import NSALlamaConfig
+        >>> NSALlamaConfig(nsa_window=64).nsa_config().window
+        64
+    """
+
+    model_type = "sparseattn_nsa_llama"
+
+    def __init__(self, nsa_cmp_block: int = 32, nsa_cmp_stride: int = 16, nsa_sel_block: int = 64,
+                 nsa_num_selected: int = 16, nsa_num_init: int = 1, nsa_num_local: int = 2, nsa_window: int = 512,
+                 **kwargs):
+        self.nsa_cmp_block, self.nsa_cmp_stride, self.nsa_sel_block = nsa_cmp_block, nsa_cmp_stride, nsa_sel_block
+        self.nsa_num_selected, self.nsa_num_init, self.nsa_num_local = nsa_num_selected, nsa_num_init, nsa_num_local
+        self.nsa_window = nsa_window
+        super().__init__(**kwargs)
+        self.nsa_config()  # validates
+
+    def nsa_config(self) -> NSAConfig:
+        """The NSAConfig of the attention layers (scale: Llama's 1/sqrt(head_dim))."""
+        return NSAConfig(**{name: getattr(self, "nsa_" + name) for name in _NSA_FIELDS})
+
+
+class NSAAttention(nn.Module):
+    """Llama's attention layer with NSA: q/k/v/o projections, rotary embedding, GQA, and a gate projection
+    (hidden -> 3 x Hq, sigmoid) for the compressed, selected and sliding-window branches.
+
+    Args:
+        config: an :class:`NSALlamaConfig`.
+        layer_idx: the layer's index (its slot in the cache).
+
+    Raises:
+        SparseAttnError: a configuration NSA does not take (see :class:`sparseattn.NSAConfig`).
+
+    Example:
+        >>> import torch
+        >>> from sparseattn.hf import NSAAttention, NSALlamaConfig
+        >>> cfg = NSALlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, nsa_cmp_block=8,
+        ...                      nsa_cmp_stride=4, nsa_sel_block=8, nsa_num_selected=2, nsa_num_local=1,
+        ...                      nsa_window=8)
+        >>> layer = NSAAttention(cfg, 0)
+        >>> cos, sin = torch.ones(1, 10, 16), torch.zeros(1, 10, 16)
+        >>> out, _ = layer(torch.randn(1, 10, 64), (cos, sin))
+        >>> tuple(out.shape)
+        (1, 10, 64)
+    """
+
+    def __init__(self, config: NSALlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.nsa = dataclasses.replace(config.nsa_config(), scale=self.head_dim ** -0.5)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.g_proj = nn.Linear(config.hidden_size, 3 * self.num_heads, bias=True)
+
+    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                attention_mask: Optional[Tensor] = None, past_key_values: Optional[Cache] = None,
+                **kwargs) -> tuple[Tensor, None]:
+        """NSA over the new tokens (hidden_states [B, T, hidden]) and, with a cache, every key before them.
+
+        Args:
+            hidden_states: [B, T, hidden].
+            position_embeddings: (cos, sin) [B, T, head_dim] of the model's rotary embedding.
+            attention_mask: ignored: the keys are causal, without padding (NSALlamaForCausalLM checks the
+                model's attention mask).
+            past_key_values: a transformers Cache (SparseAttnCache avoids copies), or None.
+            **kwargs: ignored (transformers' attention keyword arguments).
+
+        Returns:
+            (output [B, T, hidden], None): NSA does not form attention weights.
+
+        Raises:
+            SparseAttnError: as :func:`sparseattn.nsa_attention`.
+
+        Example:
+            See :class:`NSAAttention`.
+        """
+        batch, tokens, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(batch, tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(batch, tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(batch, tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        if past_key_values is not None:
+            keys, values = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+            k, v = keys.transpose(1, 2), values.transpose(1, 2)
+        gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, tokens, 3, self.num_heads).to(q.dtype)
+        g_cmp, g_slc, g_swa = (gates[:, :, i] for i in range(3))
+        o = nsa_attention(q, k, v, g_cmp, g_slc, g_swa, config=self.nsa)
+        return self.o_proj(o.reshape(batch, tokens, -1)), None
+
+
+class NSALlamaForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM whose attention layers are :class:`NSAAttention`.
+
+    Args:
+        config: an :class:`NSALlamaConfig`.
+
+    Raises:
+        SparseAttnError: a configuration NSA does not take.
+
+    Example:
+        >>> import torch
+        >>> from sparseattn.hf import NSALlamaConfig, NSALlamaForCausalLM
+        >>> cfg = NSALlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...                      num_attention_heads=4, num_key_value_heads=2, nsa_cmp_block=8, nsa_cmp_stride=4,
+        ...                      nsa_sel_block=8, nsa_num_selected=2, nsa_num_local=1, nsa_window=8)
+        >>> model = NSALlamaForCausalLM(cfg)
+        >>> tuple(model(torch.randint(0, 32, (1, 12))).logits.shape)
+        (1, 12, 32)
+    """
+
+    config_class = NSALlamaConfig
+
+    def __init__(self, config: NSALlamaConfig):
+        super().__init__(config)
+        for index, layer in enumerate(self.model.layers):
+            layer.self_attn = NSAAttention(config, index)
+        self.post_init()
+
+    def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None, **kwargs):
+        """LlamaForCausalLM's forward; an attention mask with padding (a zero) raises SparseAttnUnsupportedError
+        (checked with one device-to-host read when a mask is given; generate() always gives one)."""
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise make_error(SparseAttnUnsupportedError, "unsupported", "NSALlamaForCausalLM", "attention_mask",
+                             "padding is not supported: give sequences of equal length")
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+class SparseAttnCacheLayer(DynamicLayer):
+    """One layer of :class:`SparseAttnCache`: keys and values in token-major buffers [B, capacity, Hkv, D] that
+    double when full; ``keys``/``values`` are [B, Hkv, length, D] views of them (transformers' layout)."""
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, dim = key_states.shape
+        self._keys = key_states.new_empty(batch, 0, heads, dim)
+        self._values = value_states.new_empty(batch, 0, heads, value_states.shape[-1])
+        self.length = 0
+        self._views()
+        self.is_initialized = True
+
+    def _views(self) -> None:
+        self.keys = self._keys[:, : self.length].transpose(1, 2)
+        self.values = self._values[:, : self.length].transpose(1, 2)
+
+    def _reserve(self, length: int) -> None:
+        capacity = self._keys.shape[1]
+        if length <= capacity:
+            return
+        capacity = max(length, 2 * capacity, 256)
+        keys = self._keys.new_empty(self._keys.shape[0], capacity, *self._keys.shape[2:])
+        values = self._values.new_empty(self._values.shape[0], capacity, *self._values.shape[2:])
+        keys[:, : self.length] = self._keys[:, : self.length]
+        values[:, : self.length] = self._values[:, : self.length]
+        self._keys, self._values = keys, values
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self._keys.shape[0]:
+            raise make_error(SparseAttnError, "shape", "SparseAttnCache", "key_states",
+                             f"has batch {key_states.shape[0]}, the cache {self._keys.shape[0]}")
+        new = key_states.shape[-2]
+        self._reserve(self.length + new)
+        self._keys[:, self.length: self.length + new] = key_states.transpose(1, 2)
+        self._values[:, self.length: self.length + new] = value_states.transpose(1, 2)
+        self.length += new
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if not self.is_initialized:
+            return
+        keep = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
+        self.length = max(0, min(self.length, keep))
+        self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._keys = self._keys.repeat_interleave(repeats, dim=0)
+            self._values = self._values.repeat_interleave(repeats, dim=0)
+            self._views()
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.is_initialized:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self._views()
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.length = 0
+            self._views()
+
+
+class SparseAttnCache(Cache):
+    """A transformers Cache of :class:`SparseAttnCacheLayer` layers (created as the model's layers first write).
+
+    Args:
+        **kwargs: ignored (transformers passes its cache arguments here).
+
+    Raises:
+        SparseAttnError: a layer updated with another batch size than it holds.
+
+    Example:
+        >>> import torch
+        >>> from sparseattn.hf import SparseAttnCache
+        >>> cache = SparseAttnCache()
+        >>> keys, values = cache.update(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), 0)
+        >>> keys, values = cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0)
+        >>> tuple(keys.shape), cache.get_seq_length()
+        ((1, 2, 6, 16), 6)
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(layer_class_to_replicate=SparseAttnCacheLayer)

@@ -1,0 +1,82 @@
+"""sparseattn.hf: a transformers Llama whose attention layers are NSA, on the CPU (float64, tiny random models)."""
+import pytest
+import torch
+
+from helpers import require_sparseattn
+
+require_sparseattn()
+transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+from sparseattn import hf  # noqa: E402
+
+
+def tiny_config(**overrides):
+    fields = dict(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, nsa_cmp_block=8, nsa_cmp_stride=4, nsa_sel_block=8, nsa_num_selected=3,
+                  nsa_num_local=1, nsa_window=12, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    fields.update(overrides)
+    return hf.NSALlamaConfig(**fields)
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return hf.NSALlamaForCausalLM(tiny_config(**overrides)).double().eval()
+
+
+def test_every_attention_layer_is_nsa_and_trains():
+    model = tiny_model().train()
+    assert all(isinstance(layer.self_attn, hf.NSAAttention) for layer in model.model.layers)
+    ids = torch.randint(0, 48, (2, 21))
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "g_proj"):
+        grad = getattr(model.model.layers[0].self_attn, name).weight.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+
+
+def test_a_few_training_steps_lower_the_loss():
+    model = tiny_model(seed=1).float().train()
+    pattern = torch.arange(24).remainder(6)[None].repeat(4, 1) + 1  # a periodic sequence to memorise
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss = model(pattern, labels=pattern).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = tiny_model(seed=2)
+    model.save_pretrained(tmp_path)
+    loaded = hf.NSALlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64).eval()
+    assert loaded.config.nsa_window == 12
+    ids = torch.randint(0, 48, (1, 17))
+    torch.testing.assert_close(loaded(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+def test_cache_layer_grows_and_crops():
+    cache = hf.SparseAttnCache()
+    chunks = [torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (5, 1, 300, 2)]
+    for chunk in chunks:
+        keys, values = cache.update(chunk, -chunk, 0)
+    expected = torch.cat(chunks, dim=2)
+    torch.testing.assert_close(keys, expected, rtol=0, atol=0)
+    torch.testing.assert_close(values, -expected, rtol=0, atol=0)
+    assert cache.get_seq_length() == 308
+    cache.crop(-8)
+    assert cache.get_seq_length() == 300
+    torch.testing.assert_close(cache.layers[0].keys, expected[:, :, :300], rtol=0, atol=0)
+    cache.batch_select_indices(torch.tensor([1]))
+    torch.testing.assert_close(cache.layers[0].keys, expected[1:, :, :300], rtol=0, atol=0)
+    with pytest.raises(hf.SparseAttnError, match="batch"):
+        cache.update(torch.randn(2, 3, 1, 8, dtype=torch.float64), torch.randn(2, 3, 1, 8, dtype=torch.float64), 0)
+
+
+def test_padding_is_refused():
+    model = tiny_model()
+    ids = torch.randint(1, 48, (2, 6))
+    with pytest.raises(hf.SparseAttnUnsupportedError, match="padding"):
+        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))
+    model(ids, attention_mask=torch.ones(2, 6, dtype=torch.long))
