@@ -45,7 +45,7 @@ diagonal tiles): the n diagonal tiles always, and the rest drawn uniformly witho
 strictly below the diagonal, by torch.randperm on a CPU torch.Generator seeded with --seed (heads drawn in
 order), so the mask depends only on (n, heads, density, seed). The query heads of a KV head share its mask
 (sparseattn gets [1, Hkv, n, n]; the BlockMask, which FlexAttention reads per query head, [1, Hq, n, n] with
-the diagonal tiles partial, under a causal mask_mod, and the others full).
+the diagonal tiles partial and the others full, and a mask_mod of the whole rule: causal and the tile kept).
 
 Timing and failures are bench.py's (its docstring says how): CUDA events, L2 flush and GPU sleep before every
 timed run, median; --time-budget-s shares the budget among the measurements left, and cases not started within
@@ -232,13 +232,41 @@ def causal_mask_mod(b, h, q_idx, kv_idx):
 
 
 def flex_block_mask(tiles: torch.Tensor, tile: int, seqlen: int):
-    """A FlexAttention BlockMask of a causal tile mask [1, H, n, n]: diagonal tiles partial (causal mask_mod),
-    the others full."""
+    """A FlexAttention BlockMask of a causal tile mask [1, H, n, n] (H: the query heads): the diagonal tiles partial,
+    the others full, and a mask_mod that is the whole rule (causal and the tile kept), so that FlexAttention's
+    eager path, which reads only the mask_mod, computes the same attention as its kernels, which read the lists
+    and the mask_mod on partial tiles."""
     from torch.nn.attention.flex_attention import BlockMask
 
     diagonal = torch.eye(tiles.shape[-1], dtype=torch.bool, device=tiles.device)
+    kept = tiles[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & kept[h, q_idx // tile, kv_idx // tile]
+
     return BlockMask.from_kv_blocks(*tile_lists(tiles & diagonal), *tile_lists(tiles & ~diagonal),
-                                    BLOCK_SIZE=(tile, tile), mask_mod=causal_mask_mod, seq_lengths=(seqlen, seqlen))
+                                    BLOCK_SIZE=(tile, tile), mask_mod=mask_mod, seq_lengths=(seqlen, seqlen))
+
+
+def bias_score_mod(bias: torch.Tensor, group: int):
+    """FlexAttention score_mod adding a key bias [B, Hkv, 1, S] (query head h reads bias head h // group)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[b, h // group, 0, kv_idx]
+    return score_mod
+
+
+def sdpa_bias_mask(causal_minus_inf: torch.Tensor, bias: torch.Tensor, group: int) -> torch.Tensor:
+    """SDPA's float attn_mask [B, Hq, T, S] for a causal call with a key bias [B, Hkv, 1, S]: causal_minus_inf
+    ([T, S], -inf above the diagonal, else 0) plus the bias repeated over the query heads of each group."""
+    return causal_minus_inf + bias.repeat_interleave(group, dim=1)
+
+
+def decode_sdpa_mask(queries: int, keys: int, device) -> Optional[torch.Tensor]:
+    """SDPA's attn_mask for `queries` queries at the end of `keys` keys: none for one query (it sees every key),
+    else a bool bottom-right causal mask [queries, keys] (is_causal is top-left aligned)."""
+    if queries == 1:
+        return None
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
 
 # ------------------------------------------------------------------------------------------------- timing
@@ -290,6 +318,9 @@ def fail_method(case: Case, method: str, section: str, reason: str) -> None:
         case.fail(f"{method}_{suffix}", reason)
 
 
+_COMPILED: dict = {}
+
+
 def flex_functions():
     """(compiled flex_attention, create_block_mask), or raises ImportError."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -297,9 +328,6 @@ def flex_functions():
     if "flex" not in _COMPILED:
         _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
     return _COMPILED["flex"], create_block_mask
-
-
-_COMPILED: dict = {}
 
 
 def flex_or_reason(args) -> tuple[Optional[tuple], Optional[str]]:
@@ -379,7 +407,7 @@ def run_bias(case: Case, spec: CaseSpec, q, k, v, d_o, args) -> None:
         rejected = {}
         for name in SDPA_BIAS_BACKENDS:
             def forward(backend=backends[name]):
-                attn_mask = causal_minus_inf + bias.repeat_interleave(group, dim=1)
+                attn_mask = sdpa_bias_mask(causal_minus_inf, bias, group)
                 with sdpa_kernel([backend]):
                     return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask,
                                                                             enable_gqa=True)
@@ -405,15 +433,12 @@ def run_bias(case: Case, spec: CaseSpec, q, k, v, d_o, args) -> None:
         return
     compiled_flex, create_block_mask = flex
 
-    def bias_score_mod(score, b, h, q_idx, kv_idx):
-        return score + bias[b, h // group, 0, kv_idx]
-
     try:
         causal_blocks = create_block_mask(causal_mask_mod, None, None, seqlen, seqlen, device=q.device)
     except (RuntimeError, torch.OutOfMemoryError) as error:
         fail_method(case, "flex_bias", section, bench.failure_reason(error, []))
         return
-    measure_method(case, "flex_bias", lambda: compiled_flex(qh, kh, vh, score_mod=bias_score_mod,
+    measure_method(case, "flex_bias", lambda: compiled_flex(qh, kh, vh, score_mod=bias_score_mod(bias, group),
                                                             block_mask=causal_blocks, enable_gqa=True),
                    inputs, d_oh, section)
 
@@ -438,10 +463,7 @@ def run_decode(case: Case, spec: CaseSpec, q, k, v, d_o, args) -> None:
         fail_method(case, "flash_decode", section, "unavailable: this sparseattn has no flash_decode")
     else:
         measure_method(case, "flash_decode", lambda: flash_decode(q, k, v, causal=True), (), None, section)
-    queries, keys = q.shape[1], k.shape[1]
-    # One query (the last position) sees every key: no mask. More: bottom-right causal, which is_causal is not.
-    attn_mask = None if queries == 1 else torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(
-        keys - queries)
+    attn_mask = decode_sdpa_mask(q.shape[1], k.shape[1], q.device)
     qh, kh, vh = heads_first(q, k, v)
     backends = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}

@@ -116,6 +116,41 @@ def test_tile_lists_and_block_mask_are_the_tile_mask():
     torch.testing.assert_close(dense_form, list_form, rtol=0, atol=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_baselines_compute_what_sparseattn_computes():
+    """The inputs the benchmark gives SDPA and FlexAttention (eager here, float64) describe the same attention as
+    the sparseattn calls they are compared with (CPU reference)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    B, T, Hq, Hkv, D, tile = 2, 48, 4, 2, 8, 16
+    q, k, v = (torch.randn(B, T, h, D, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
+    qh, kh, vh = bf.heads_first(q, k, v)
+    tiles = bf.causal_tile_mask(T // tile, Hkv, 0.5, seed=1)
+    assert tiles.sum() < 2 * 6  # some causal tile is absent
+    block_mask = bf.flex_block_mask(tiles.repeat_interleave(2, dim=1), tile, T)
+    o_flex = flex.flex_attention(qh, kh, vh, block_mask=block_mask, enable_gqa=True).transpose(1, 2)
+    o_tiles = sa.flash_attention(q, k, v, causal=True, block_mask=tiles, block_size=(tile, tile))
+    torch.testing.assert_close(o_flex, o_tiles, rtol=0, atol=1e-12)
+
+    bias = torch.randn(B, Hkv, 1, T, dtype=torch.float64)
+    o_bias = sa.flash_attention(q, k, v, causal=True, bias=bias)
+    causal_blocks = flex.create_block_mask(bf.causal_mask_mod, None, None, T, T, device="cpu", BLOCK_SIZE=tile)
+    o_flex = flex.flex_attention(qh, kh, vh, score_mod=bf.bias_score_mod(bias, 2), block_mask=causal_blocks,
+                                 enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(o_flex, o_bias, rtol=0, atol=1e-12)
+    causal_minus_inf = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)
+    o_sdpa = torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=bf.sdpa_bias_mask(causal_minus_inf, bias, 2), enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(o_sdpa, o_bias, rtol=0, atol=1e-12)
+
+    assert bf.decode_sdpa_mask(1, T, "cpu") is None
+    for queries in (1, 3):
+        q_dec = q[:, -queries:]
+        o_sdpa = torch.nn.functional.scaled_dot_product_attention(
+            *bf.heads_first(q_dec, k, v), attn_mask=bf.decode_sdpa_mask(queries, T, "cpu"),
+            enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(o_sdpa, sa.flash_attention(q_dec, k, v, causal=True), rtol=0, atol=1e-12)
+
+
 def test_derived_numbers():
     dense, block, bias, _, decode, _ = RESULTS
     assert dense["ratios"]["sparseattn_fwd"] == 0.5 and dense["ratios"]["sparseattn_fwd_bwd"] == 0.75
