@@ -27,17 +27,20 @@ struct NsaConfig {
 
 // Branch order of `gates` (and of combine's arrays): compressed, selected, sliding window.
 // A branch whose gate is absent is skipped (compressed attention still runs when selection needs it).
+// Query chunks (docs/semantics.md section 11): k and v may hold S >= T keys per sequence; query t then sits
+// at key position a = t + S - T and its row is the full call's row a (T = S) on the same keys.
 struct NsaParams {
   TensorView q;              // [B, T, Hq, Dqk] or packed [N, Hq, Dqk]
-  TensorView k;              // [B, T, Hkv, Dqk] or packed [N, Hkv, Dqk]
-  TensorView v;              // [B, T, Hkv, Dv]  or packed [N, Hkv, Dv]
+  TensorView k;              // [B, S, Hkv, Dqk] or packed [Nk, Hkv, Dqk]
+  TensorView v;              // [B, S, Hkv, Dv]  or packed [Nk, Hkv, Dv]
   TensorView k_cmp, v_cmp;   // optional, both or neither: user-supplied compressed K/V (else mean pooling),
-                             // [B, Tc, Hkv, D] or packed [Nc, Hkv, D] laid out by cu_seqlens_cmp
+                             // [B, Sc, Hkv, D] or packed [Nc, Hkv, D] laid out by cu_seqlens_cmp
   TensorView block_indices;  // optional: user-supplied selection, int32 [B, T, Hkv, n] (skips selection)
   std::array<TensorView, kNumBranches> gates;  // [B, T, Hq] or packed [N, Hq]
   TensorView o;              // out: [B, T, Hq, Dv] or packed [N, Hq, Dv]
-  Sequences seqs;
-  TensorView cu_seqlens_cmp;  // packed only: int32 [B+1], prefix sums of num_compressed_blocks(T_b)
+  Sequences seqs;            // of q (and of k without seqs_k)
+  Sequences seqs_k;          // packed chunks: the keys' sequences, S_b >= T_b (absent: seqs)
+  TensorView cu_seqlens_cmp;  // packed only: int32 [B+1], prefix sums of num_compressed_blocks(S_b)
   NsaConfig config;
   void* workspace = nullptr;  // on q's device, 16-byte aligned, nsa_workspace_size(params) bytes, any
                               // contents (every byte is written: deterministic); the backward reads it

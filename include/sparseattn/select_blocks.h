@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 
 #include "sparseattn/sequences.h"
@@ -15,13 +16,17 @@ namespace sparseattn {
 // b*sel_block <= t; blocks 0..num_init-1 and the num_local blocks ending at floor(t/sel_block) are forced;
 // the rest of the min(num_selected, candidates) slots go to the highest scores, ties to the lower index.
 // Indices are written ascending, -1 padded. Not differentiable.
+// Query chunks (docs/semantics.md section 11): with S >= T keys per sequence, every rule applies to query t's
+// key position a = t + S - T (visible compressed blocks, candidates b*sel_block <= a, forced blocks).
 struct SelectBlocksParams {
   TensorView q;        // [B, T, Hq, Dqk] or packed [N, Hq, Dqk]
-  TensorView k_cmp;    // [B, Tc, Hkv, Dqk] or packed [Nc, Hkv, Dqk]
+  TensorView k_cmp;    // [B, Sc, Hkv, Dqk] or packed [Nc, Hkv, Dqk]; Sc = num_compressed_blocks(S)
   TensorView lse_cmp;  // [B, Hq, T] or packed [Hq, N]: compressed attention's log-sum-exp
   TensorView indices;  // out: int32 [B, T, Hkv, num_selected] or packed [N, Hkv, num_selected]
-  Sequences seqs;
-  TensorView cu_seqlens_cmp;
+  Sequences seqs;             // of q
+  Sequences seqs_k;           // packed chunks: the keys' sequences, S_b >= T_b (absent: seqs, S_b = T_b)
+  std::int64_t seqlen_k = 0;  // batched chunks: S >= T keys per sequence (0: S = T)
+  TensorView cu_seqlens_cmp;  // packed only: int32 [B+1], prefix sums of num_compressed_blocks(S_b)
   int cmp_block = 32;     // l
   int cmp_stride = 16;    // d; divides cmp_block and sel_block
   int sel_block = 64;     // l'; cmp_block <= sel_block

@@ -7,6 +7,8 @@ passed to the binding, which calls the C++ API on the current CUDA stream (0 on 
 
 Conventions of these low-level ops (the public functions in ``functional.py`` fill them in):
 - ``cu_seqlens`` None means the batched layout [B, T, H, D]; otherwise the packed layout [N, H, D].
+- NSA query chunks (docs/semantics.md section 11): ``cu_seqlens_k`` (packed) and ``seqlen_k`` (batched, ops
+  without k; 0 means S = T) give the keys when there are more keys than queries.
 - ``max_seqlen`` 0 means "not known" (the C++ API then uses N).
 - ``scale`` None means 1/sqrt(Dqk).
 - In the packed layout outputs are zero-initialised, because the C++ API leaves rows past the last sequence
@@ -180,17 +182,20 @@ def compressed_attention(
     block: int,
     stride: int,
     scale: Optional[float],
+    cu_seqlens_k: Optional[Tensor] = None,
+    seqlen_k: int = 0,
 ) -> tuple[Tensor, Tensor]:
     packed = cu_seqlens is not None
     o = _alloc(_out_shape(q, v_cmp.shape[-1]), q, packed=packed)
     lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
     _C.compressed_attention(_arr(q), _arr(k_cmp), _arr(v_cmp), o, lse, _arr(cu_seqlens), _arr(cu_seqlens_cmp),
-                            max_seqlen, block, stride, scale, _stream(q))
+                            max_seqlen, block, stride, scale, _stream(q), cu_seqlens_k=_arr(cu_seqlens_k),
+                            seqlen_k=seqlen_k)
     return o, lse
 
 
 @compressed_attention.register_fake
-def _(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, scale):
+def _(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, scale, cu_seqlens_k=None, seqlen_k=0):
     packed = cu_seqlens is not None
     return (q.new_empty(_out_shape(q, v_cmp.shape[-1])),
             q.new_empty(_lse_shape(q, packed), dtype=_lse_dtype(q.dtype)))
@@ -210,6 +215,8 @@ def compressed_attention_backward(
     block: int,
     stride: int,
     scale: Optional[float],
+    cu_seqlens_k: Optional[Tensor] = None,
+    seqlen_k: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     packed = cu_seqlens is not None
     dq = _alloc(q.shape, q, packed=packed)
@@ -217,28 +224,31 @@ def compressed_attention_backward(
     dv_cmp = _alloc(v_cmp.shape, v_cmp, packed=packed)
     _C.compressed_attention_backward(_arr(q), _arr(k_cmp), _arr(v_cmp), _arr(o), _arr(lse), _arr(d_o), dq, dk_cmp,
                                      dv_cmp, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, block, stride,
-                                     scale, _workspace_allocator(q), _stream(q))
+                                     scale, _workspace_allocator(q), _stream(q), cu_seqlens_k=_arr(cu_seqlens_k),
+                                     seqlen_k=seqlen_k)
     return dq, dk_cmp, dv_cmp
 
 
 @compressed_attention_backward.register_fake
-def _(q, k_cmp, v_cmp, o, lse, d_o, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, scale):
+def _(q, k_cmp, v_cmp, o, lse, d_o, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, scale, cu_seqlens_k=None,
+      seqlen_k=0):
     return torch.empty_like(q), torch.empty_like(k_cmp), torch.empty_like(v_cmp)
 
 
 def _compressed_attention_setup(ctx, inputs, output):
-    q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, scale = inputs
+    q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, block, stride, scale, cu_seqlens_k, seqlen_k = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_seqlens_cmp)
+    ctx.save_for_backward(q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_seqlens_cmp, cu_seqlens_k)
     ctx.args = (max_seqlen, block, stride, scale)
+    ctx.seqlen_k = seqlen_k
 
 
 def _compressed_attention_backward(ctx, d_o, d_lse):
-    q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_seqlens_cmp = ctx.saved_tensors
+    q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_seqlens_cmp, cu_seqlens_k = ctx.saved_tensors
     dq, dk_cmp, dv_cmp = compressed_attention_backward(q, k_cmp, v_cmp, o, lse, d_o, cu_seqlens, cu_seqlens_cmp,
-                                                       *ctx.args)
-    return dq, dk_cmp, dv_cmp, None, None, None, None, None, None
+                                                       *ctx.args, cu_seqlens_k, ctx.seqlen_k)
+    return dq, dk_cmp, dv_cmp, None, None, None, None, None, None, None, None
 
 
 compressed_attention.register_autograd(_compressed_attention_backward, setup_context=_compressed_attention_setup)
@@ -261,6 +271,8 @@ def select_blocks(
     num_init: int,
     num_local: int,
     scale: Optional[float],
+    cu_seqlens_k: Optional[Tensor] = None,
+    seqlen_k: int = 0,
 ) -> Tensor:
     shape = [*q.shape[:-2], k_cmp.shape[-2], num_selected]
     if cu_seqlens is None:
@@ -269,13 +281,13 @@ def select_blocks(
         indices = torch.full(shape, -1, dtype=torch.int32, device=q.device)
     _C.select_blocks(_arr(q), _arr(k_cmp), _arr(lse_cmp), indices, _arr(cu_seqlens), _arr(cu_seqlens_cmp),
                      max_seqlen, cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, scale,
-                     _workspace_allocator(q), _stream(q))
+                     _workspace_allocator(q), _stream(q), cu_seqlens_k=_arr(cu_seqlens_k), seqlen_k=seqlen_k)
     return indices
 
 
 @select_blocks.register_fake
 def _(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block, cmp_stride, sel_block, num_selected,
-      num_init, num_local, scale):
+      num_init, num_local, scale, cu_seqlens_k=None, seqlen_k=0):
     return q.new_empty([*q.shape[:-2], k_cmp.shape[-2], num_selected], dtype=torch.int32)
 
 
@@ -292,17 +304,20 @@ def selected_attention(
     max_seqlen: int,
     block: int,
     scale: Optional[float],
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_k: int = 0,
 ) -> tuple[Tensor, Tensor]:
     packed = cu_seqlens is not None
     o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
     lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
     _C.selected_attention(_arr(q), _arr(k), _arr(v), _arr(indices), o, lse, _arr(cu_seqlens), max_seqlen, block,
-                          scale, _workspace_allocator(q), _stream(q))
+                          scale, _workspace_allocator(q), _stream(q), cu_seqlens_k=_arr(cu_seqlens_k),
+                          max_seqlen_k=max_seqlen_k)
     return o, lse
 
 
 @selected_attention.register_fake
-def _(q, k, v, indices, cu_seqlens, max_seqlen, block, scale):
+def _(q, k, v, indices, cu_seqlens, max_seqlen, block, scale, cu_seqlens_k=None, max_seqlen_k=0):
     packed = cu_seqlens is not None
     return q.new_empty(_out_shape(q, v.shape[-1])), q.new_empty(_lse_shape(q, packed), dtype=_lse_dtype(q.dtype))
 
@@ -320,31 +335,36 @@ def selected_attention_backward(
     max_seqlen: int,
     block: int,
     scale: Optional[float],
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_k: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     packed = cu_seqlens is not None
     dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
     _C.selected_attention_backward(_arr(q), _arr(k), _arr(v), _arr(indices), _arr(o), _arr(lse), _arr(d_o), dq, dk,
-                                   dv, _arr(cu_seqlens), max_seqlen, block, scale, _workspace_allocator(q), _stream(q))
+                                   dv, _arr(cu_seqlens), max_seqlen, block, scale, _workspace_allocator(q), _stream(q),
+                                   cu_seqlens_k=_arr(cu_seqlens_k), max_seqlen_k=max_seqlen_k)
     return dq, dk, dv
 
 
 @selected_attention_backward.register_fake
-def _(q, k, v, indices, o, lse, d_o, cu_seqlens, max_seqlen, block, scale):
+def _(q, k, v, indices, o, lse, d_o, cu_seqlens, max_seqlen, block, scale, cu_seqlens_k=None, max_seqlen_k=0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _selected_attention_setup(ctx, inputs, output):
-    q, k, v, indices, cu_seqlens, max_seqlen, block, scale = inputs
+    q, k, v, indices, cu_seqlens, max_seqlen, block, scale, cu_seqlens_k, max_seqlen_k = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, indices, o, lse, cu_seqlens)
+    ctx.save_for_backward(q, k, v, indices, o, lse, cu_seqlens, cu_seqlens_k)
     ctx.args = (max_seqlen, block, scale)
+    ctx.max_seqlen_k = max_seqlen_k
 
 
 def _selected_attention_backward(ctx, d_o, d_lse):
-    q, k, v, indices, o, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = selected_attention_backward(q, k, v, indices, o, lse, d_o, cu_seqlens, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, indices, o, lse, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = selected_attention_backward(q, k, v, indices, o, lse, d_o, cu_seqlens, *ctx.args, cu_seqlens_k,
+                                             ctx.max_seqlen_k)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 selected_attention.register_autograd(_selected_attention_backward, setup_context=_selected_attention_setup)
@@ -606,14 +626,15 @@ def _spec(t: Optional[Tensor]):
 
 
 def _nsa_size(query, op, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp,
-              max_seqlen, config) -> int:
+              max_seqlen, config, cu_seqlens_k=None, max_seqlen_k=0) -> int:
     """A size query of the binding; it validates the call (shapes only) and its errors name `op`. `o` is a tensor
     or a (dtype name, shape) spec (the output need not exist yet)."""
     device = "cuda" if q.device.type == "cuda" else "cpu"
     index = (q.device.index or 0) if device == "cuda" else 0
     o_spec = o if isinstance(o, tuple) else _spec(o)
     specs = [_spec(t) for t in (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa)]
-    return query(device, index, *specs, o_spec, _spec(cu_seqlens), _spec(cu_seqlens_cmp), max_seqlen, *config, op=op)
+    return query(device, index, *specs, o_spec, _spec(cu_seqlens), _spec(cu_seqlens_cmp), max_seqlen, *config, op=op,
+                 cu_seqlens_k=_spec(cu_seqlens_k), max_seqlen_k=max_seqlen_k)
 
 
 def _has_symbolic_shape(*tensors) -> bool:
@@ -642,16 +663,19 @@ def nsa_attention(
     num_local: int,
     window: int,
     scale: Optional[float],
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_k: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Returns (o, workspace); the uint8 workspace holds what the backward reads."""
     config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
     packed = cu_seqlens is not None
+    keys = (cu_seqlens_k, max_seqlen_k)
     # The size queries validate the call's shapes, dtypes and config before anything is allocated.
     o_spec = _spec(q)[0], tuple(_out_shape(q, v.shape[-1]))
     tensors = (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o_spec, cu_seqlens, cu_seqlens_cmp)
-    size = _nsa_size(_C.nsa_workspace_size, "nsa_attention", *tensors, max_seqlen, config)
+    size = _nsa_size(_C.nsa_workspace_size, "nsa_attention", *tensors, max_seqlen, config, *keys)
     # The steps' temporary memory where the workspace cannot hold it: freed (to the cache) on return.
-    scratch_size = _nsa_size(_C.nsa_forward_scratch_size, "nsa_attention", *tensors, max_seqlen, config)
+    scratch_size = _nsa_size(_C.nsa_forward_scratch_size, "nsa_attention", *tensors, max_seqlen, config, *keys)
     o = _alloc(o_spec[1], q, packed=packed)
     # Empty: nsa_attention writes every byte (what no step writes, it zero-fills), so this output does not
     # change from run to run (determinism; torch.library.opcheck checks it).
@@ -659,22 +683,22 @@ def nsa_attention(
     scratch = torch.empty((scratch_size,), dtype=torch.uint8, device=q.device)
     _C.nsa_attention(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
                      _arr(g_slc), _arr(g_swa), o, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, *config,
-                     workspace, scratch, _stream(q))
+                     workspace, scratch, _stream(q), cu_seqlens_k=_arr(cu_seqlens_k), max_seqlen_k=max_seqlen_k)
     return o, workspace
 
 
 @nsa_attention.register_fake
 def _(q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block,
-      cmp_stride, sel_block, num_selected, num_init, num_local, window, scale):
+      cmp_stride, sel_block, num_selected, num_init, num_local, window, scale, cu_seqlens_k=None, max_seqlen_k=0):
     o = q.new_empty(_out_shape(q, v.shape[-1]))
-    tensors = (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp)
+    tensors = (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp, cu_seqlens_k)
     if _has_symbolic_shape(*tensors):
         # The size is a C++ function of the shapes; with symbolic shapes it is an unbacked size.
         size = torch.library.get_ctx().new_dynamic_size()
     else:
         config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
         size = _nsa_size(_C.nsa_workspace_size, "nsa_attention", q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc,
-                         g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+                         g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config, cu_seqlens_k, max_seqlen_k)
     return o, q.new_empty((size,), dtype=torch.uint8)
 
 
@@ -703,6 +727,8 @@ def nsa_attention_backward(
     o: Tensor,
     workspace: Tensor,
     d_o: Tensor,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_k: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dk_cmp, dv_cmp, d_g_cmp, d_g_slc, d_g_swa); absent ones are empty."""
     config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
@@ -711,24 +737,26 @@ def nsa_attention_backward(
     dk_cmp, dv_cmp = (_alloc(t.shape, t, packed=packed) if t is not None else None for t in (k_cmp, v_cmp))
     d_gates = [_alloc(g.shape, g, packed=packed) if g is not None else None for g in (g_cmp, g_slc, g_swa)]
     scratch_size = _nsa_size(_C.nsa_backward_scratch_size, "nsa_attention_backward", q, k, v, k_cmp, v_cmp,
-                             block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config)
+                             block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config,
+                             cu_seqlens_k, max_seqlen_k)
     scratch = torch.empty((scratch_size,), dtype=torch.uint8, device=q.device)
     _C.nsa_attention_backward(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
                               _arr(g_slc), _arr(g_swa), _arr(o), _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen,
                               *config, workspace, _arr(d_o), dq, dk, dv, dk_cmp, dv_cmp, *d_gates, scratch,
-                              _stream(q))
+                              _stream(q), cu_seqlens_k=_arr(cu_seqlens_k), max_seqlen_k=max_seqlen_k)
     return tuple(t if t is not None else _empty_grad(q) for t in (dq, dk, dv, dk_cmp, dv_cmp, *d_gates))
 
 
 @nsa_attention_backward.register_fake
 def _(q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block,
-      cmp_stride, sel_block, num_selected, num_init, num_local, window, scale, o, workspace, d_o):
+      cmp_stride, sel_block, num_selected, num_init, num_local, window, scale, o, workspace, d_o, cu_seqlens_k=None,
+      max_seqlen_k=0):
     return tuple(torch.empty_like(t) if t is not None else q.new_empty((0,))
                  for t in (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa))
 
 
 _NSA_GRAD_INPUTS = (0, 1, 2, 3, 4, 6, 7, 8)  # positions of q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa
-_NSA_NUM_INPUTS = 20
+_NSA_NUM_INPUTS = 22
 
 
 def _nsa_setup(ctx, inputs, output):
@@ -737,15 +765,16 @@ def _nsa_setup(ctx, inputs, output):
     # No zero gradient of the workspace (gigabytes at long T) materialised for the backward, which ignores it.
     ctx.set_materialize_grads(False)
     tensors = inputs[:11]  # q .. cu_seqlens_cmp
-    ctx.save_for_backward(*tensors, o, workspace)
-    ctx.args = inputs[11:]  # max_seqlen and the config
+    ctx.save_for_backward(*tensors, o, workspace, inputs[20])  # and cu_seqlens_k
+    ctx.args = inputs[11:20]  # max_seqlen and the config
+    ctx.max_seqlen_k = inputs[21]
 
 
 def _nsa_backward(ctx, d_o, d_workspace):
     if d_o is None:  # not materialised: nothing reached o
         return (None,) * _NSA_NUM_INPUTS
-    *tensors, o, workspace = ctx.saved_tensors
-    grads = nsa_attention_backward(*tensors, *ctx.args, o, workspace, d_o)
+    *tensors, o, workspace, cu_seqlens_k = ctx.saved_tensors
+    grads = nsa_attention_backward(*tensors, *ctx.args, o, workspace, d_o, cu_seqlens_k, ctx.max_seqlen_k)
     result = [None] * _NSA_NUM_INPUTS
     for position, grad in zip(_NSA_GRAD_INPUTS, grads):
         if tensors[position] is not None:

@@ -6,6 +6,11 @@ float64). ``scale=None`` means 1/sqrt(Dqk). Gates are [B, T, Hq] (packed [N, Hq]
 Errors raise :class:`sparseattn.SparseAttnError` (a ``ValueError``) or one of its subclasses, with a message
 that names the operation and the argument, before anything is allocated or computed. CPU tensors run the C++
 reference backend.
+
+The NSA functions also take a chunk of T queries against S >= T keys (k, v or the compressed blocks of S keys):
+query t then sits at key position t + S - T and gets exactly the row of the full call (T = S) there
+(docs/semantics.md section 11). Batched, S comes from k (``seqlen_k`` where there is no k); packed, the keys'
+sequences are ``cu_seqlens_k``.
 """
 
 from __future__ import annotations
@@ -175,20 +180,22 @@ def compress_kv(k: Tensor, v: Tensor, *, block: int = 32, stride: int = 16,
 
 
 def _cu_seqlens_cmp(cu_seqlens: Optional[Tensor], cu_seqlens_cmp: Optional[Tensor], block: int,
-                    stride: int) -> Optional[Tensor]:
-    """The caller's cu_seqlens_cmp, or the one compressed_cu_seqlens derives for packed calls."""
-    if cu_seqlens_cmp is not None:
+                    stride: int, cu_seqlens_k: Optional[Tensor] = None) -> Optional[Tensor]:
+    """The caller's cu_seqlens_cmp, or the one compressed_cu_seqlens derives from the keys' sequences (packed)."""
+    if cu_seqlens_cmp is not None or cu_seqlens is None:
         return cu_seqlens_cmp
-    return _compressed_cu(cu_seqlens, block, stride) if cu_seqlens is not None else None
+    return _compressed_cu(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, block, stride)
 
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, *, block: int = 32, stride: int = 16,
                          scale: Optional[float] = None, cu_seqlens: Optional[Tensor] = None,
-                         cu_seqlens_cmp: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                         cu_seqlens_cmp: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                         seqlen_k: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Attention of every query to the compressed blocks that end at or before it (j*stride + block - 1 <= t).
 
     A query that sees no block gets o = 0 and lse = -inf. Differentiable w.r.t. q, k_cmp and v_cmp (not
-    through lse).
+    through lse). For a query chunk (S >= T keys, whose compressed blocks k_cmp holds), t is the query's key
+    position t + S - T.
 
     Args:
         q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
@@ -198,7 +205,11 @@ def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, *, block: int 
         scale: softmax scale, a finite positive number; None: 1/sqrt(Dqk).
         cu_seqlens: int32 [B+1] for the packed layout.
         cu_seqlens_cmp: int32 [B+1], the packed layout of k_cmp/v_cmp (default
-            ``compressed_cu_seqlens(cu_seqlens, block, stride)``).
+            ``compressed_cu_seqlens(cu_seqlens_k or cu_seqlens, block, stride)``).
+        cu_seqlens_k: int32 [B+1], packed query chunks: the keys' sequences, S_b >= T_b keys each (needs
+            cu_seqlens). None: the keys are q's.
+        seqlen_k: batched query chunks: S >= T keys per sequence (k_cmp is [B, (S - block) // stride + 1, ...]).
+            None: S = T.
 
     Returns:
         (o, lse): o like q with v_cmp's head dim; lse [B, Hq, T] (packed [Hq, N]) in float32 (float64 for
@@ -218,33 +229,41 @@ def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, *, block: int 
         >>> o, lse = sparseattn.compressed_attention(q, k_cmp, v_cmp, block=16, stride=8)
         >>> tuple(o.shape), tuple(lse.shape), lse.dtype
         ((1, 40, 4, 16), (1, 4, 40), torch.float32)
+        >>> o8, _ = sparseattn.compressed_attention(q[:, -8:], k_cmp, v_cmp, block=16, stride=8, seqlen_k=40)
+        >>> torch.equal(o8, o[:, -8:])  # the last 8 queries against all 40 keys: the full call's last rows
+        True
     """
     op = "compressed_attention"
     block = chk.int_arg(op, "block", block, minimum=1)
     stride = chk.int_arg(op, "stride", stride, minimum=1)
     scale = chk.scale_arg(op, "scale", scale)
+    seqlen_k = chk.optional_int_arg(op, "seqlen_k", seqlen_k, minimum=0)
     chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
     chk.cu_seqlens_arg(op, "cu_seqlens_cmp", cu_seqlens_cmp)
+    chk.cu_seqlens_arg(op, "cu_seqlens_k", cu_seqlens_k)
     packed = cu_seqlens is not None
     chk.tokens_arg(op, "q", q, packed)
     chk.tokens_arg(op, "k_cmp", k_cmp, packed)
     chk.tensor_arg(op, "v_cmp", v_cmp)
     chk.same_rank(op, "v_cmp", v_cmp, k_cmp, "k_cmp")
     chk.devices(op, q, "q", [("k_cmp", k_cmp), ("v_cmp", v_cmp), ("cu_seqlens", cu_seqlens),
-                             ("cu_seqlens_cmp", cu_seqlens_cmp)])
-    cu_seqlens_cmp = _cu_seqlens_cmp(cu_seqlens, cu_seqlens_cmp, block, stride)
-    return _ops.compressed_attention(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, 0, block, stride, scale)
+                             ("cu_seqlens_cmp", cu_seqlens_cmp), ("cu_seqlens_k", cu_seqlens_k)])
+    cu_seqlens_cmp = _cu_seqlens_cmp(cu_seqlens, cu_seqlens_cmp, block, stride, cu_seqlens_k)
+    return _ops.compressed_attention(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, 0, block, stride, scale,
+                                     cu_seqlens_k, seqlen_k)
 
 
 def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, *, cmp_block: int = 32, cmp_stride: int = 16,
                   sel_block: int = 64, num_selected: int = 16, num_init: int = 1, num_local: int = 2,
                   scale: Optional[float] = None, cu_seqlens: Optional[Tensor] = None,
-                  cu_seqlens_cmp: Optional[Tensor] = None) -> Tensor:
+                  cu_seqlens_cmp: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                  seqlen_k: Optional[int] = None) -> Tensor:
     """NSA block selection from compressed-attention probabilities (shared by each query-head group).
 
     Each query ranks the selection blocks it can see by the compressed-attention probability mass they cover,
     summed over the query heads of its KV head, and keeps the top ``num_selected``, the ``num_init`` first
-    and ``num_local`` last (current) blocks always included. Not differentiable.
+    and ``num_local`` last (current) blocks always included. Not differentiable. A query chunk (S >= T keys)
+    applies every rule at the query's key position t + S - T.
 
     Args:
         q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
@@ -257,7 +276,10 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, *, cmp_block: int =
         num_init, num_local: forced initial and local blocks (>= 0).
         scale: softmax scale, as given to compressed_attention; None: 1/sqrt(Dqk).
         cu_seqlens, cu_seqlens_cmp: the packed layouts (cu_seqlens_cmp defaults to
-            ``compressed_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)``).
+            ``compressed_cu_seqlens(cu_seqlens_k or cu_seqlens, cmp_block, cmp_stride)``).
+        cu_seqlens_k: int32 [B+1], packed query chunks: the keys' sequences, S_b >= T_b keys each (needs
+            cu_seqlens). None: the keys are q's.
+        seqlen_k: batched query chunks: S >= T keys per sequence, whose compressed blocks k_cmp holds. None: S = T.
 
     Returns:
         int32 [B, T, Hkv, num_selected] (packed [N, Hkv, num_selected]): ascending block indices, -1 padded.
@@ -277,6 +299,10 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, *, cmp_block: int =
         ...                                num_selected=2, num_init=1, num_local=1)
         >>> tuple(idx.shape), idx[0, 63, 0].tolist()
         ((1, 64, 2, 2), [0, 1])
+        >>> last = sparseattn.select_blocks(q[:, -1:], k_cmp, lse[:, :, -1:], cmp_block=16, cmp_stride=8,
+        ...                                 sel_block=32, num_selected=2, num_init=1, num_local=1, seqlen_k=64)
+        >>> torch.equal(last, idx[:, -1:])  # query 63 alone against its 64 keys: the same blocks
+        True
     """
     op = "select_blocks"
     cmp_block = chk.int_arg(op, "cmp_block", cmp_block, minimum=1)
@@ -286,34 +312,43 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, *, cmp_block: int =
     num_init = chk.int_arg(op, "num_init", num_init, minimum=0)
     num_local = chk.int_arg(op, "num_local", num_local, minimum=0)
     scale = chk.scale_arg(op, "scale", scale)
+    seqlen_k = chk.optional_int_arg(op, "seqlen_k", seqlen_k, minimum=0)
     chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
     chk.cu_seqlens_arg(op, "cu_seqlens_cmp", cu_seqlens_cmp)
+    chk.cu_seqlens_arg(op, "cu_seqlens_k", cu_seqlens_k)
     packed = cu_seqlens is not None
     chk.tokens_arg(op, "q", q, packed)
     chk.tokens_arg(op, "k_cmp", k_cmp, packed)
     chk.tensor_arg(op, "lse_cmp", lse_cmp)
     chk.devices(op, q, "q", [("k_cmp", k_cmp), ("lse_cmp", lse_cmp), ("cu_seqlens", cu_seqlens),
-                             ("cu_seqlens_cmp", cu_seqlens_cmp)])
-    cu_seqlens_cmp = _cu_seqlens_cmp(cu_seqlens, cu_seqlens_cmp, cmp_block, cmp_stride)
+                             ("cu_seqlens_cmp", cu_seqlens_cmp), ("cu_seqlens_k", cu_seqlens_k)])
+    cu_seqlens_cmp = _cu_seqlens_cmp(cu_seqlens, cu_seqlens_cmp, cmp_block, cmp_stride, cu_seqlens_k)
     return _ops.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), cu_seqlens, cu_seqlens_cmp, 0,
-                              cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, scale)
+                              cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, scale,
+                              None if cu_seqlens_k is None else cu_seqlens_k.detach(), seqlen_k)
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, *, block: int = 64,
-                       scale: Optional[float] = None, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       scale: Optional[float] = None, cu_seqlens: Optional[Tensor] = None,
+                       cu_seqlens_k: Optional[Tensor] = None,
+                       max_seqlen_k: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Attention of query t to the tokens at positions <= t of its KV head's selected blocks.
 
-    Differentiable w.r.t. q, k and v.
+    Differentiable w.r.t. q, k and v. For a query chunk (k and v longer than q), t is the query's key position
+    t + S - T.
 
     Args:
         q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
-        k: [B, T, Hkv, Dqk] (packed [N, Hkv, Dqk]); Hkv divides Hq.
-        v: [B, T, Hkv, Dv] (packed [N, Hkv, Dv]).
+        k: [B, S, Hkv, Dqk] with S >= T (packed [Nk, Hkv, Dqk]); Hkv divides Hq.
+        v: [B, S, Hkv, Dv] (packed [Nk, Hkv, Dv]).
         indices: int32 [B, T, Hkv, n] (packed [N, Hkv, n]): per row, ascending block indices, -1 padded at
             the end (as :func:`select_blocks` returns). Block b covers tokens [b*block, (b+1)*block).
         block: tokens per selection block (l'), a positive int.
         scale: softmax scale; None: 1/sqrt(Dqk).
         cu_seqlens: int32 [B+1] for the packed layout.
+        cu_seqlens_k: int32 [B+1], packed query chunks: the keys' sequences, S_b >= T_b keys each (needs
+            cu_seqlens). None: the keys are q's.
+        max_seqlen_k: an upper bound of the keys' packed lengths (None or 0: not known).
 
     Returns:
         (o, lse): o [B, T, Hq, Dv] (packed [N, Hq, Dv]); lse [B, Hq, T] (packed [Hq, N]) in float32
@@ -334,19 +369,26 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, *, bloc
         >>> o, lse = sparseattn.selected_attention(q, k, v, idx, block=32)
         >>> tuple(o.shape)
         (1, 64, 4, 16)
+        >>> o1, _ = sparseattn.selected_attention(q[:, -1:], k, v, idx[:, -1:], block=32)  # a decoding step
+        >>> torch.equal(o1, o[:, -1:])
+        True
     """
     op = "selected_attention"
     block = chk.int_arg(op, "block", block, minimum=1)
     scale = chk.scale_arg(op, "scale", scale)
+    max_seqlen_k = chk.optional_int_arg(op, "max_seqlen_k", max_seqlen_k, minimum=0)
     chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
+    chk.cu_seqlens_arg(op, "cu_seqlens_k", cu_seqlens_k)
     packed = cu_seqlens is not None
     chk.tokens_arg(op, "q", q, packed)
     chk.tokens_arg(op, "k", k, packed)
     chk.tensor_arg(op, "v", v)
     chk.same_rank(op, "v", v, k, "k")
     chk.tensor_arg(op, "indices", indices, kind="int32")
-    chk.devices(op, q, "q", [("k", k), ("v", v), ("indices", indices), ("cu_seqlens", cu_seqlens)])
-    return _ops.selected_attention(q, k, v, indices.detach(), cu_seqlens, 0, block, scale)
+    chk.devices(op, q, "q", [("k", k), ("v", v), ("indices", indices), ("cu_seqlens", cu_seqlens),
+                             ("cu_seqlens_k", cu_seqlens_k)])
+    return _ops.selected_attention(q, k, v, indices.detach(), cu_seqlens, 0, block, scale,
+                                   None if cu_seqlens_k is None else cu_seqlens_k.detach(), max_seqlen_k)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
@@ -602,24 +644,32 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
                   g_swa: Optional[Tensor] = None, *, config: Optional[NSAConfig] = None,
                   k_cmp: Optional[Tensor] = None, v_cmp: Optional[Tensor] = None,
                   block_indices: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
-                  max_seqlen: Optional[int] = None) -> Tensor:
+                  max_seqlen: Optional[int] = None, cu_seqlens_k: Optional[Tensor] = None,
+                  max_seqlen_k: Optional[int] = None) -> Tensor:
     """The whole Native Sparse Attention pipeline in one op.
 
     o = g_cmp*compressed + g_slc*selected + g_swa*sliding-window attention, where a branch whose gate is None
     is skipped. Gradients reach q, k, v, the given gates and user k_cmp/v_cmp.
 
+    Query chunks (chunked prefill, decoding against a KV cache, context parallelism): k and v may hold S >= T
+    keys per sequence; query t then sits at key position t + S - T and its row is the full call's (T = S) row
+    there; dk and dv cover all S keys (docs/semantics.md section 11).
+
     Args:
         q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
-        k: [B, T, Hkv, Dqk] (packed [N, Hkv, Dqk]); Hkv divides Hq.
-        v: [B, T, Hkv, Dv] (packed [N, Hkv, Dv]).
+        k: [B, S, Hkv, Dqk] with S >= T (packed [Nk, Hkv, Dqk]); Hkv divides Hq.
+        v: [B, S, Hkv, Dv] (packed [Nk, Hkv, Dv]).
         g_cmp, g_slc, g_swa: gates [B, T, Hq] (packed [N, Hq]) in q's dtype, used as given; at least one.
         config: an :class:`NSAConfig` (None: the defaults).
-        k_cmp, v_cmp: user-supplied compressed K/V instead of mean pooling, both or neither
-            ([B, Tc, Hkv, D]; packed laid out by ``compressed_cu_seqlens``).
+        k_cmp, v_cmp: user-supplied compressed K/V of the keys instead of mean pooling, both or neither
+            ([B, Sc, Hkv, D]; packed laid out by ``compressed_cu_seqlens(cu_seqlens_k or cu_seqlens)``).
         block_indices: user-supplied selection, int32 [B, T, Hkv, n] (packed [N, Hkv, n]), instead of the
             top-n selection; needs g_slc.
         cu_seqlens: int32 [B+1] for the packed layout.
         max_seqlen: an upper bound of the packed lengths (None or 0: not known).
+        cu_seqlens_k: int32 [B+1], packed query chunks: the keys' sequences, S_b >= T_b keys each (needs
+            cu_seqlens). None: the keys are q's.
+        max_seqlen_k: an upper bound of the keys' packed lengths (None or 0: not known).
 
     Returns:
         o [B, T, Hq, Dv] (packed [N, Hq, Dv]) in q's dtype.
@@ -639,6 +689,15 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
         >>> o = sparseattn.nsa_attention(q, k, v, g, g, g, config=cfg)
         >>> tuple(o.shape)
         (1, 100, 4, 16)
+        >>> g10 = g[:, -10:]  # the last 10 queries against all 100 keys
+        >>> torch.equal(sparseattn.nsa_attention(q[:, -10:], k, v, g10, g10, g10, config=cfg), o[:, -10:])
+        True
+        >>> cu_q, cu_k = torch.tensor([0, 1, 11], dtype=torch.int32), torch.tensor([0, 40, 100], dtype=torch.int32)
+        >>> qp = torch.cat([q[0, 39:40], q[0, 90:]])  # a decoding step at position 39; 10 queries of 60 keys
+        >>> gp = torch.sigmoid(torch.randn(11, 4))
+        >>> tuple(sparseattn.nsa_attention(qp, k[0], v[0], gp, gp, gp, config=cfg, cu_seqlens=cu_q,
+        ...                                cu_seqlens_k=cu_k).shape)
+        (11, 4, 16)
     """
     op = "nsa_attention"
     config = NSAConfig() if config is None else config
@@ -646,7 +705,9 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
         raise chk.type_error(op, "config", "a sparseattn.NSAConfig or None", config)
     config._validate()
     max_seqlen = chk.optional_int_arg(op, "max_seqlen", max_seqlen, minimum=0)
+    max_seqlen_k = chk.optional_int_arg(op, "max_seqlen_k", max_seqlen_k, minimum=0)
     chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
+    chk.cu_seqlens_arg(op, "cu_seqlens_k", cu_seqlens_k)
     packed = cu_seqlens is not None
     chk.tokens_arg(op, "q", q, packed)
     chk.tokens_arg(op, "k", k, packed)
@@ -657,14 +718,15 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
     chk.tensor_arg(op, "block_indices", block_indices, optional=True, kind="int32")
     chk.devices(op, q, "q", [("k", k), ("v", v), ("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa),
                              ("k_cmp", k_cmp), ("v_cmp", v_cmp), ("block_indices", block_indices),
-                             ("cu_seqlens", cu_seqlens)])
-    cu_cmp = _compressed_cu(cu_seqlens, config.cmp_block, config.cmp_stride) if packed else None
+                             ("cu_seqlens", cu_seqlens), ("cu_seqlens_k", cu_seqlens_k)])
+    cu_cmp = _cu_seqlens_cmp(cu_seqlens, None, config.cmp_block, config.cmp_stride, cu_seqlens_k)
     if block_indices is not None:
         block_indices = block_indices.detach()
     o, _workspace = _ops.nsa_attention(
         q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_cmp, max_seqlen,
         int(config.cmp_block), int(config.cmp_stride), int(config.sel_block), int(config.num_selected),
-        int(config.num_init), int(config.num_local), int(config.window), chk.scale_arg(op, "scale", config.scale))
+        int(config.num_init), int(config.num_local), int(config.window), chk.scale_arg(op, "scale", config.scale),
+        None if cu_seqlens_k is None else cu_seqlens_k.detach(), max_seqlen_k)
     return o
 
 

@@ -38,17 +38,21 @@ class NativeSparseAttentionCore(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = None,
                 g_slc: Optional[Tensor] = None, g_swa: Optional[Tensor] = None, *,
-                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None) -> Tensor:
+                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
+                cu_seqlens_k: Optional[Tensor] = None, max_seqlen_k: Optional[int] = None) -> Tensor:
         """:func:`sparseattn.nsa_attention` with this module's config.
 
         Args:
             q: [B, T, Hq, Dqk], or packed [N, Hq, Dqk] with cu_seqlens.
-            k: [B, T, Hkv, Dqk] (packed [N, Hkv, Dqk]); Hkv divides Hq.
-            v: [B, T, Hkv, Dv] (packed [N, Hkv, Dv]).
+            k: [B, S, Hkv, Dqk] with S >= T (packed [Nk, Hkv, Dqk]); Hkv divides Hq. More keys than queries
+                make q the chunk of the last T positions (docs/semantics.md section 11).
+            v: [B, S, Hkv, Dv] (packed [Nk, Hkv, Dv]).
             g_cmp, g_slc, g_swa: gates [B, T, Hq] (packed [N, Hq]) in q's dtype; at least one; a branch
                 whose gate is None is skipped.
             cu_seqlens: int32 [B+1] for the packed layout.
             max_seqlen: an upper bound of the packed lengths (None: not known).
+            cu_seqlens_k: int32 [B+1], packed query chunks: the keys' sequences (None: cu_seqlens).
+            max_seqlen_k: an upper bound of the keys' packed lengths (None: not known).
 
         Returns:
             o [B, T, Hq, Dv] (packed [N, Hq, Dv]).
@@ -64,9 +68,11 @@ class NativeSparseAttentionCore(nn.Module):
             >>> g = torch.sigmoid(torch.randn(1, 50, 4))
             >>> tuple(core(q, k, v, g, g, g).shape)
             (1, 50, 4, 16)
+            >>> torch.equal(core(q[:, -1:], k, v, g[:, -1:], g[:, -1:], g[:, -1:]), core(q, k, v, g, g, g)[:, -1:])
+            True
         """
         return nsa_attention(q, k, v, g_cmp, g_slc, g_swa, config=self.config, cu_seqlens=cu_seqlens,
-                             max_seqlen=max_seqlen)
+                             max_seqlen=max_seqlen, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
 
     def extra_repr(self) -> str:
         return repr(self.config)
@@ -84,6 +90,13 @@ def _device_arg(op: str, device):
         raise make_error(SparseAttnError, "device", op, "device", f"not a device: {device!r} ({exc})") from None
 
 
+def _sequence_of(num_tokens: int, cu_seqlens: Tensor, device: torch.device) -> Tensor:
+    """The sequence of every packed token (int64 [N]; rows past the last sequence: the last one). No host sync."""
+    index = torch.arange(num_tokens, device=device, dtype=torch.int64)
+    seq = torch.searchsorted(cu_seqlens[1:].to(torch.int64), index, right=True)
+    return seq.clamp_max(max(cu_seqlens.shape[0] - 2, 0))
+
+
 def sequence_positions(num_tokens: int, cu_seqlens: Optional[Tensor], device: torch.device) -> Tensor:
     """0-based position of every token within its sequence: arange(T) (batched) or, packed, restarting at
     every cu_seqlens boundary (rows past the last sequence continue the last one). No host sync."""
@@ -94,6 +107,23 @@ def sequence_positions(num_tokens: int, cu_seqlens: Optional[Tensor], device: to
     # The last sequence starting at or before each token (empty sequences share their start with the next one).
     seq = torch.searchsorted(starts, index, right=True) - 1
     return index - cu_seqlens.to(torch.int64)[seq.clamp_min(0)]
+
+
+def _append_packed(cache: Tensor, new: Tensor, cu_cache: Tensor, cu_new: Tensor) -> tuple[Tensor, Tensor]:
+    """Packed sequences of `cache` (laid out by cu_cache) each followed by its rows of `new` (cu_new): the rows and
+    their cu_seqlens. Rows past the last sequence repeat a valid row (they are ignored). No host sync."""
+    cu_all = (cu_cache + cu_new).to(torch.int32)
+    rows = cache.shape[0] + new.shape[0]
+    both = torch.cat([cache, new])
+    if rows == 0:
+        return both, cu_all
+    index = torch.arange(rows, device=new.device, dtype=torch.int64)
+    cu_all64, cu_cache64, cu_new64 = cu_all.to(torch.int64), cu_cache.to(torch.int64), cu_new.to(torch.int64)
+    seq = torch.searchsorted(cu_all64[1:], index, right=True).clamp_max(cu_all.shape[0] - 2)  # its sequence
+    local = index - cu_all64[seq]
+    cached = cu_cache64[seq + 1] - cu_cache64[seq]
+    source = torch.where(local < cached, cu_cache64[seq] + local, cache.shape[0] + cu_new64[seq] + local - cached)
+    return both[source.clamp(0, rows - 1)], cu_all
 
 
 def apply_rotary(x: Tensor, positions: Tensor, theta: float = 10000.0) -> Tensor:
@@ -113,7 +143,9 @@ class NativeSparseAttention(nn.Module):
     """A Native Sparse Attention layer: q/k/v/o projections, sigmoid gates, rotary embedding and NSA.
 
     forward(x [B, T, hidden] or packed [N, hidden] with cu_seqlens) returns a tensor of the same leading
-    shape. Rotary positions restart at 0 for every packed sequence.
+    shape. Rotary positions restart at 0 for every packed sequence. With a ``kv_cache`` of the keys and values
+    before x (chunked prefill, decoding), x's tokens follow them and attend to both (docs/semantics.md
+    section 11); forward then also returns the keys and values to cache for the next call.
 
     Args:
         hidden_size: model width (a positive int).
@@ -177,8 +209,8 @@ class NativeSparseAttention(nn.Module):
     def config(self) -> NSAConfig:
         return self.core.config
 
-    def forward(self, x: Tensor, *, cu_seqlens: Optional[Tensor] = None,
-                max_seqlen: Optional[int] = None) -> Tensor:
+    def forward(self, x: Tensor, *, cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
+                kv_cache: Optional[tuple[Tensor, Tensor]] = None, cu_seqlens_cache: Optional[Tensor] = None):
         """Projections, gates, rotary embedding, NSA and the output projection.
 
         Args:
@@ -186,9 +218,15 @@ class NativeSparseAttention(nn.Module):
                 layer's parameters.
             cu_seqlens: int32 [B+1] for the packed layout (rotary positions restart at every sequence).
             max_seqlen: an upper bound of the packed lengths (None: not known).
+            kv_cache: None, or (k, v) of the P tokens before x, as a previous call returned them (rotary
+                applied): [B, P, Hkv, Dqk] and [B, P, Hkv, Dv], packed [Np, ...] with cu_seqlens_cache. x's
+                tokens then sit at positions P .. P + T - 1 of each sequence.
+            cu_seqlens_cache: int32 [B+1], the packed layout of kv_cache (with cu_seqlens).
 
         Returns:
-            [B, T, hidden_size] (packed [N, hidden_size]).
+            [B, T, hidden_size] (packed [N, hidden_size]); with a kv_cache, (that, (k, v)): the keys and values
+            of the cache followed by x's, [B, P + T, Hkv, D] (packed, sequence b's P_b + T_b rows at
+            cu_seqlens_cache + cu_seqlens).
 
         Raises:
             SparseAttnTypeError: x or cu_seqlens not a tensor, max_seqlen not an int.
@@ -206,6 +244,11 @@ class NativeSparseAttention(nn.Module):
             >>> cu = torch.tensor([0, 30, 100], dtype=torch.int32)
             >>> tuple(layer(torch.randn(100, 64), cu_seqlens=cu, max_seqlen=70).shape)
             (100, 64)
+            >>> empty = (torch.zeros(2, 0, 2, 16), torch.zeros(2, 0, 2, 16))
+            >>> first, cache = layer(x[:, :40], kv_cache=empty)  # prefill 40 tokens, then 10 more
+            >>> rest, cache = layer(x[:, 40:], kv_cache=cache)
+            >>> torch.allclose(torch.cat([first, rest], 1), layer(x), atol=1e-6), tuple(cache[0].shape)
+            (True, (2, 50, 2, 16))
         """
         op = "NativeSparseAttention"
         chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
@@ -223,6 +266,7 @@ class NativeSparseAttention(nn.Module):
         chk.same_device(op, "x", x, weight, "the layer's parameters")
         chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens, x, "x")
         max_seqlen = chk.optional_int_arg(op, "max_seqlen", max_seqlen, minimum=0, default=None)
+        cached = self._cache_arg(op, kv_cache, cu_seqlens_cache, packed, x)
         lead = x.shape[:-1]
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -230,10 +274,51 @@ class NativeSparseAttention(nn.Module):
         g_cmp, g_slc, g_swa = torch.sigmoid(self.g_proj(x)).unflatten(-1, (3, self.num_heads)).unbind(-2)
         if self.rotary:
             positions = sequence_positions(x.shape[-2], cu_seqlens, x.device)
+            if kv_cache is not None:  # x's tokens follow the cached ones of their sequence
+                if not packed:
+                    positions = positions + kv_cache[0].shape[1]
+                elif cached.numel() > 0:
+                    positions = positions + cached[_sequence_of(x.shape[0], cu_seqlens, x.device)]
             q = apply_rotary(q, positions, self.rope_theta)
             k = apply_rotary(k, positions, self.rope_theta)
-        o = self.core(q, k, v, g_cmp, g_slc, g_swa, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return self.o_proj(o.reshape(*lead, self.num_heads * self.v_head_dim))
+        cu_seqlens_k = None
+        if kv_cache is not None:
+            if packed:
+                k, cu_seqlens_k = _append_packed(kv_cache[0], k, cu_seqlens_cache, cu_seqlens)
+                v, _ = _append_packed(kv_cache[1], v, cu_seqlens_cache, cu_seqlens)
+            else:
+                k, v = torch.cat([kv_cache[0], k], dim=1), torch.cat([kv_cache[1], v], dim=1)
+        o = self.core(q, k, v, g_cmp, g_slc, g_swa, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                      cu_seqlens_k=cu_seqlens_k)
+        out = self.o_proj(o.reshape(*lead, self.num_heads * self.v_head_dim))
+        return out if kv_cache is None else (out, (k, v))
+
+    def _cache_arg(self, op: str, kv_cache, cu_seqlens_cache: Optional[Tensor], packed: bool,
+                   x: Tensor) -> Optional[Tensor]:
+        """Checks kv_cache and cu_seqlens_cache; returns the cached token count of each packed sequence (int64
+        [B]), an empty tensor for the batched layout, or None without a cache."""
+        if kv_cache is None:
+            if cu_seqlens_cache is not None:
+                raise chk.config_error(op, "cu_seqlens_cache", "is given without kv_cache")
+            return None
+        if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+            raise chk.type_error(op, "kv_cache", "None or a (k, v) pair of tensors", kv_cache)
+        rank = 3 if packed else 4
+        for name, t, dim in (("kv_cache[0]", kv_cache[0], self.head_dim), ("kv_cache[1]", kv_cache[1], self.v_head_dim)):
+            chk.tensor_arg(op, name, t)
+            chk.same_device(op, name, t, x, "x")
+            if t.dim() != rank or t.shape[-2:] != (self.num_kv_heads, dim) or (not packed and t.shape[0] != x.shape[0]):
+                expected = f"[Np, {self.num_kv_heads}, {dim}]" if packed else f"[{x.shape[0]}, P, {self.num_kv_heads}, {dim}]"
+                raise make_error(SparseAttnError, "shape", op, name, f"expected {expected}, got {list(t.shape)}")
+        if kv_cache[0].shape[:-1] != kv_cache[1].shape[:-1]:
+            raise make_error(SparseAttnError, "shape", op, "kv_cache[1]",
+                             f"has {list(kv_cache[1].shape[:-1])} tokens and heads, kv_cache[0] {list(kv_cache[0].shape[:-1])}")
+        if packed != (cu_seqlens_cache is not None):
+            raise chk.config_error(op, "cu_seqlens_cache", "is required with a packed kv_cache (and only then)")
+        if not packed:
+            return x.new_empty((0,), dtype=torch.int64)
+        chk.cu_seqlens_arg(op, "cu_seqlens_cache", cu_seqlens_cache, x, "x")
+        return (cu_seqlens_cache[1:] - cu_seqlens_cache[:-1]).to(torch.int64)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "

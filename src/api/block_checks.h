@@ -36,4 +36,28 @@ std::int64_t compressed_rows(const Check& check, const TokenLayout& tokens, cons
 std::vector<std::int64_t> compressed_shape(const TokenLayout& tokens, std::int64_t rows, std::int64_t heads,
                                            std::int64_t dim);
 
+// The keys of an NSA operation over a query chunk (docs/semantics.md section 11): sequence b has T_b queries
+// and S_b >= T_b keys, and its query t sits at key position t + S_b - T_b.
+struct ChunkKeys {
+  TokenLayout layout;  // of the keys: batched rows S; packed rows Nk (0 for an operation without key tensor)
+  Sequences seqs;      // packed: the keys' sequences (seqs_k where given, else q's seqs); batched: absent
+  bool chunk = false;  // the keys may outnumber the queries: packed with seqs_k, batched with S != T
+};
+
+// Checks seqs_k against q's layout and sequences: absent with the batched layout; packed, int32 [B+1] on the
+// device of cu_seqlens; with `read_contents` and on the CPU its contents (starts at 0, non-decreasing, within
+// max_seqlen, S_b >= T_b). Returns the key sequences; the layout's rows are left 0.
+ChunkKeys chunk_key_sequences(const Check& check, const TokenLayout& queries, const Sequences& seqs,
+                              const Sequences& seqs_k, bool read_contents);
+// The keys of an operation with a key tensor `k` (selected_attention, nsa_attention): batched [B, S, ...] with
+// S >= T, packed [Nk, ...] with the sequences above (cu_seqlens_k's last entry <= Nk on the CPU).
+ChunkKeys chunk_keys(const Check& check, const TokenLayout& queries, const Sequences& seqs, const Sequences& seqs_k,
+                     const TensorView& k, const std::string& k_arg, bool read_contents);
+// Query chunks have no CUDA kernels yet: ErrorKind::unsupported on CUDA tensors naming `arg`.
+void check_no_cuda_chunk(const Check& check, const ChunkKeys& keys, const std::string& arg);
+// The keys of an operation without key tensor (compressed_attention, select_blocks): batched S = seqlen_k
+// (0: T), which must be at least T; packed, seqlen_k must be 0.
+ChunkKeys chunk_key_count(const Check& check, const TokenLayout& queries, const Sequences& seqs,
+                          const Sequences& seqs_k, std::int64_t seqlen_k);
+
 }  // namespace sparseattn::detail

@@ -175,17 +175,18 @@ void Check::compressed_layout(const TokenLayout& tokens, const Sequences& seqs, 
 }
 
 void Check::index_contents(const TensorView& indices, const std::string& arg, const TokenLayout& layout,
-                           const Sequences& seqs, std::int64_t block) const {
+                           const Sequences& seqs, const TokenLayout& key_layout, const Sequences& key_seqs,
+                           std::int64_t block) const {
   const auto* data = static_cast<const std::int32_t*>(indices.data);
-  const auto cu = [&](std::int64_t i) {
-    return std::int64_t{static_cast<const std::int32_t*>(seqs.cu_seqlens.data)[i * seqs.cu_seqlens.stride[0]]};
-  };
+  const auto cu = [&](std::int64_t i) { return std::int64_t{cu_at(seqs.cu_seqlens, i)}; };
+  const auto cu_k = [&](std::int64_t i) { return std::int64_t{cu_at(key_seqs.cu_seqlens, i)}; };
   const int r = indices.rank;
   const std::int64_t kv_heads = indices.shape[r - 2], count = indices.shape[r - 1];
   for (std::int64_t b = 0; b < layout.batch; ++b) {
     const std::int64_t begin = layout.packed ? cu(b) : 0;
     const std::int64_t length = layout.packed ? cu(b + 1) - begin : layout.rows;
-    const std::int64_t blocks = num_selection_blocks(length, block);
+    const std::int64_t keys = key_layout.packed ? cu_k(b + 1) - cu_k(b) : key_layout.rows;
+    const std::int64_t blocks = num_selection_blocks(keys, block);
     for (std::int64_t t = 0; t < length; ++t) {
       for (std::int64_t h = 0; h < kv_heads; ++h) {
         const std::int64_t base = layout.packed ? (begin + t) * indices.stride[0] + h * indices.stride[1]
@@ -211,7 +212,7 @@ void Check::index_contents(const TensorView& indices, const std::string& arg, co
                             std::to_string(previous) + " (entries must be strictly ascending)");
           require(index < blocks, ErrorKind::value, arg,
                         where(j) + std::to_string(index) + " is out of range: a sequence of " +
-                            std::to_string(length) + " tokens has " + std::to_string(blocks) +
+                            std::to_string(keys) + " keys has " + std::to_string(blocks) +
                             " selection blocks of " + std::to_string(block));
           previous = index;
         }

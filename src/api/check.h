@@ -63,11 +63,13 @@ class Check {
   void buffer(const void* data, std::size_t bytes, std::size_t needed, const std::string& arg,
               const std::string& size_query) const;
 
-  // The sparse index convention on a CPU index tensor [B, T, Hkv, n] (packed [N, Hkv, n]), row by row:
-  // entries strictly ascending in [0, num_selection_blocks(T_b, block)), -1 only as tail padding.
-  // Packed rows past cu_seqlens[B] are ignored.
+  // The sparse index convention on a CPU index tensor [B, T, Hkv, n] (packed [N, Hkv, n]) laid out like the
+  // queries (`layout`, `seqs`), row by row: entries strictly ascending in [0, num_selection_blocks(S_b, block))
+  // with S_b the keys of the sequence (`key_layout`, `key_seqs`: batched rows S, packed cu_seqlens), -1 only as
+  // tail padding. Packed rows past cu_seqlens[B] are ignored.
   void index_contents(const TensorView& indices, const std::string& arg, const TokenLayout& layout,
-                      const Sequences& seqs, std::int64_t block) const;
+                      const Sequences& seqs, const TokenLayout& key_layout, const Sequences& key_seqs,
+                      std::int64_t block) const;
 
   const std::string& op() const { return op_; }
 

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "api/block_checks.h"
 #include "api/branch_backward.h"
 #include "api/check.h"
 #include "api/cuda_limits.h"
@@ -18,6 +19,7 @@ namespace {
 
 struct CompressedShapes {
   detail::TokenLayout layout;
+  detail::ChunkKeys keys;  // S_b >= T_b keys per sequence, whose compressed blocks k_cmp holds
   std::int64_t q_heads = 0, kv_heads = 0, dim_qk = 0, dim_v = 0;
   std::int64_t block = 0, stride = 0;
   std::int64_t cmp_rows = 0;  // Tc (batched) or Nc (packed)
@@ -61,15 +63,16 @@ CompressedShapes check_common(const detail::Check& check, const Params& params) 
   check.require(shapes.q_heads % shapes.kv_heads == 0, ErrorKind::shape, "k_cmp",
                 "has " + std::to_string(shapes.kv_heads) + " heads, which must divide the " +
                     std::to_string(shapes.q_heads) + " query heads of q (group size Hq / Hkv)");
+  shapes.keys = detail::chunk_key_count(check, shapes.layout, params.seqs, params.seqs_k, params.seqlen_k);
   shapes.cmp_rows = shapes.layout.packed
                         ? k_cmp.shape[0]
-                        : num_compressed_blocks(shapes.layout.rows, shapes.block, shapes.stride);
-  check.compressed_layout(shapes.layout, params.seqs, params.cu_seqlens_cmp, shapes.cmp_rows, shapes.block,
+                        : num_compressed_blocks(shapes.keys.layout.rows, shapes.block, shapes.stride);
+  check.compressed_layout(shapes.keys.layout, shapes.keys.seqs, params.cu_seqlens_cmp, shapes.cmp_rows, shapes.block,
                           shapes.stride);
   if (!shapes.layout.packed) {
     check.require(k_cmp.shape[1] == shapes.cmp_rows, ErrorKind::shape, "k_cmp",
                   "has " + std::to_string(k_cmp.shape[1]) + " compressed blocks, but sequences of " +
-                      std::to_string(shapes.layout.rows) + " tokens have num_compressed_blocks(T, block " +
+                      std::to_string(shapes.keys.layout.rows) + " keys have num_compressed_blocks(S, block " +
                       std::to_string(shapes.block) + ", stride " + std::to_string(shapes.stride) +
                       ") = " + std::to_string(shapes.cmp_rows));
   }
@@ -87,6 +90,7 @@ CompressedShapes check_common(const detail::Check& check, const Params& params) 
 
 template <class Params>
 void check_cuda_compressed(const detail::Check& check, const Params& params, const CompressedShapes& shapes) {
+  detail::check_no_cuda_chunk(check, shapes.keys, shapes.layout.packed ? "cu_seqlens_k" : "seqlen_k");
   detail::check_cuda_half(check, params.q);
   detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);
   detail::check_cuda_rows(check, params.q, "q");

@@ -26,6 +26,8 @@ namespace {
 
 const char* const kGradGate[kNumBranches] = {"d_g_cmp", "d_g_slc", "d_g_swa"};
 
+// The batched key count S that compressed_attention and select_blocks take (they see no k); 0 when packed.
+std::int64_t seqlen_k(const detail::NsaPlan& plan) { return plan.layout.packed ? 0 : plan.keys.layout.rows; }
 
 // The forward calls of the steps that take a workspace, built in one place so that the workspace covers
 // exactly what they ask for.
@@ -40,13 +42,15 @@ ForwardSteps forward_steps(const detail::NsaPlan& plan, const NsaParams& p, cons
   const std::size_t workspace_bytes = ws.step_workspace.present() ? ws.step_workspace.numel() : 0;
   ForwardSteps steps;
   steps.select = {.q = p.q, .k_cmp = plan.user_cmp ? p.k_cmp : ws.k_cmp, .lse_cmp = ws.lse[0],
-                  .indices = ws.indices, .seqs = p.seqs, .cu_seqlens_cmp = p.cu_seqlens_cmp,
+                  .indices = ws.indices, .seqs = p.seqs, .seqs_k = p.seqs_k, .seqlen_k = seqlen_k(plan),
+                  .cu_seqlens_cmp = p.cu_seqlens_cmp,
                   .cmp_block = c.cmp_block, .cmp_stride = c.cmp_stride, .sel_block = c.sel_block,
                   .num_selected = c.num_selected, .num_init = c.num_init, .num_local = c.num_local,
                   .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes,
                   .stream = p.stream};
   steps.slc = {.q = p.q, .k = p.k, .v = p.v, .indices = plan.run_selection ? ws.indices : p.block_indices,
-               .o = ws.o[1], .lse = ws.lse[1], .seqs = p.seqs, .block = c.sel_block, .scale = c.scale,
+               .o = ws.o[1], .lse = ws.lse[1], .seqs = p.seqs, .seqs_k = p.seqs_k, .block = c.sel_block,
+               .scale = c.scale,
                .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = p.stream};
   return steps;
 }
@@ -109,8 +113,9 @@ void sum_into(const TensorView& out, const std::array<TensorView, kNumBranches>&
 
 // The pipeline runs on the CUDA kernels of its steps; they take bfloat16 and float16 (compress_kv and
 // combine also take float32, the attention steps do not), so that is checked before any step runs.
-void check_backend(const detail::Check& check, const TensorView& q) {
+void check_backend(const detail::Check& check, const TensorView& q, const detail::NsaPlan& plan) {
   if (detail::backend(check, q, "q", detail::kCudaBuilt) == detail::Backend::cuda) {
+    detail::check_no_cuda_chunk(check, plan.keys, plan.layout.packed ? "cu_seqlens_k" : "k");
     check.require(q.dtype == DType::bfloat16 || q.dtype == DType::float16, ErrorKind::unsupported, "q",
                   std::string("the CUDA pipeline takes bfloat16 or float16, got ") + dtype_name(q.dtype));
   }
@@ -137,16 +142,18 @@ BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, 
   BranchBackward b;
   b.cmp = {.q = f.q, .k_cmp = plan.user_cmp ? f.k_cmp : ws.k_cmp, .v_cmp = plan.user_cmp ? f.v_cmp : ws.v_cmp,
            .o = ws.o[0], .lse = ws.lse[0], .d_o = d_o, .dq = dq_of(0), .dk_cmp = dk_cmp,
-           .dv_cmp = dv_cmp, .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp, .block = c.cmp_block,
+           .dv_cmp = dv_cmp, .seqs = f.seqs, .seqs_k = f.seqs_k, .seqlen_k = seqlen_k(plan),
+           .cu_seqlens_cmp = f.cu_seqlens_cmp, .block = c.cmp_block,
            .stride = c.cmp_stride, .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes,
            .stream = f.stream};
   b.slc = {.q = f.q, .k = f.k, .v = f.v, .indices = plan.run_selection ? ws.indices : f.block_indices,
            .o = ws.o[1], .lse = ws.lse[1], .d_o = d_o, .dq = dq_of(1), .dk = scratch.dk[1],
-           .dv = scratch.dv[1], .seqs = f.seqs, .block = c.sel_block, .scale = c.scale, .workspace = workspace,
+           .dv = scratch.dv[1], .seqs = f.seqs, .seqs_k = f.seqs_k, .block = c.sel_block, .scale = c.scale,
+           .workspace = workspace,
            .workspace_bytes = workspace_bytes, .stream = f.stream};
   b.swa = {.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = ws.o[2], .lse = ws.lse[2],
            .d_o = d_o, .dq = dq_of(2), .dk = scratch.dk[2], .dv = scratch.dv[2], .dbias = {},
-           .dalpha = {}, .ddelta = {}, .seqs_q = f.seqs, .seqs_k = f.seqs, .causal = true,
+           .dalpha = {}, .ddelta = {}, .seqs_q = f.seqs, .seqs_k = plan.keys.seqs, .causal = true,
            .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .gates = {}, .blocks = {},
            .head_windows = {}, .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = f.stream};
   return b;
@@ -187,7 +194,7 @@ void nsa_attention(const NsaParams& params) {
   const detail::Check check("nsa_attention");
   const auto [plan, ws] = prepare(check, params);
   check.buffer(params.scratch, params.scratch_bytes, ws.scratch_bytes, "scratch", "nsa_forward_scratch_size");
-  check_backend(check, params.q);
+  check_backend(check, params.q, plan);
 
   const NsaConfig& c = params.config;
   // Every byte of the workspace ends up deterministic (the caller may pass it uninitialised): what no step
@@ -203,13 +210,14 @@ void nsa_attention(const NsaParams& params) {
   const TensorView k_cmp = plan.user_cmp ? params.k_cmp : ws.k_cmp;
   const TensorView v_cmp = plan.user_cmp ? params.v_cmp : ws.v_cmp;
   if (plan.run_compression) {
-    compress_kv({.k = params.k, .v = params.v, .k_cmp = ws.k_cmp, .v_cmp = ws.v_cmp, .seqs = params.seqs,
+    compress_kv({.k = params.k, .v = params.v, .k_cmp = ws.k_cmp, .v_cmp = ws.v_cmp, .seqs = plan.keys.seqs,
                  .cu_seqlens_cmp = params.cu_seqlens_cmp, .block = c.cmp_block, .stride = c.cmp_stride,
                  .stream = params.stream});
   }
   if (plan.run_compressed_attention) {
     compressed_attention({.q = params.q, .k_cmp = k_cmp, .v_cmp = v_cmp, .o = ws.o[0], .lse = ws.lse[0],
-                          .seqs = params.seqs, .cu_seqlens_cmp = params.cu_seqlens_cmp, .block = c.cmp_block,
+                          .seqs = params.seqs, .seqs_k = params.seqs_k, .seqlen_k = seqlen_k(plan),
+                          .cu_seqlens_cmp = params.cu_seqlens_cmp, .block = c.cmp_block,
                           .stride = c.cmp_stride, .scale = c.scale, .stream = params.stream});
   }
   const ForwardSteps steps = forward_steps(plan, params, ws);
@@ -217,7 +225,7 @@ void nsa_attention(const NsaParams& params) {
   if (plan.branch[1]) selected_attention(steps.slc);
   if (plan.branch[2]) {
     flash_attention({.q = params.q, .k = params.k, .v = params.v, .mask = {}, .bias = {}, .o = ws.o[2],
-                     .lse = ws.lse[2], .seqs_q = params.seqs, .seqs_k = params.seqs, .causal = true,
+                     .lse = ws.lse[2], .seqs_q = params.seqs, .seqs_k = plan.keys.seqs, .causal = true,
                      .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .gates = {}, .blocks = {},
                      .head_windows = {}, .stream = params.stream});
   }
@@ -236,7 +244,7 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
   const detail::NsaScratch scratch = scratch_for(plan, f, ws, params.scratch);
   check.buffer(params.scratch, params.scratch_bytes, scratch.bytes, "scratch", "nsa_backward_scratch_size");
   check_gradients(check, params, plan);
-  check_backend(check, f.q);
+  check_backend(check, f.q, plan);
 
   const NsaConfig& c = f.config;
   const BranchBackward branches =
@@ -308,12 +316,12 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
       terms.dv[i - 1] = scratch.dv[i];
     }
     detail::compress_kv_backward_adding({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = params.dk,
-                                         .dv = params.dv, .seqs = f.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
+                                         .dv = params.dv, .seqs = plan.keys.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
                                          .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream},
                                         terms);
   } else {
-    sum_into(params.dk, scratch.dk, f.seqs.cu_seqlens, f.stream);
-    sum_into(params.dv, scratch.dv, f.seqs.cu_seqlens, f.stream);
+    sum_into(params.dk, scratch.dk, plan.keys.seqs.cu_seqlens, f.stream);
+    sum_into(params.dv, scratch.dv, plan.keys.seqs.cu_seqlens, f.stream);
   }
 }
 

@@ -105,14 +105,16 @@ NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents
   valid.tensor(k, "k", plan.dtype, q);
   check.require(k.rank == q.rank, ErrorKind::shape, "k",
                 "expected " + std::to_string(q.rank) + " dimensions like q, got " + k.shape_string());
+  plan.keys = chunk_keys(check, layout, params.seqs, params.seqs_k, k, "k", read_contents);
+  const TokenLayout& key_layout = plan.keys.layout;
   plan.heads_kv = k.shape[k.rank - 2];
   check.require(plan.heads_kv > 0 && plan.heads_q % plan.heads_kv == 0, ErrorKind::shape, "k",
                 "has " + std::to_string(plan.heads_kv) + " heads, which must divide the " +
                     std::to_string(plan.heads_q) + " query heads of q");
-  check.shape(k, "k", layout.tokens(plan.heads_kv, plan.dim_qk));
+  check.shape(k, "k", key_layout.tokens(plan.heads_kv, plan.dim_qk));
   valid.tensor(params.v, "v", plan.dtype, q);
   plan.dim_v = params.v.shape[params.v.rank - 1];
-  check.shape(params.v, "v", layout.tokens(plan.heads_kv, plan.dim_v));
+  check.shape(params.v, "v", key_layout.tokens(plan.heads_kv, plan.dim_v));
   valid.tensor(params.o, "o", plan.dtype, q);
   check.shape(params.o, "o", layout.tokens(plan.heads_q, plan.dim_v));
   for (int i = 0; i < kNumBranches; ++i) {
@@ -146,21 +148,23 @@ NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents
   plan.run_compression = plan.run_compressed_attention && !plan.user_cmp;
   if (plan.user_cmp) {
     valid.tensor(params.k_cmp, "k_cmp", plan.dtype, q);
-    plan.cmp_rows = compressed_rows(check, layout, params.k_cmp, "k_cmp", config.cmp_block, config.cmp_stride);
-    check.shape(params.k_cmp, "k_cmp", compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
+    plan.cmp_rows =
+        compressed_rows(check, key_layout, params.k_cmp, "k_cmp", config.cmp_block, config.cmp_stride);
+    check.shape(params.k_cmp, "k_cmp", compressed_shape(key_layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
     valid.tensor(params.v_cmp, "v_cmp", plan.dtype, q);
-    check.shape(params.v_cmp, "v_cmp", compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
+    check.shape(params.v_cmp, "v_cmp", compressed_shape(key_layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
   } else {
-    plan.cmp_rows = layout.packed ? compressed_rows_bound(layout.rows, config.cmp_stride)
-                                  : num_compressed_blocks(layout.rows, config.cmp_block, config.cmp_stride);
+    plan.cmp_rows = key_layout.packed ? compressed_rows_bound(key_layout.rows, config.cmp_stride)
+                                      : num_compressed_blocks(key_layout.rows, config.cmp_block, config.cmp_stride);
   }
   // Packed calls that use no compressed K/V need no cu_seqlens_cmp; when it is given it is checked anyway.
   if (plan.user_cmp || plan.run_compressed_attention || params.cu_seqlens_cmp.present()) {
-    valid.compressed_layout(layout, params.seqs, params.cu_seqlens_cmp, plan.cmp_rows, config.cmp_block,
+    valid.compressed_layout(key_layout, plan.keys.seqs, params.cu_seqlens_cmp, plan.cmp_rows, config.cmp_block,
                             config.cmp_stride);
   }
   if (indices.present() && read_contents && indices.device == DeviceType::cpu) {
-    check.index_contents(indices, "block_indices", layout, params.seqs, config.sel_block);
+    check.index_contents(indices, "block_indices", layout, params.seqs, key_layout, plan.keys.seqs,
+                         config.sel_block);
   }
   return plan;
 }

@@ -8,19 +8,21 @@
 #include <cstdint>
 #include <vector>
 
+#include "api/block_checks.h"
 #include "api/check.h"
 #include "sparseattn/nsa_attention.h"
 
 namespace sparseattn::detail {
 
 struct NsaPlan {
-  TokenLayout layout;
+  TokenLayout layout;                // of q, o and the gates
+  ChunkKeys keys;                    // of k and v: S_b >= T_b keys per sequence (docs/semantics.md section 11)
   DType dtype = DType::float32;      // of every float tensor and intermediate
   DType lse_dtype = DType::float32;  // of the log-sum-exps
   DeviceType device = DeviceType::cpu;
   int device_index = 0;
   std::int64_t heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
-  std::int64_t cmp_rows = 0;      // first dimension of compressed K/V: Tc (batched) or Nc (packed)
+  std::int64_t cmp_rows = 0;      // first dimension of compressed K/V: Sc (batched) or Nc (packed)
   std::int64_t num_selected = 0;  // slots per row of the indices selected attention reads
   std::array<bool, kNumBranches> branch{};  // which gates are given
   bool user_cmp = false;                    // k_cmp and v_cmp come from the caller

@@ -72,8 +72,8 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_wor
   const TokenLayout& layout = plan.layout;
   NsaWorkspace ws;
   if (plan.run_compression) {
-    ws.k_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
-    ws.v_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
+    ws.k_cmp = carve.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
+    ws.v_cmp = carve.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
   }
   for (int i = 0; i < kNumBranches; ++i) {
     if (i == 0 ? !plan.run_compressed_attention : !plan.branch[i]) continue;
@@ -112,8 +112,10 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
   NsaScratch scratch;
   const bool pooled_cmp = plan.branch[0] && !plan.user_cmp;
   if (pooled_cmp) {
-    scratch.dk_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
-    scratch.dv_cmp = carve.take(plan.dtype, compressed_shape(layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
+    scratch.dk_cmp =
+        carve.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
+    scratch.dv_cmp =
+        carve.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
   }
   const bool cuda = plan.device == DeviceType::cuda;
   if (!cuda) scratch.d_o = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
@@ -131,8 +133,8 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
       scratch.dq[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_qk));
     }
     if (i == 0) continue;  // the pooling's gradient goes straight into dk/dv (compress_kv_backward_adding)
-    scratch.dk[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_qk));
-    scratch.dv[i] = carve.take(plan.dtype, layout.tokens(plan.heads_kv, plan.dim_v));
+    scratch.dk[i] = carve.take(plan.dtype, plan.keys.layout.tokens(plan.heads_kv, plan.dim_qk));
+    scratch.dv[i] = carve.take(plan.dtype, plan.keys.layout.tokens(plan.heads_kv, plan.dim_v));
   }
   if (branch_workspace_bytes > 0) {
     scratch.branch_workspace = carve.take(DType::boolean, {static_cast<std::int64_t>(branch_workspace_bytes)});

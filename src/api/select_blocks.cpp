@@ -41,14 +41,16 @@ void select_blocks(const SelectBlocksParams& params) {
   check.require(params.k_cmp.rank == params.q.rank, ErrorKind::shape, "k_cmp",
                 "expected " + std::to_string(params.q.rank) + " dimensions like 'q', got " +
                     params.k_cmp.shape_string());
+  const detail::ChunkKeys keys =
+      detail::chunk_key_count(check, layout, params.seqs, params.seqs_k, params.seqlen_k);
   const std::int64_t rows =
-      detail::compressed_rows(check, layout, params.k_cmp, "k_cmp", params.cmp_block, params.cmp_stride);
+      detail::compressed_rows(check, keys.layout, params.k_cmp, "k_cmp", params.cmp_block, params.cmp_stride);
   const std::int64_t heads_kv = params.k_cmp.shape[params.k_cmp.rank - 2];
   check.require(heads_kv > 0 && heads_q % heads_kv == 0, ErrorKind::shape, "k_cmp",
                 "its " + std::to_string(heads_kv) + " heads must divide the " + std::to_string(heads_q) +
                     " query heads of 'q'");
   check.shape(params.k_cmp, "k_cmp", detail::compressed_shape(layout, rows, heads_kv, dim));
-  check.compressed_layout(layout, params.seqs, params.cu_seqlens_cmp, rows, params.cmp_block, params.cmp_stride);
+  check.compressed_layout(keys.layout, keys.seqs, params.cu_seqlens_cmp, rows, params.cmp_block, params.cmp_stride);
 
   check.tensor(params.lse_cmp, "lse_cmp", detail::lse_dtype(params.q.dtype), params.q, "q");
   check.shape(params.lse_cmp, "lse_cmp", layout.lse(heads_q));
@@ -58,6 +60,7 @@ void select_blocks(const SelectBlocksParams& params) {
   const detail::Backend backend = detail::backend(check, params.q, "q", detail::kCudaBuilt);
 #ifdef SPARSEATTN_WITH_CUDA
   if (backend == detail::Backend::cuda) {
+    detail::check_no_cuda_chunk(check, keys, layout.packed ? "cu_seqlens_k" : "seqlen_k");
     detail::check_cuda_half(check, params.q);
     check.require(cuda_head_dim_qk_supported(dim), ErrorKind::unsupported, "q",
                   "head dim " + std::to_string(dim) + " has no CUDA kernel; the (Dqk, Dv) pairs with kernels are " +

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/block_checks.h"
 #include "api/branch_backward.h"
 #include "api/check.h"
 #include "api/cuda_limits.h"
@@ -20,6 +21,7 @@ namespace {
 
 struct SelectedShapes {
   detail::TokenLayout layout;
+  detail::ChunkKeys keys;  // of k and v: S_b >= T_b keys per sequence
   std::int64_t q_heads = 0, kv_heads = 0, dim_qk = 0, dim_v = 0;
 };
 
@@ -42,15 +44,16 @@ SelectedShapes check_common(const detail::Check& check, const Params& params) {
   check.tensor(k, "k", dtype, q, "q");
   check.require(k.rank == q.rank, ErrorKind::shape, "k",
                 "expected " + std::to_string(q.rank) + " dimensions like q, got " + k.shape_string());
+  shapes.keys = detail::chunk_keys(check, shapes.layout, params.seqs, params.seqs_k, k, "k", /*read_contents=*/true);
   shapes.kv_heads = k.shape[k.rank - 2];
   check.require(shapes.kv_heads > 0, ErrorKind::shape, "k", "needs at least one head, got " + k.shape_string());
   check.require(shapes.q_heads % shapes.kv_heads == 0, ErrorKind::shape, "k",
                 "has " + std::to_string(shapes.kv_heads) + " heads, which must divide the " +
                     std::to_string(shapes.q_heads) + " query heads of q (group size Hq / Hkv)");
-  check.shape(k, "k", shapes.layout.tokens(shapes.kv_heads, shapes.dim_qk));
+  check.shape(k, "k", shapes.keys.layout.tokens(shapes.kv_heads, shapes.dim_qk));
   check.tensor(params.v, "v", dtype, q, "q");
   shapes.dim_v = params.v.shape[params.v.rank - 1];
-  check.shape(params.v, "v", shapes.layout.tokens(shapes.kv_heads, shapes.dim_v));
+  check.shape(params.v, "v", shapes.keys.layout.tokens(shapes.kv_heads, shapes.dim_v));
 
   const TensorView& indices = params.indices;
   check.tensor(indices, "indices", DType::int32, q, "q");
@@ -64,7 +67,8 @@ SelectedShapes check_common(const detail::Check& check, const Params& params) {
   check.shape(params.lse, "lse", shapes.layout.lse(shapes.q_heads));
   detail::resolve_scale(check, params.scale, shapes.dim_qk);
   if (indices.device == DeviceType::cpu) {
-    check.index_contents(indices, "indices", shapes.layout, params.seqs, params.block);
+    check.index_contents(indices, "indices", shapes.layout, params.seqs, shapes.keys.layout, shapes.keys.seqs,
+                         params.block);
   }
   return shapes;
 }
@@ -72,6 +76,7 @@ SelectedShapes check_common(const detail::Check& check, const Params& params) {
 // What the CUDA kernels need beyond the shared checks (no device reads): dtype, head dims, 16-byte rows.
 void check_cuda(const detail::Check& check, const SelectedShapes& shapes, const TensorView& q,
                 const std::initializer_list<std::pair<const TensorView*, const char*>>& rows, std::int64_t count) {
+  detail::check_no_cuda_chunk(check, shapes.keys, shapes.layout.packed ? "cu_seqlens_k" : "k");
 #ifdef SPARSEATTN_WITH_CUDA
   detail::check_cuda_half(check, q);
   detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);
@@ -146,9 +151,9 @@ void detail::selected_attention_backward(const SelectedAttentionBackwardParams& 
   check.tensor(params.dq, "dq", dtype, params.q, "q");
   check.shape(params.dq, "dq", shapes.layout.tokens(shapes.q_heads, shapes.dim_qk));
   check.tensor(params.dk, "dk", dtype, params.q, "q");
-  check.shape(params.dk, "dk", shapes.layout.tokens(shapes.kv_heads, shapes.dim_qk));
+  check.shape(params.dk, "dk", shapes.keys.layout.tokens(shapes.kv_heads, shapes.dim_qk));
   check.tensor(params.dv, "dv", dtype, params.q, "q");
-  check.shape(params.dv, "dv", shapes.layout.tokens(shapes.kv_heads, shapes.dim_v));
+  check.shape(params.dv, "dv", shapes.keys.layout.tokens(shapes.kv_heads, shapes.dim_v));
   const detail::Backend backend = detail::backend(check, params.q, "q", detail::kCudaBuilt);
   if (backend == detail::Backend::cuda) {
     check_cuda(check, shapes, params.q,

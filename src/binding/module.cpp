@@ -202,7 +202,7 @@ NsaParams nsa_spec_params(const std::string& device, int device_index, nb::handl
                           nb::handle g_slc, nb::handle g_swa, nb::handle o, nb::handle cu_seqlens,
                           nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride,
                           int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
-                          std::optional<double> scale) {
+                          std::optional<double> scale, nb::handle cu_seqlens_k, std::int64_t max_seqlen_k) {
   const DeviceType dev = device_from_name(device);
   auto sv = [&](nb::handle h, const char* arg) { return spec_view(h, arg, dev, device_index); };
   NsaParams p;
@@ -215,6 +215,7 @@ NsaParams nsa_spec_params(const std::string& device, int device_index, nb::handl
   p.gates = {sv(g_cmp, "g_cmp"), sv(g_slc, "g_slc"), sv(g_swa, "g_swa")};
   p.o = sv(o, "o");
   p.seqs = Sequences{sv(cu_seqlens, "cu_seqlens"), max_seqlen};
+  p.seqs_k = Sequences{sv(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_k};
   p.cu_seqlens_cmp = sv(cu_seqlens_cmp, "cu_seqlens_cmp");
   p.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
   return p;
@@ -349,7 +350,8 @@ NB_MODULE(_C, m) {
       "compressed_attention",
       [](const Array& q, const Array& k_cmp, const Array& v_cmp, const Array& o, const Array& lse,
          const OptArray& cu_seqlens, const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int block,
-         int stride, std::optional<double> scale, std::uintptr_t stream) {
+         int stride, std::optional<double> scale, std::uintptr_t stream, const OptArray& cu_seqlens_k,
+         std::int64_t max_seqlen_k, std::int64_t seqlen_k) {
         const OpName op_name("compressed_attention");
         CompressedAttentionParams p;
         p.q = view(q, "q");
@@ -358,6 +360,8 @@ NB_MODULE(_C, m) {
         p.o = view(o, "o");
         p.lse = view(lse, "lse");
         p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
+        p.seqlen_k = seqlen_k;
         p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
         p.block = block;
         p.stride = stride;
@@ -366,13 +370,15 @@ NB_MODULE(_C, m) {
         run(compressed_attention, p);
       },
       "q"_a, "k_cmp"_a, "v_cmp"_a, "o"_a, "lse"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
-      "max_seqlen"_a, "block"_a, "stride"_a, "scale"_a.none(), "stream"_a);
+      "max_seqlen"_a, "block"_a, "stride"_a, "scale"_a.none(), "stream"_a, "cu_seqlens_k"_a.none() = nb::none(),
+      "max_seqlen_k"_a = 0, "seqlen_k"_a = 0);
   m.def(
       "compressed_attention_backward",
       [](const Array& q, const Array& k_cmp, const Array& v_cmp, const Array& o, const Array& lse,
          const Array& d_o, const Array& dq, const Array& dk_cmp, const Array& dv_cmp, const OptArray& cu_seqlens,
          const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int block, int stride,
-         std::optional<double> scale, const nb::callable& allocate, std::uintptr_t stream) {
+         std::optional<double> scale, const nb::callable& allocate, std::uintptr_t stream,
+         const OptArray& cu_seqlens_k, std::int64_t max_seqlen_k, std::int64_t seqlen_k) {
         const OpName op_name("compressed_attention_backward");
         CompressedAttentionBackwardParams p;
         p.q = view(q, "q");
@@ -385,6 +391,8 @@ NB_MODULE(_C, m) {
         p.dk_cmp = view(dk_cmp, "dk_cmp");
         p.dv_cmp = view(dv_cmp, "dv_cmp");
         p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
+        p.seqlen_k = seqlen_k;
         p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
         p.block = block;
         p.stride = stride;
@@ -394,7 +402,8 @@ NB_MODULE(_C, m) {
       },
       "q"_a, "k_cmp"_a, "v_cmp"_a, "o"_a, "lse"_a, "d_o"_a, "dq"_a, "dk_cmp"_a, "dv_cmp"_a,
       "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "block"_a, "stride"_a,
-      "scale"_a.none(), "allocate"_a, "stream"_a);
+      "scale"_a.none(), "allocate"_a, "stream"_a, "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0,
+      "seqlen_k"_a = 0);
 
   // ---- select_blocks (no backward) ----
   m.def(
@@ -402,7 +411,7 @@ NB_MODULE(_C, m) {
       [](const Array& q, const Array& k_cmp, const Array& lse_cmp, const Array& indices, const OptArray& cu_seqlens,
          const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride, int sel_block,
          int num_selected, int num_init, int num_local, std::optional<double> scale, const nb::callable& allocate,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, const OptArray& cu_seqlens_k, std::int64_t max_seqlen_k, std::int64_t seqlen_k) {
         const OpName op_name("select_blocks");
         SelectBlocksParams p;
         p.q = view(q, "q");
@@ -410,6 +419,8 @@ NB_MODULE(_C, m) {
         p.lse_cmp = view(lse_cmp, "lse_cmp");
         p.indices = view(indices, "indices");
         p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
+        p.seqlen_k = seqlen_k;
         p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
         p.cmp_block = cmp_block;
         p.cmp_stride = cmp_stride;
@@ -423,14 +434,16 @@ NB_MODULE(_C, m) {
       },
       "q"_a, "k_cmp"_a, "lse_cmp"_a, "indices"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
       "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
-      "num_local"_a, "scale"_a.none(), "allocate"_a, "stream"_a);
+      "num_local"_a, "scale"_a.none(), "allocate"_a, "stream"_a, "cu_seqlens_k"_a.none() = nb::none(),
+      "max_seqlen_k"_a = 0, "seqlen_k"_a = 0);
 
   // ---- selected_attention ----
   m.def(
       "selected_attention",
       [](const Array& q, const Array& k, const Array& v, const Array& indices, const Array& o, const Array& lse,
          const OptArray& cu_seqlens, std::int64_t max_seqlen, int block, std::optional<double> scale,
-         const nb::callable& allocate, std::uintptr_t stream) {
+         const nb::callable& allocate, std::uintptr_t stream, const OptArray& cu_seqlens_k,
+         std::int64_t max_seqlen_k) {
         const OpName op_name("selected_attention");
         SelectedAttentionParams p;
         p.q = view(q, "q");
@@ -440,19 +453,20 @@ NB_MODULE(_C, m) {
         p.o = view(o, "o");
         p.lse = view(lse, "lse");
         p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
         p.block = block;
         p.scale = scale;
         p.stream = as_stream(stream);
         run_with_workspace(selected_attention, selected_attention_workspace_size, p, allocate);
       },
       "q"_a, "k"_a, "v"_a, "indices"_a, "o"_a, "lse"_a, "cu_seqlens"_a.none(), "max_seqlen"_a, "block"_a,
-      "scale"_a.none(), "allocate"_a, "stream"_a);
+      "scale"_a.none(), "allocate"_a, "stream"_a, "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0);
   m.def(
       "selected_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const Array& indices, const Array& o, const Array& lse,
          const Array& d_o, const Array& dq, const Array& dk, const Array& dv, const OptArray& cu_seqlens,
          std::int64_t max_seqlen, int block, std::optional<double> scale, const nb::callable& allocate,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, const OptArray& cu_seqlens_k, std::int64_t max_seqlen_k) {
         const OpName op_name("selected_attention_backward");
         SelectedAttentionBackwardParams p;
         p.q = view(q, "q");
@@ -466,13 +480,15 @@ NB_MODULE(_C, m) {
         p.dk = view(dk, "dk");
         p.dv = view(dv, "dv");
         p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
         p.block = block;
         p.scale = scale;
         p.stream = as_stream(stream);
         run_with_workspace(selected_attention_backward, selected_attention_backward_workspace_size, p, allocate);
       },
       "q"_a, "k"_a, "v"_a, "indices"_a, "o"_a, "lse"_a, "d_o"_a, "dq"_a, "dk"_a, "dv"_a, "cu_seqlens"_a.none(),
-      "max_seqlen"_a, "block"_a, "scale"_a.none(), "allocate"_a, "stream"_a);
+      "max_seqlen"_a, "block"_a, "scale"_a.none(), "allocate"_a, "stream"_a, "cu_seqlens_k"_a.none() = nb::none(),
+      "max_seqlen_k"_a = 0);
 
   // ---- flash_attention ----
   m.def(
@@ -614,13 +630,15 @@ NB_MODULE(_C, m) {
                         nb::handle g_slc, nb::handle g_swa, nb::handle o, nb::handle cu_seqlens,
                         nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride,
                         int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
-                        std::optional<double> scale, const std::optional<std::string>& op) {
+                        std::optional<double> scale, const std::optional<std::string>& op, nb::handle cu_seqlens_k,
+                        std::int64_t max_seqlen_k) {
           const std::string op_name_text = op ? *op : std::string(name);
           const OpName op_name(op_name_text.c_str());
           try {
             return size_of(nsa_spec_params(device, device_index, q, k, v, k_cmp, v_cmp, block_indices, g_cmp,
                                            g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block,
-                                           cmp_stride, sel_block, num_selected, num_init, num_local, window, scale));
+                                           cmp_stride, sel_block, num_selected, num_init, num_local, window, scale,
+                                           cu_seqlens_k, max_seqlen_k));
           } catch (const Error& e) {
             throw renamed(e, op_name_text);
           }
@@ -629,7 +647,7 @@ NB_MODULE(_C, m) {
         "block_indices"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(), "g_swa"_a.none(), "o"_a,
         "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a,
         "sel_block"_a, "num_selected"_a, "num_init"_a, "num_local"_a, "window"_a, "scale"_a.none(),
-        "op"_a.none() = nb::none());
+        "op"_a.none() = nb::none(), "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0);
   };
   def_nsa_size("nsa_workspace_size", nsa_workspace_size);
   def_nsa_size("nsa_forward_scratch_size", nsa_forward_scratch_size);
@@ -642,7 +660,7 @@ NB_MODULE(_C, m) {
          const Array& o, const OptArray& cu_seqlens, const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen,
          int cmp_block, int cmp_stride, int sel_block, int num_selected, int num_init, int num_local,
          std::int64_t window, std::optional<double> scale, const OptArray& workspace, const OptArray& scratch,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, const OptArray& cu_seqlens_k, std::int64_t max_seqlen_k) {
         const OpName op_name("nsa_attention");
         NsaParams p;
         p.q = view(q, "q");
@@ -654,6 +672,7 @@ NB_MODULE(_C, m) {
         p.gates = {view(g_cmp, "g_cmp"), view(g_slc, "g_slc"), view(g_swa, "g_swa")};
         p.o = view(o, "o");
         p.seqs = seqs(cu_seqlens, max_seqlen);
+        p.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
         p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
         p.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
         std::tie(p.workspace, p.workspace_bytes) = bytes(workspace, "workspace");
@@ -664,7 +683,8 @@ NB_MODULE(_C, m) {
       "q"_a, "k"_a, "v"_a, "k_cmp"_a.none(), "v_cmp"_a.none(), "block_indices"_a.none(), "g_cmp"_a.none(),
       "g_slc"_a.none(), "g_swa"_a.none(), "o"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
       "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
-      "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "scratch"_a.none(), "stream"_a);
+      "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "scratch"_a.none(), "stream"_a,
+      "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0);
   m.def(
       "nsa_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const OptArray& k_cmp, const OptArray& v_cmp,
@@ -674,7 +694,7 @@ NB_MODULE(_C, m) {
          std::int64_t window, std::optional<double> scale, const OptArray& workspace, const Array& d_o,
          const Array& dq, const Array& dk, const Array& dv, const OptArray& dk_cmp, const OptArray& dv_cmp,
          const OptArray& d_g_cmp, const OptArray& d_g_slc, const OptArray& d_g_swa, const OptArray& scratch,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, const OptArray& cu_seqlens_k, std::int64_t max_seqlen_k) {
         const OpName op_name("nsa_attention_backward");
         NsaBackwardParams p;
         NsaParams& f = p.forward;
@@ -687,6 +707,7 @@ NB_MODULE(_C, m) {
         f.gates = {view(g_cmp, "g_cmp"), view(g_slc, "g_slc"), view(g_swa, "g_swa")};
         f.o = view(o, "o");
         f.seqs = seqs(cu_seqlens, max_seqlen);
+        f.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
         f.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
         f.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
         std::tie(f.workspace, f.workspace_bytes) = bytes(workspace, "workspace");
@@ -706,7 +727,7 @@ NB_MODULE(_C, m) {
       "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
       "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "d_o"_a, "dq"_a, "dk"_a, "dv"_a,
       "dk_cmp"_a.none(), "dv_cmp"_a.none(), "d_g_cmp"_a.none(), "d_g_slc"_a.none(), "d_g_swa"_a.none(),
-      "scratch"_a.none(), "stream"_a);
+      "scratch"_a.none(), "stream"_a, "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0);
 
   // ---- create_mask ----
   m.def(

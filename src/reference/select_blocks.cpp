@@ -5,6 +5,7 @@
 
 #include "reference/attention_core.h"
 #include "reference/dense.h"
+#include "reference/query_chunk.h"
 #include "reference/reference.h"
 #include "reference/sequence_rows.h"
 
@@ -12,7 +13,8 @@ namespace sparseattn::reference {
 
 namespace {
 
-// Importance of the candidate selection blocks 0..floor(t / sel_block) for one query and KV head, from
+// Importance of the candidate selection blocks 0..floor(t / sel_block) for one query at key position t and KV
+// head, from
 // the group-summed compressed-attention probabilities P[j]: S[b] = sum_j overlap(j, b) / stride * P[j].
 std::vector<double> block_scores(const std::vector<double>& probabilities, std::int64_t t,
                                  const SelectBlocksParams& params) {
@@ -60,6 +62,8 @@ void select_blocks(const SelectBlocksParams& params) {
   const Dense k_cmp = load_tokens(params.k_cmp, layout.packed);
   const Dense lse = load(params.lse_cmp);  // [B, Hq, T] or packed [Hq, N]
   const std::vector<Span> token_spans = spans(layout, params.seqs.cu_seqlens);
+  const std::vector<std::int64_t> offsets = chunk_offsets(
+      token_spans, key_spans(layout, params.seqs, params.seqs_k, params.seqlen_k > 0 ? params.seqlen_k : layout.rows));
   detail::TokenLayout cmp_layout = layout;
   cmp_layout.rows = k_cmp.dim(1);
   const std::vector<Span> cmp_spans = spans(cmp_layout, params.cu_seqlens_cmp);
@@ -73,11 +77,12 @@ void select_blocks(const SelectBlocksParams& params) {
   parallel_for(static_cast<std::int64_t>(token_spans.size()) * heads_kv, [&](std::int64_t i) {
     const Span& seq = token_spans[i / heads_kv];
     const Span& cmp = cmp_spans[i / heads_kv];
-    const std::int64_t h = i % heads_kv;
+    const std::int64_t h = i % heads_kv, offset = offsets[i / heads_kv];
     for (std::int64_t t = 0; t < seq.length; ++t) {
       const std::int64_t row = seq.batch * layout.rows + seq.begin + t;
-      std::vector<double> probabilities;  // P[j] for the compressed blocks visible from t
-      for (std::int64_t j = 0; j < cmp.length && j * params.cmp_stride + params.cmp_block - 1 <= t; ++j) {
+      const std::int64_t a = t + offset;  // the query's key position
+      std::vector<double> probabilities;  // P[j] for the compressed blocks visible from a
+      for (std::int64_t j = 0; j < cmp.length && j * params.cmp_stride + params.cmp_block - 1 <= a; ++j) {
         double p = 0;
         for (std::int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
           const double row_lse = layout.packed ? lse(hq, seq.begin + t) : lse(seq.batch, hq, t);
@@ -90,7 +95,7 @@ void select_blocks(const SelectBlocksParams& params) {
         }
         probabilities.push_back(p);
       }
-      choose(block_scores(probabilities, t, params), params,
+      choose(block_scores(probabilities, a, params), params,
              indices.data() + (row * heads_kv + h) * params.num_selected);
     }
   });

@@ -54,6 +54,7 @@ struct NsaCase {
   bool use_cmp = false;      // pass k_cmp, v_cmp
   bool use_indices = false;  // pass block_indices
   Host<std::int32_t> block_indices, cu, cu_cmp;
+  Host<std::int32_t> cu_k;  // packed query chunks: the keys' cu_seqlens (empty: cu)
 
   // Batched [batch, tokens, ...] with random contents.
   static NsaCase batched(std::int64_t batch, std::int64_t tokens, std::int64_t heads_q, std::int64_t heads_kv,
@@ -136,6 +137,7 @@ struct NsaCase {
     p.o = o.view();
     if (packed) {
       p.seqs.cu_seqlens = cu.view();
+      if (!cu_k.data.empty()) p.seqs_k.cu_seqlens = cu_k.view();
       p.cu_seqlens_cmp = cu_cmp.view();
     }
     p.config = config;
