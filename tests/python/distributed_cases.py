@@ -26,6 +26,27 @@ def _inputs(seed, B, T, Hq, Hkv, Dqk, Dv, packed, dtype, device):
     return [t.to(device=device, dtype=dtype) for t in tensors]
 
 
+EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def lowp_violations(result: dict, world_size: int, dtype: str) -> list[str]:
+    """The bound of a bf16/fp16 sharded call, per output: its error against float64 is at most twice the error of
+    the single-process call on the same device, plus one rounding (unit roundoff x the largest value) for each of
+    the 2R dK/dV partials (every rank's flash_attention backward rounds the partial of each of its two chunks to
+    the input dtype before the owner adds them up in float32), plus 1e-5 (lse: plus 1e-4)."""
+    eps = EPS[getattr(torch, dtype)]
+    out = []
+    for name, err in result["errors64"].items():
+        single = result["single_errors64"][name]
+        if name == "lse":
+            bound = 2 * single + 1e-4
+        else:
+            bound = 2 * single + 2 * world_size * eps * result["magnitude64"][name] + 1e-5
+        if not err <= bound:
+            out.append(f"{name}: error {err:.3e} > bound {bound:.3e} (single-process error {single:.3e})")
+    return out
+
+
 def _max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| (0 where both are the same infinity)."""
     assert got.shape == ref.shape, (got.shape, ref.shape)
@@ -54,12 +75,12 @@ def compare(rank, world_size, *, seed=0, B=2, T=16, Hq=4, Hkv=2, Dqk=8, Dv=6, ca
     packed = cu_seqlens is not None
     dim, lse_dim = (0, 1) if packed else (1, 2)
     q, k, v, w = _inputs(seed, B, T, Hq, Hkv, Dqk, Dv, packed, dtype, device)
-    cu_ref = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
     options = dict(causal=causal, window=window, scale=scale)
 
     def reference(q, k, v, w):
+        cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        o, lse = sparseattn.flash_attention(*leaves, cu_seqlens_q=cu_ref, return_lse=True, **options)
+        o, lse = sparseattn.flash_attention(*leaves, cu_seqlens_q=cu, return_lse=True, **options)
         (o.double() * w.double()).sum().backward()
         return [o.detach(), lse] + [x.grad for x in leaves]
 
@@ -87,9 +108,11 @@ def compare(rank, world_size, *, seed=0, B=2, T=16, Hq=4, Hkv=2, Dqk=8, Dv=6, ca
 def call(rank, world_size, *, per_rank=None, **kwargs):
     """One sharded forward with arguments that may differ per rank (``per_rank[rank]`` overrides ``kwargs``).
     Besides flash_attention's keyword arguments: T, B, Hq, Hkv, D, dtype (of q, k and v), q_dtype, q_dims (a
-    reshape of q) and lengths (the shard lengths of all ranks; default: those of the layout). Returns o's shape."""
+    reshape of q), lengths (the shard lengths of all ranks; default: those of the layout), device (of q, k, v),
+    cu_on_device (cu_seqlens as a tensor on that device) and group_backend (a new group of every rank with this
+    backend instead of the default group). Returns o's shape."""
     args = dict(T=8, B=1, Hq=2, Hkv=1, D=4, dtype="float64", q_dtype=None, q_dims=None, lengths=None,
-                layout="zigzag", device=_device(rank))
+                layout="zigzag", device=_device(rank), cu_on_device=False, group_backend=None)
     args.update(kwargs)
     args.update((per_rank or {}).get(rank, {}))
     T, B, Hq, Hkv, D = (args.pop(name) for name in ("T", "B", "Hq", "Hkv", "D"))
@@ -103,7 +126,15 @@ def call(rank, world_size, *, per_rank=None, **kwargs):
     if q_dims is not None:
         q = q.reshape(q_dims)
     k, v = (torch.randn(*lead, Hkv, D, dtype=dtype, device=device) for _ in range(2))
-    return tuple(sad.flash_attention(q, k, v, **args).shape)
+    if args.pop("cu_on_device"):
+        args["cu_seqlens"] = torch.tensor(args["cu_seqlens"], dtype=torch.int32, device=device)
+    group_backend = args.pop("group_backend")
+    group = None if group_backend is None else dist.new_group(backend=group_backend)
+    try:
+        return tuple(sad.flash_attention(q, k, v, group=group, **args).shape)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 def plan_summary(rank, world_size, *, T, causal, window, layout="zigzag", cu_seqlens=None, exchange="auto"):

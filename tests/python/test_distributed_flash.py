@@ -13,6 +13,7 @@ sa = require_sparseattn()
 import torch.distributed as dist  # noqa: E402
 
 import sparseattn.distributed as sad  # noqa: E402
+from distributed_cases import lowp_violations  # noqa: E402
 from distributed_pool import Pool, RankError, values  # noqa: E402
 from sparseattn.distributed import documents, flash, group, plan, ranges, sharding  # noqa: E402
 
@@ -69,6 +70,19 @@ CASES = [
 def test_matches_single_process(pool, kwargs):
     kwargs = dict(kwargs)
     assert_matches(pool.run("compare", **kwargs), kwargs.get("dtype", "float64"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_within_bound(pool, dtype):
+    """16-bit inputs (the GPU dtypes, here through the CPU reference): against float64, as accurate as the
+    single-process call up to one rounding per rank; forward and dq equal to the single-process call."""
+    for kwargs in (dict(causal=True, T=40, Dqk=16, Dv=16), dict(causal=True, window=(7, 0), T=37,
+                                                                cu_seqlens=[0, 13, 30, 37])):
+        for rank, result in enumerate(values(pool.run("compare", dtype=dtype, **kwargs))):
+            bad = lowp_violations(result, pool.world_size, dtype)
+            assert not bad, f"rank {rank}: {bad}"
+            assert result["bit_equal"]
+            assert all(result["errors"][n] == 0 for n in ("o", "lse", "dq")), result["errors"]
 
 
 def test_rank_without_tokens_holds_none(pool):

@@ -12,7 +12,6 @@ import bisect
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from .. import _checks as chk

@@ -112,7 +112,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool
             values = _config_values(config, q, k, v)
     except SparseAttnError as exc:
         error = exc
-    rows = _group.agree(_OP, group, backends, _CONFIG_FIELDS, values, error, differ_ok=("the shard length",))
+    rows = _group.agree(_OP, group, backends, _CONFIG_FIELDS, values, error, differ_ok=("the shard length",),
+                        tensors_device=q.device if isinstance(q, Tensor) else None)
     lengths = [row[-1] for row in rows]
     total = sum(lengths)
     check_shard_lengths(_OP, "q", lengths, total, config["layout"])

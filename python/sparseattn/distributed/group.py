@@ -79,12 +79,15 @@ def backend_error(op: str, arg: str, backends: dict[str, str], device: torch.dev
     return make_error(SparseAttnError, "device", op, arg, message)
 
 
-def agreement_device(backends: dict[str, str]) -> torch.device:
+def agreement_device(backends: dict[str, str], tensors_device: Optional[torch.device] = None) -> torch.device:
     """Where the configuration all_gather runs: the CPU when the group has gloo for it (no device synchronisation),
-    else the current CUDA device. It depends on the group alone, so every rank picks the same."""
+    else a CUDA device (the tensors' one if they are on CUDA, else the current one). Its type depends on the group
+    alone, so every rank picks the same kind of device."""
     if backends.get("cpu") in _SERVES["cpu"]:
         return torch.device("cpu")
     if backends.get("cuda") == "nccl" and torch.cuda.is_available():
+        if tensors_device is not None and tensors_device.type == "cuda":
+            return tensors_device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -135,7 +138,8 @@ class Field:
 
 
 def agree(op: str, group, backends: dict[str, str], fields: Sequence[Field], values: Optional[Sequence[int]],
-          local_error: Optional[SparseAttnError], *, differ_ok: Sequence[str] = ()) -> list[list[int]]:
+          local_error: Optional[SparseAttnError], *, differ_ok: Sequence[str] = (),
+          tensors_device: Optional[torch.device] = None) -> list[list[int]]:
     """All-gather every rank's configuration `values` (one int per field; None with a `local_error`) and return
     them, indexed [rank][field].
 
@@ -147,7 +151,7 @@ def agree(op: str, group, backends: dict[str, str], fields: Sequence[Field], val
     row = [1] + [0] * len(fields) if values is None else [0] + [int(v) for v in values]
     if len(row) != width:
         raise AssertionError("agree: one value per field")
-    device = agreement_device(backends)
+    device = agreement_device(backends, tensors_device)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     _, size = rank_and_size(group)
     gathered = torch.empty(size * width, dtype=torch.int64, device=device)

@@ -246,4 +246,5 @@ def _reduction(rank, world_size, held, key_sets) -> Transfer:
             row += end - start
         recv_counts.append(rs.length(runs))
     active = any(rs.intersect(key_sets[s], held[o]) for s in range(world_size) for o in range(world_size))
-    return Transfer("all_to_all", active, tuple(send_counts), tuple(recv_counts), tuple(send_segments), tuple(recv_segments))
+    return Transfer("all_to_all", active, tuple(send_counts), tuple(recv_counts), tuple(send_segments),
+                    tuple(recv_segments))

@@ -226,7 +226,8 @@ def unshard(x: Tensor, group=None, dim: int = 1, layout: str = "zigzag") -> Tens
                       _group.stable_code(x.device.type), _group.stable_code(repr(other_dims)), x.shape[dim])
     except SparseAttnError as exc:
         error = exc
-    rows = _group.agree(op, group, backends, fields, values, error, differ_ok=("the shard length",))
+    rows = _group.agree(op, group, backends, fields, values, error, differ_ok=("the shard length",),
+                        tensors_device=x.device if isinstance(x, Tensor) else None)
     lengths = [row[-1] for row in rows]
     total = sum(lengths)
     check_shard_lengths(op, "x", lengths, total, layout)
