@@ -61,6 +61,9 @@ CASES = [
     ("packed-full", dict(causal=False, T=30, cu_seqlens=[0, 11, 12, 30])),
     ("packed-window", dict(causal=True, window=(4, 0), T=30, cu_seqlens=[0, 5, 21, 30])),
     ("packed-two-sided", dict(causal=False, window=(3, 6), T=30, cu_seqlens=[0, 9, 10, 25, 30])),
+    ("packed-two-sided-all_gather", dict(causal=False, window=(3, 6), T=30, cu_seqlens=[0, 9, 10, 25, 30],
+                                         exchange="all_gather")),
+    ("packed-left-window", dict(causal=False, window=(5, -1), T=33, cu_seqlens=[0, 14, 33], layout="contiguous")),
     ("packed-trailing-rows", dict(causal=True, T=26, cu_seqlens=[0, 4, 17, 21], cu_as_list=True)),
     ("packed-one-document", dict(causal=True, T=11, cu_seqlens=[0, 11], layout="contiguous")),
 ]

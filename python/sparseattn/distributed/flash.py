@@ -230,6 +230,7 @@ class _ShardedAttention(torch.autograd.Function):
     def backward(ctx, d_o: Tensor, _d_lse):
         q, k_buffer, v_buffer, o, lse = ctx.saved_tensors
         plan, dim = ctx.plan, ctx.dim
+        d_o = d_o.contiguous()  # its per-call views then have the row alignment the CUDA kernels need
         lse_dim = dim + 1
         dq = torch.zeros_like(q)
         partial_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
