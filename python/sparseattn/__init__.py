@@ -25,6 +25,7 @@ from .functional import (  # noqa: E402
     selected_attention,
 )
 from .modules import NativeSparseAttention, NativeSparseAttentionCore  # noqa: E402
+from . import compat, distributed  # noqa: E402,F401
 
 __version__ = _C.__version__
 
