@@ -1,0 +1,162 @@
+"""Memory bandwidth of flash_decode against PyTorch SDPA, timed in the same process.
+
+    python scripts/bench_decode.py                       # Tq = 1, Tk = 128K, batch 1 and 32, 32/8 and 64/4 heads
+    python scripts/bench_decode.py --tk 32768 --batch 1 --out bench/results/decode.json
+
+Decode reads every key and value of the cache once, so its speed is bandwidth: GB/s = K and V bytes of the
+sequences (B x Tk x Hkv x (Dqk + Dv) x 2 bytes) / median time, and its fraction of the GPU's peak memory bandwidth
+(H100 SXM 3.35 TB/s, H200 4.8 TB/s, H100 PCIe 2.0 TB/s; none for other GPUs). Rows: flash_decode on the dense
+cache [B, Tk, Hkv, D] (its heuristic split count), on the same memory as a paged cache (pages of --page-size keys,
+a shuffled block table), and SDPA on the dense cache ([B, H, T, D] views, enable_gqa) with each backend that takes
+the shape (flash, cuDNN, efficient; a backend that refuses is listed with its reason). Tq = 1 is causal for every
+row: the one query sits at the last position, so SDPA runs with is_causal=False.
+
+Timing: CUDA events around each run, 512 MB of L2-flushing writes before every timed run, median of --runs runs
+after --warmup untimed ones.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import warnings
+
+import torch
+
+PEAK_TBPS = {"H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35}  # first match of the device name wins
+
+
+def peak_tbps(name: str):
+    for key, value in PEAK_TBPS.items():
+        if key in name:
+            return value
+    return None
+
+
+class Timer:
+    def __init__(self, runs: int, warmup: int):
+        self.runs, self.warmup = runs, warmup
+        self.flush = torch.empty(512 << 20, dtype=torch.int8, device="cuda")
+
+    def median_ms(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(self.runs)]
+        for begin, end in events:
+            self.flush.zero_()
+            begin.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(b.elapsed_time(e) for b, e in events)
+
+
+def sdpa_rows(q, k, v):
+    """(name, callable or the reason it is unavailable) for each SDPA backend on the [B, H, T, D] views."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qd, kd, vd = (x.transpose(1, 2) for x in (q, k, v))
+    rows = []
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=False, enable_gqa=True)
+
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                run()
+                torch.cuda.synchronize()
+            rows.append((name, run))
+        except Exception as error:  # noqa: BLE001 - a backend that does not take the shape is reported, not fatal
+            why = "; ".join(str(w.message).splitlines()[0] for w in caught[:2]) if caught else ""
+            rows.append((name, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}" + (f" ({why[:200]})"
+                                                                                            if why else "")))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tk", type=int, default=131072, help="keys per sequence (default 128K)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--heads", nargs="+", default=["32/8", "64/4"], help="Hq/Hkv pairs")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-sdpa", action="store_true")
+    parser.add_argument("--out", help="also write the results as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_decode: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    import sparseattn
+    from sparseattn.decode import flash_decode, flash_decode_plan
+
+    name = torch.cuda.get_device_name()
+    peak = peak_tbps(name)
+    print(f"# flash_decode bandwidth on {name} (peak {peak} TB/s), torch {torch.__version__}, "
+          f"sparseattn {sparseattn.__version__}; Tq = 1, Tk = {args.tk}, D = {args.dim}, bf16\n")
+    print("| B | Hq/Hkv | kernel | splits | time (us) | GB/s | of peak |")
+    print("|---|---|---|---|---|---|---|")
+    timer = Timer(args.runs, args.warmup)
+    results = []
+    for batch in args.batch:
+        for heads in args.heads:
+            hq, hkv = (int(x) for x in heads.split("/"))
+            D, Tk = args.dim, args.tk
+            opts = dict(dtype=torch.bfloat16, device="cuda")
+            q = torch.randn(batch, 1, hq, D, **opts)
+            try:
+                k = torch.randn(batch, Tk, hkv, D, **opts)
+                v = torch.randn(batch, Tk, hkv, D, **opts)
+            except torch.OutOfMemoryError:
+                print(f"| {batch} | {heads} | (cache does not fit) | | | | |")
+                continue
+            nbytes = 2 * batch * Tk * hkv * D * 2
+            seqlens = torch.full((batch,), Tk, dtype=torch.int32, device="cuda")
+            # The same memory as pages: [B * Tk / page, page, Hkv, D], each sequence's pages in shuffled order.
+            page = args.page_size
+            pages_per_seq = Tk // page
+            k_pages, v_pages = (x.view(batch * pages_per_seq, page, hkv, D) for x in (k, v))
+            table = torch.randperm(batch * pages_per_seq, device="cuda").to(torch.int32).view(batch, pages_per_seq)
+            rows = [("flash_decode", lambda: flash_decode(q, k, v, cache_seqlens=seqlens),
+                     flash_decode_plan(q, k, v, cache_seqlens=seqlens)[0]),
+                    (f"flash_decode paged {page}",
+                     lambda: flash_decode(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table),
+                     flash_decode_plan(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table)[0])]
+            if not args.no_sdpa:
+                rows += [(n, fn, "") for n, fn in sdpa_rows(q, k, v)]
+            for kernel, fn, splits in rows:
+                record = dict(batch=batch, heads=heads, tk=Tk, dim=D, kernel=kernel, splits=splits, bytes=nbytes)
+                if isinstance(fn, str):
+                    record["unavailable"] = fn
+                    print(f"| {batch} | {heads} | {kernel} | | unavailable: {fn} | | |")
+                else:
+                    try:
+                        ms = timer.median_ms(fn)
+                    except torch.OutOfMemoryError as error:
+                        record["unavailable"] = f"out of memory: {str(error).splitlines()[0][:100]}"
+                        print(f"| {batch} | {heads} | {kernel} | | out of memory | | |")
+                        results.append(record)
+                        continue
+                    gbps = nbytes / (ms * 1e-3) / 1e9
+                    fraction = gbps / (peak * 1000) if peak else None
+                    record.update(ms=ms, gbps=gbps, fraction_of_peak=fraction)
+                    frac_text = f"{fraction:.1%}" if fraction is not None else "n/a"
+                    print(f"| {batch} | {heads} | {kernel} | {splits} | {ms * 1000:.1f} | {gbps:.0f} | {frac_text} |",
+                          flush=True)
+                results.append(record)
+            del q, k, v, k_pages, v_pages
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=name, peak_tbps=peak, torch=torch.__version__, results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
