@@ -6,13 +6,14 @@
 Decode reads every key and value of the cache once, so its speed is bandwidth: GB/s = K and V bytes of the
 sequences (B x Tk x Hkv x (Dqk + Dv) x 2 bytes) / median time, and its fraction of the GPU's peak memory bandwidth
 (H100 SXM 3.35 TB/s, H200 4.8 TB/s, H100 PCIe 2.0 TB/s; none for other GPUs). Rows: flash_decode on the dense
-cache [B, Tk, Hkv, D] (its heuristic split count), on the same memory as a paged cache (pages of --page-size keys,
+cache [B, Tk, Hkv, D] (its heuristic split count), on the same memory as a paged cache (pages of each --page-size,
 a shuffled block table), and SDPA on the dense cache ([B, H, T, D] views, enable_gqa) with each backend that takes
 the shape (flash, cuDNN, efficient; a backend that refuses is listed with its reason). Tq = 1 is causal for every
 row: the one query sits at the last position, so SDPA runs with is_causal=False.
 
-Timing: CUDA events around each run, 512 MB of L2-flushing writes before every timed run, median of --runs runs
-after --warmup untimed ones.
+Timing: CUDA events around each run, 512 MB of L2-flushing writes and a 1 ms GPU sleep before every timed run (the
+sleep keeps the GPU busy while the host launches the run, so that a run of some tens of microseconds is timed by its
+kernels, not by the Python and launch overhead of the call), median of --runs runs after --warmup untimed ones.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import warnings
 
 import torch
 
+SLEEP_CYCLES = 2_000_000  # about 1 ms at 1.75-1.98 GHz (as sparseattn.bench)
 PEAK_TBPS = {"H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35}  # first match of the device name wins
 
 
@@ -46,6 +48,7 @@ class Timer:
                   for _ in range(self.runs)]
         for begin, end in events:
             self.flush.zero_()
+            torch.cuda._sleep(SLEEP_CYCLES)
             begin.record()
             fn()
             end.record()
@@ -84,7 +87,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--heads", nargs="+", default=["32/8", "64/4"], help="Hq/Hkv pairs")
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-sdpa", action="store_true")
@@ -119,15 +122,16 @@ def main() -> int:
             nbytes = 2 * batch * Tk * hkv * D * 2
             seqlens = torch.full((batch,), Tk, dtype=torch.int32, device="cuda")
             # The same memory as pages: [B * Tk / page, page, Hkv, D], each sequence's pages in shuffled order.
-            page = args.page_size
-            pages_per_seq = Tk // page
-            k_pages, v_pages = (x.view(batch * pages_per_seq, page, hkv, D) for x in (k, v))
-            table = torch.randperm(batch * pages_per_seq, device="cuda").to(torch.int32).view(batch, pages_per_seq)
             rows = [("flash_decode", lambda: flash_decode(q, k, v, cache_seqlens=seqlens),
-                     flash_decode_plan(q, k, v, cache_seqlens=seqlens)[0]),
-                    (f"flash_decode paged {page}",
-                     lambda: flash_decode(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table),
-                     flash_decode_plan(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table)[0])]
+                     flash_decode_plan(q, k, v, cache_seqlens=seqlens)[0])]
+            for page in args.page_size:
+                pages_per_seq = Tk // page
+                k_pages, v_pages = (x.view(batch * pages_per_seq, page, hkv, D) for x in (k, v))
+                table = torch.randperm(batch * pages_per_seq, device="cuda").to(torch.int32).view(batch, -1)
+                rows.append((f"flash_decode paged {page}",
+                             lambda k_pages=k_pages, v_pages=v_pages, table=table: flash_decode(
+                                 q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table),
+                             flash_decode_plan(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table)[0]))
             if not args.no_sdpa:
                 rows += [(n, fn, "") for n, fn in sdpa_rows(q, k, v)]
             for kernel, fn, splits in rows:
@@ -150,7 +154,7 @@ def main() -> int:
                     print(f"| {batch} | {heads} | {kernel} | {splits} | {ms * 1000:.1f} | {gbps:.0f} | {frac_text} |",
                           flush=True)
                 results.append(record)
-            del q, k, v, k_pages, v_pages
+            del q, k, v, rows
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

@@ -82,34 +82,49 @@ __device__ __forceinline__ void visible_keys(const DecodeArgs<T>& a, int length,
   hi = static_cast<int>(max(last, first - 1));
 }
 
-// Where the 16 keys of chunk `key0` (a multiple of 16) of a sequence's K (or V) rows for one KV head start: dense,
-// the sequence's own rows; paged, a page of the block table (clamped to the cache's pages).
-template <bool kPaged, class T>
-__device__ __forceinline__ const T* chunk_rows(const Cache<T>& c, const DecodeArgs<T>& a, int b, int key0, int page,
-                                               int kv_head) {
-  if constexpr (kPaged) {
-    return c.data + page * c.outer_stride + (key0 % a.page_size) * c.row_stride + kv_head * c.head_stride;
-  } else {
-    return c.data + b * c.outer_stride + key0 * c.row_stride + kv_head * c.head_stride;
-  }
-}
+// Where the chunks of a key tile start: chunk c's 16 rows are rows row[c] .. row[c] + 15 of page[c] (paged: a
+// cache page; dense: the sequence's batch row, row[c] its first key).
+struct TileChunks {
+  int page[kChunks];
+  int row[kChunks];
+};
 
-// The pages of the four chunks of key tile `tile` (paged caches; -1 for chunks past the sequence, which are not
-// read): the block-table entries of the keys [0, length) only.
+// Walks a sequence's tiles in order and gives each its chunks. Paged, it keeps the block-table entry and the row
+// within that page of the next chunk (one division per CTA, none per tile) and reads the entries of the chunks
+// that hold keys [0, length) only, clamped to the cache's pages.
 template <bool kPaged, class T>
-__device__ __forceinline__ void tile_pages(const DecodeArgs<T>& a, int b, int tile, int length, int (&pages)[kChunks]) {
+struct ChunkWalk {
+  int entry, row;
+
+  __device__ __forceinline__ ChunkWalk(const DecodeArgs<T>& a, int first_tile) {
+    const int key0 = first_tile * kTileKeys;
+    entry = kPaged ? key0 / a.page_size : 0;
+    row = kPaged ? key0 % a.page_size : key0;
+  }
+  // The chunks of the next tile (tiles are visited in order, one call each).
+  __device__ __forceinline__ void next(const DecodeArgs<T>& a, int b, int length, TileChunks& chunks) {
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    const int key0 = tile * kTileKeys + c * kChunkKeys;
-    pages[c] = -1;
-    if constexpr (kPaged) {
-      if (key0 < length) {
-        const int page = a.block_table[b * a.table_batch_stride + (key0 / a.page_size) * a.table_page_stride];
-        pages[c] = min(max(page, 0), a.num_pages - 1);
+    for (int c = 0; c < kChunks; ++c) {
+      if constexpr (kPaged) {
+        chunks.page[c] = 0;
+        if (entry * a.page_size + row < length) {
+          const int page = __ldg(a.block_table + b * a.table_batch_stride + entry * a.table_page_stride);
+          chunks.page[c] = min(max(page, 0), a.num_pages - 1);
+        }
+        chunks.row[c] = row;
+        row += kChunkKeys;
+        if (row == a.page_size) {
+          row = 0;
+          ++entry;
+        }
+      } else {
+        chunks.page[c] = b;
+        chunks.row[c] = row;
+        row += kChunkKeys;
       }
     }
   }
-}
+};
 
 template <class T, int Dqk, int Dv, int kWarpsM, bool kPaged>
 __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a) {
@@ -130,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a)
   const int b = static_cast<int>(block / a.kv_heads);
 
   const int length =
-      a.cache_seqlens == nullptr ? a.capacity : min(max(a.cache_seqlens[b * a.seqlens_stride], 0), a.capacity);
+      a.cache_seqlens == nullptr ? a.capacity : min(max(__ldg(a.cache_seqlens + b * a.seqlens_stride), 0), a.capacity);
   const int rows = a.group * a.q_len;
   const int row0 = row_block * kRows;
   const int real_rows = min(kRows, rows - row0);
@@ -182,15 +197,17 @@ __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a)
         a.q.data);
     cp_async_commit();
 
-    const auto issue_tile = [&](int tile, int slot, const int (&pages)[kChunks]) {
+    const auto issue_tile = [&](int tile, int slot, const TileChunks& chunks) {
       T* const k_stage = sPipe + slot * Tile::kStageElements;
       T* const v_stage = k_stage + Tile::kKElements;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        const int key0 = tile * kTileKeys + c * kChunkKeys;
-        const int valid = min(max(length - key0, 0), kChunkKeys);
-        const T* k_rows = valid > 0 ? chunk_rows<kPaged>(a.k, a, b, key0, pages[c], kv_head) : a.k.data;
-        const T* v_rows = valid > 0 ? chunk_rows<kPaged>(a.v, a, b, key0, pages[c], kv_head) : a.v.data;
+        const int valid = min(max(length - (tile * kTileKeys + c * kChunkKeys), 0), kChunkKeys);
+        const T* k_rows = a.k.data, *v_rows = a.v.data;
+        if (valid > 0) {
+          k_rows += chunks.page[c] * a.k.outer_stride + chunks.row[c] * a.k.row_stride + kv_head * a.k.head_stride;
+          v_rows += chunks.page[c] * a.v.outer_stride + chunks.row[c] * a.v.row_stride + kv_head * a.v.head_stride;
+        }
         load_strided_rows<T, kChunkKeys, Dqk, kThreads>(SmemTile<T, kChunkKeys, Dqk>{k_stage + c * kChunkKeys * Dqk},
                                                         k_rows, a.k.row_stride, valid, a.k.data);
         load_strided_rows<T, kChunkKeys, Dv, kThreads>(SmemTile<T, kChunkKeys, Dv>{v_stage + c * kChunkKeys * Dv},
@@ -199,17 +216,18 @@ __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a)
     };
 
     // Prologue: the first kStages - 1 tiles, one commit group each (empty groups past the last tile keep the
-    // group count, and so the wait below, uniform).
-    int pages[kChunks];
+    // group count, and so the wait below, uniform). The chunks of the next tile to issue are looked up one
+    // iteration ahead of their use.
+    ChunkWalk<kPaged, T> walk(a, tile_begin);
+    TileChunks chunks;
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < tiles) {
-        tile_pages<kPaged>(a, b, tile_begin + s, length, pages);
-        issue_tile(tile_begin + s, s, pages);
+        walk.next(a, b, length, chunks);
+        issue_tile(tile_begin + s, s, chunks);
       }
       cp_async_commit();
     }
-    // The pages of the next tile to issue, read one iteration ahead of their use.
-    if (kStages - 1 < tiles) tile_pages<kPaged>(a, b, tile_begin + kStages - 1, length, pages);
+    if (kStages - 1 < tiles) walk.next(a, b, length, chunks);
 
     cp_async_wait<kStages - 1>();  // the Q group
     __syncthreads();
@@ -224,8 +242,8 @@ __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a)
       __syncthreads();  // tile `it` has landed for every thread; every warp is done with tile it - 1's slot
       const int next = it + kStages - 1;
       if (next < tiles) {
-        issue_tile(tile_begin + next, next % kStages, pages);
-        if (next + 1 < tiles) tile_pages<kPaged>(a, b, tile_begin + next + 1, length, pages);
+        issue_tile(tile_begin + next, next % kStages, chunks);
+        if (next + 1 < tiles) walk.next(a, b, length, chunks);
       }
       cp_async_commit();
 
@@ -370,7 +388,9 @@ struct CombineArgs {
 
 // Merges the splits of one output row per warp (docs/semantics.md section 8): M = max_p lse_p; lse = M +
 // log sum_p exp(lse_p - M); o = sum_p exp(lse_p - lse) o_p, p ascending, in float32. Rows that no split sees get
-// o = 0 and lse = -inf.
+// o = 0 and lse = -inf. The lanes read the lse of 32 splits at once (the sum over them in a fixed tree order);
+// each lane accumulates its Dv / 32 columns of o over the splits in order, with the weights broadcast from the
+// lane that computed them and several splits' loads in flight.
 template <class T, int Dv>
 __global__ void __launch_bounds__(kThreads) flash_decode_combine_kernel(CombineArgs<T> a) {
   constexpr int kColumns = Dv / 32;  // per lane, contiguous
@@ -381,27 +401,39 @@ __global__ void __launch_bounds__(kThreads) flash_decode_combine_kernel(CombineA
   const int i = static_cast<int>(row % a.q_len);
   const int h = static_cast<int>(row / a.q_len % a.q_heads);
   const int b = static_cast<int>(row / (i64{a.q_len} * a.q_heads));
+  const float* lse_of_split = a.partial_lse + row;  // split p at [p * rows]
 
   float row_max = -INFINITY;
-  for (int p = 0; p < a.splits; ++p) row_max = fmaxf(row_max, a.partial_lse[p * rows + row]);
+  for (int p = lane; p < a.splits; p += 32) row_max = fmaxf(row_max, lse_of_split[p * rows]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
   float lse = -INFINITY;
   if (row_max != -INFINITY) {
     float sum = 0.f;
-    for (int p = 0; p < a.splits; ++p) sum += expf(a.partial_lse[p * rows + row] - row_max);
-    lse = row_max + logf(sum);
+    for (int p = lane; p < a.splits; p += 32) sum += expf(lse_of_split[p * rows] - row_max);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    lse = row_max + logf(__shfl_sync(0xffffffffu, sum, 0));  // lane 0's order for every lane
   }
+
   float out[kColumns];
 #pragma unroll
   for (int e = 0; e < kColumns; ++e) out[e] = 0.f;
   if (lse != -INFINITY) {
-    for (int p = 0; p < a.splits; ++p) {
-      const float weight = expf(a.partial_lse[p * rows + row] - lse);
-      const float* src = a.partial_o + (p * rows + row) * Dv + lane * kColumns;
+    const float* o_of_split = a.partial_o + row * Dv + lane * kColumns;  // split p at [p * rows * Dv]
+    for (int base = 0; base < a.splits; base += 32) {
+      const int count = min(32, a.splits - base);
+      const float own_weight = lane < count ? expf(lse_of_split[(base + lane) * rows] - lse) : 0.f;
+#pragma unroll 8
+      for (int j = 0; j < count; ++j) {
+        const float weight = __shfl_sync(0xffffffffu, own_weight, j);
+        const float* src = o_of_split + (base + j) * rows * Dv;
 #pragma unroll
-      for (int e = 0; e < kColumns; e += 2) {
-        const float2 x = *reinterpret_cast<const float2*>(src + e);
-        out[e] += weight * x.x;
-        out[e + 1] += weight * x.y;
+        for (int e = 0; e < kColumns; e += 2) {
+          const float2 x = *reinterpret_cast<const float2*>(src + e);
+          out[e] += weight * x.x;
+          out[e + 1] += weight * x.y;
+        }
       }
     }
   }
