@@ -56,6 +56,24 @@ class Timer:
         return statistics.median(b.elapsed_time(e) for b, e in events)
 
 
+def kernel_times(fn, runs: int = 5) -> dict:
+    """Mean GPU microseconds of each kernel of one run of fn (torch.profiler over `runs` runs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.count:
+            name = event.key.split("<")[0].split("(")[0][-40:]
+            times[name] = round(event.device_time_total / runs, 1)
+    return times
+
+
 def sdpa_rows(q, k, v):
     """(name, callable or the reason it is unavailable) for each SDPA backend on the [B, H, T, D] views."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -91,6 +109,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-sdpa", action="store_true")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also print the GPU time of each kernel of the flash_decode rows (torch.profiler)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -153,6 +173,12 @@ def main() -> int:
                     frac_text = f"{fraction:.1%}" if fraction is not None else "n/a"
                     print(f"| {batch} | {heads} | {kernel} | {splits} | {ms * 1000:.1f} | {gbps:.0f} | {frac_text} |",
                           flush=True)
+                    if args.kernels and kernel.startswith("flash_decode"):
+                        try:
+                            record["kernels_us"] = kernel_times(fn)
+                        except Exception as error:  # noqa: BLE001 - the breakdown is optional
+                            record["kernels_us"] = f"profiler failed: {error}"
+                        print(f"|   |   | kernels: {record['kernels_us']} | | | | |")
                 results.append(record)
             del q, k, v, rows
             torch.cuda.empty_cache()
