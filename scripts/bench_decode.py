@@ -11,9 +11,11 @@ a shuffled block table), and SDPA on the dense cache ([B, H, T, D] views, enable
 the shape (flash, cuDNN, efficient; a backend that refuses is listed with its reason). Tq = 1 is causal for every
 row: the one query sits at the last position, so SDPA runs with is_causal=False.
 
-Timing: CUDA events around each run, 512 MB of L2-flushing writes and a 1 ms GPU sleep before every timed run (the
+Timing: CUDA events around each run, an L2 flush and a 1 ms GPU sleep before every timed run (the
 sleep keeps the GPU busy while the host launches the run, so that a run of some tens of microseconds is timed by its
-kernels, not by the Python and launch overhead of the call), median of --runs runs after --warmup untimed ones.
+kernels, not by the Python and launch overhead of the call), median of --runs runs after --warmup untimed ones. The
+flush (--flush) reads 512 MB (a sum: the L2 is left holding clean lines) or writes them (zero_, as
+sparseattn.bench: the L2 is left full of dirty lines, whose write-back the timed run then pays for, tens of MB).
 """
 from __future__ import annotations
 
@@ -37,9 +39,9 @@ def peak_tbps(name: str):
 
 
 class Timer:
-    def __init__(self, runs: int, warmup: int):
-        self.runs, self.warmup = runs, warmup
-        self.flush = torch.empty(512 << 20, dtype=torch.int8, device="cuda")
+    def __init__(self, runs: int, warmup: int, flush: str):
+        self.runs, self.warmup, self.flush_mode = runs, warmup, flush
+        self.flush = torch.ones(256 << 20, dtype=torch.bfloat16, device="cuda")  # 512 MB
 
     def median_ms(self, fn) -> float:
         for _ in range(self.warmup):
@@ -47,7 +49,10 @@ class Timer:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(self.runs)]
         for begin, end in events:
-            self.flush.zero_()
+            if self.flush_mode == "read":
+                self.flush.sum(dtype=torch.float32)
+            else:
+                self.flush.zero_()
             torch.cuda._sleep(SLEEP_CYCLES)
             begin.record()
             fn()
@@ -109,6 +114,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-sdpa", action="store_true")
+    parser.add_argument("--flush", choices=["read", "write"], default="read", help="how the L2 is flushed")
     parser.add_argument("--kernels", action="store_true",
                         help="also print the GPU time of each kernel of the flash_decode rows (torch.profiler)")
     parser.add_argument("--out", help="also write the results as JSON here")
@@ -122,10 +128,11 @@ def main() -> int:
     name = torch.cuda.get_device_name()
     peak = peak_tbps(name)
     print(f"# flash_decode bandwidth on {name} (peak {peak} TB/s), torch {torch.__version__}, "
-          f"sparseattn {sparseattn.__version__}; Tq = 1, Tk = {args.tk}, D = {args.dim}, bf16\n")
+          f"sparseattn {sparseattn.__version__}; Tq = 1, Tk = {args.tk}, D = {args.dim}, bf16, L2 flush by "
+          f"{args.flush}\n")
     print("| B | Hq/Hkv | kernel | splits | time (us) | GB/s | of peak |")
     print("|---|---|---|---|---|---|---|")
-    timer = Timer(args.runs, args.warmup)
+    timer = Timer(args.runs, args.warmup, args.flush)
     results = []
     for batch in args.batch:
         for heads in args.heads:
@@ -184,7 +191,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=name, peak_tbps=peak, torch=torch.__version__, results=results), f, indent=1)
+            json.dump(dict(device=name, peak_tbps=peak, torch=torch.__version__, flush=args.flush, results=results), f,
+                      indent=1)
     return 0
 
 

@@ -48,7 +48,7 @@ struct FlashDecodeParams {
   std::int64_t window_left = -1;
   std::int64_t window_right = -1;
   std::optional<double> scale;  // default 1/sqrt(Dqk)
-  std::int64_t num_splits = 0;  // split-KV count on CUDA, 0 = heuristic; ignored on the CPU
+  std::int64_t num_splits = 0;  // split-KV count on CUDA (at most 256 used), 0 = heuristic; ignored on CPU
   void* workspace = nullptr;    // on q's device, 16-byte aligned, flash_decode_workspace_size bytes
   std::size_t workspace_bytes = 0;
   Stream stream = nullptr;

@@ -93,7 +93,8 @@ def flash_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: 
             (-1, -1).
         scale: softmax scale; None: 1/sqrt(Dqk).
         num_splits: KV splits on CUDA, 0 (default) for a heuristic from the SM count, the shapes and the capacity;
-            the count is rounded so that each split is whole 64-key tiles. Ignored on the CPU.
+            the count is rounded so that each split is whole 64-key tiles, and at most 256 are used. Ignored on
+            the CPU.
         return_lse: also return the log-sum-exp.
 
     Returns:

@@ -207,6 +207,7 @@ TEST(FlashDecodePlan, RequestedSplitsRoundToTiles) {
   EXPECT_EQ(plan_splits(700, 1, kH100Sms, 2, 7, &keys), 6);  // 7 asked: 128-key splits, 6 of them cover 700
   EXPECT_EQ(plan_splits(100, 1, kH100Sms, 2, 50, &keys), 2);  // at most one split per 64-key tile
   EXPECT_EQ(keys, 64);
+  EXPECT_EQ(plan_splits(std::int64_t{1} << 20, 1, kH100Sms, 2, 1000, &keys), cuda::decode::kMaxSplits);
 }
 
 TEST(FlashDecodePlan, WorkspaceOnlyWithSplits) {

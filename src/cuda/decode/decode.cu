@@ -58,10 +58,9 @@ void launch_combine(const decode::DecodeArgs<T>& args, int dqk, int dv, cudaStre
   const decode::CombineArgs<T> c{args.partial_o, args.partial_lse, args.o, args.lse, args.batch, args.q_len,
                                  args.q_heads, args.splits};
   const std::int64_t rows = std::int64_t{args.batch} * args.q_heads * args.q_len;
-  const auto blocks = static_cast<unsigned>(ceil_div(rows, decode::kWarps));
   dispatch_head_dims(dqk, dv, [&](auto, auto dim_v) {
     constexpr int Dv = decltype(dim_v)::value;
-    decode::flash_decode_combine_kernel<T, Dv><<<blocks, decode::kThreads, 0, stream>>>(c);
+    decode::flash_decode_combine_kernel<T, Dv><<<static_cast<unsigned>(rows), Dv, 0, stream>>>(c);
     check_launch("flash_decode_combine_kernel");
   });
 }

@@ -386,61 +386,51 @@ struct CombineArgs {
   int batch, q_len, q_heads, splits;
 };
 
-// Merges the splits of one output row per warp (docs/semantics.md section 8): M = max_p lse_p; lse = M +
-// log sum_p exp(lse_p - M); o = sum_p exp(lse_p - lse) o_p, p ascending, in float32. Rows that no split sees get
-// o = 0 and lse = -inf. The lanes read the lse of 32 splits at once (the sum over them in a fixed tree order);
-// each lane accumulates its Dv / 32 columns of o over the splits in order, with the weights broadcast from the
-// lane that computed them and several splits' loads in flight.
+// Merges the splits of one output row per CTA of Dv threads (docs/semantics.md section 8): M = max_p lse_p; lse =
+// M + log sum_p exp(lse_p - M); o = sum_p exp(lse_p - lse) o_p, p ascending, in float32. Rows that no split sees
+// get o = 0 and lse = -inf. Thread c owns column c: it reads 32 splits' values of its column at once (all in
+// flight) and adds them in split order. The row's lse values and weights are shared through shared memory, and
+// every thread forms M and the sum in the same order, so all agree.
 template <class T, int Dv>
-__global__ void __launch_bounds__(kThreads) flash_decode_combine_kernel(CombineArgs<T> a) {
-  constexpr int kColumns = Dv / 32;  // per lane, contiguous
+__global__ void __launch_bounds__(Dv) flash_decode_combine_kernel(CombineArgs<T> a) {
+  __shared__ float lse_of_split[kMaxSplits], weight[kMaxSplits];
   const i64 rows = i64{a.batch} * a.q_heads * a.q_len;
-  const i64 row = i64{blockIdx.x} * kWarps + threadIdx.x / 32;
-  if (row >= rows) return;
-  const int lane = threadIdx.x % 32;
-  const int i = static_cast<int>(row % a.q_len);
-  const int h = static_cast<int>(row / a.q_len % a.q_heads);
-  const int b = static_cast<int>(row / (i64{a.q_len} * a.q_heads));
-  const float* lse_of_split = a.partial_lse + row;  // split p at [p * rows]
-
+  const i64 row = blockIdx.x;
+  const int column = threadIdx.x;
+  for (int p = column; p < a.splits; p += Dv) lse_of_split[p] = a.partial_lse[p * rows + row];
+  __syncthreads();
   float row_max = -INFINITY;
-  for (int p = lane; p < a.splits; p += 32) row_max = fmaxf(row_max, lse_of_split[p * rows]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, offset));
+  for (int p = 0; p < a.splits; ++p) row_max = fmaxf(row_max, lse_of_split[p]);
   float lse = -INFINITY;
-  if (row_max != -INFINITY) {
+  if (row_max != -INFINITY) {  // the same for every thread
+    for (int p = column; p < a.splits; p += Dv) weight[p] = expf(lse_of_split[p] - row_max);
+    __syncthreads();
     float sum = 0.f;
-    for (int p = lane; p < a.splits; p += 32) sum += expf(lse_of_split[p * rows] - row_max);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    lse = row_max + logf(__shfl_sync(0xffffffffu, sum, 0));  // lane 0's order for every lane
+    for (int p = 0; p < a.splits; ++p) sum += weight[p];
+    lse = row_max + logf(sum);
+    __syncthreads();  // every thread has read the weights above
+    for (int p = column; p < a.splits; p += Dv) weight[p] = expf(lse_of_split[p] - lse);
+    __syncthreads();
   }
-
-  float out[kColumns];
-#pragma unroll
-  for (int e = 0; e < kColumns; ++e) out[e] = 0.f;
+  float out = 0.f;
   if (lse != -INFINITY) {
-    const float* o_of_split = a.partial_o + row * Dv + lane * kColumns;  // split p at [p * rows * Dv]
-    for (int base = 0; base < a.splits; base += 32) {
-      const int count = min(32, a.splits - base);
-      const float own_weight = lane < count ? expf(lse_of_split[(base + lane) * rows] - lse) : 0.f;
-#pragma unroll 8
-      for (int j = 0; j < count; ++j) {
-        const float weight = __shfl_sync(0xffffffffu, own_weight, j);
-        const float* src = o_of_split + (base + j) * rows * Dv;
+    const float* src = a.partial_o + row * Dv + column;  // split p at [p * rows * Dv]
+    const i64 split_stride = rows * Dv;
+    for (int p0 = 0; p0 < a.splits; p0 += 32) {
+      float x[32];
 #pragma unroll
-        for (int e = 0; e < kColumns; e += 2) {
-          const float2 x = *reinterpret_cast<const float2*>(src + e);
-          out[e] += weight * x.x;
-          out[e + 1] += weight * x.y;
-        }
+      for (int j = 0; j < 32; ++j) x[j] = p0 + j < a.splits ? src[(p0 + j) * split_stride] : 0.f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        if (p0 + j < a.splits) out += weight[p0 + j] * x[j];
       }
     }
   }
-  T* dst = a.o.row(b, i, h) + lane * kColumns;
-#pragma unroll
-  for (int e = 0; e < kColumns; e += 2) *reinterpret_cast<std::uint32_t*>(dst + e) = pack2<T>(out[e], out[e + 1]);
-  if (lane == 0) a.lse.at(b, i, h) = lse;
+  const int i = static_cast<int>(row % a.q_len);
+  const int h = static_cast<int>(row / a.q_len % a.q_heads);
+  const int b = static_cast<int>(row / (i64{a.q_len} * a.q_heads));
+  a.o.row(b, i, h)[column] = from_float<T>(out);
+  if (column == 0) a.lse.at(b, i, h) = lse;
 }
 
 }  // namespace sparseattn::cuda::decode

@@ -20,6 +20,8 @@ inline constexpr int kMaxQueries = 16;  // Tq
 // The heuristic's bounds: at most this many splits, and splits of at least this many keys, so that writing and
 // merging the float32 partials (G * Tq rows of Dv floats per split) stays small next to reading the split's K/V.
 inline constexpr std::int64_t kMaxHeuristicSplits = 128;
+// Splits a call may ask for (more are capped here): the combine kernel keeps a row's split weights in shared memory.
+inline constexpr int kMaxSplits = 256;
 inline constexpr std::int64_t kMinSplitKeys = 512;
 // The shared memory the K/V pipeline aims for: 96 KB (two CTAs per SM on sm_90 at head dim 128); at least two
 // stages, at most six.
@@ -63,9 +65,9 @@ inline std::int64_t ceil_div_host(std::int64_t a, std::int64_t b) { return (a + 
 
 // The splits of `capacity` keys when `base_ctas` CTAs (sequences x KV heads x row blocks) share a device of `sms`
 // SMs that each hold `ctas_per_sm` of them. requested > 0 is the caller's count (at most one split per tile of
-// keys); 0 asks for the heuristic: as many splits as keep every CTA resident at once (one wave), at most
-// kMaxHeuristicSplits and none shorter than kMinSplitKeys. The split length is rounded up to whole tiles, so the
-// count actually used (returned) can be below the one asked for.
+// keys and at most kMaxSplits); 0 asks for the heuristic: as many splits as keep every CTA resident at once (one
+// wave), at most kMaxHeuristicSplits and none shorter than kMinSplitKeys. The split length is rounded up to whole
+// tiles, so the count actually used (returned) can be below the one asked for.
 inline std::int64_t plan_splits(std::int64_t capacity, std::int64_t base_ctas, int sms, int ctas_per_sm,
                                 std::int64_t requested, std::int64_t* split_keys) {
   const std::int64_t tiles = ceil_div_host(capacity, kTileKeys);
@@ -75,7 +77,7 @@ inline std::int64_t plan_splits(std::int64_t capacity, std::int64_t base_ctas, i
     splits = std::min({slots / std::max<std::int64_t>(base_ctas, 1), kMaxHeuristicSplits,
                        ceil_div_host(capacity, kMinSplitKeys)});
   }
-  splits = std::clamp<std::int64_t>(splits, 1, std::max<std::int64_t>(tiles, 1));
+  splits = std::clamp<std::int64_t>(splits, 1, std::max<std::int64_t>(std::min<std::int64_t>(tiles, kMaxSplits), 1));
   const std::int64_t keys = std::max<std::int64_t>(ceil_div_host(ceil_div_host(capacity, splits), kTileKeys), 1) * kTileKeys;
   *split_keys = keys;
   return std::max<std::int64_t>(ceil_div_host(capacity, keys), 1);
