@@ -29,8 +29,9 @@ namespace sparseattn {
 // block_table in [0, num_pages).
 //
 // CUDA kernels: float16 and bfloat16, the head-dim pairs of sparseattn/head_dims.h, page_size a multiple of 16
-// (a 16-key chunk of a tile never straddles two pages), capacity below 2^31 keys; any Tq <= 16 and any group size
-// Hq / Hkv (the group's query heads and the Tq queries form the rows of one tile, which reads K and V once).
+// (a 16-key chunk of a tile never straddles two pages), a capacity of at most 2^30 keys; any Tq <= 16 and any
+// group size Hq / Hkv (the group's query heads and the Tq queries form the rows of one tile, which reads K and V
+// once).
 // The keys [0, capacity) are cut into P consecutive splits of equal length (a multiple of 64 keys); each split
 // writes a float32 partial o and lse into the workspace and a combine kernel merges them in split order, so the
 // result is bit-identical run to run. P (num_splits, or a heuristic from the SM count, the shapes and the

@@ -51,7 +51,8 @@ DecodeShapes check_decode(const detail::Check& check, const FlashDecodeParams& p
   check.tensor(k, "k_cache", dtype, q, "q");
   const std::string k_form = s.paged ? "[num_pages, page_size, Hkv, Dqk] (a paged cache: block_table is given)"
                                      : "[B, S, Hkv, Dqk] (a dense cache: no block_table)";
-  check.require(k.rank == 4, ErrorKind::shape, "k_cache", "expected 4 dimensions " + k_form + ", got " + k.shape_string());
+  check.require(k.rank == 4, ErrorKind::shape, "k_cache",
+                "expected 4 dimensions " + k_form + ", got " + k.shape_string());
   s.kv_heads = k.shape[2];
   check.require(s.kv_heads > 0, ErrorKind::shape, "k_cache", "needs at least one head, got " + k.shape_string());
   check.require(s.q_heads % s.kv_heads == 0, ErrorKind::shape, "k_cache",

@@ -63,7 +63,8 @@ void flash_decode(const FlashDecodeParams& params) {
   }
   Dense q64 = load(q);
   const std::int64_t rows = batch * q_len, keys = cu_k.back();
-  std::vector<double> o(static_cast<std::size_t>(rows * q_heads * dim_v)), lse(static_cast<std::size_t>(q_heads * rows));
+  std::vector<double> o(static_cast<std::size_t>(rows * q_heads * dim_v));
+  std::vector<double> lse(static_cast<std::size_t>(q_heads * rows));
 
   FlashAttentionParams flash;
   flash.q = TensorView::contiguous(q64.values.data(), DType::float64, {rows, q_heads, dim_qk});

@@ -3,6 +3,7 @@
 
 namespace sparseattn::cuda::decode {
 
-template void launch_decode_kernel<__nv_bfloat16, false>(const DecodeArgs<__nv_bfloat16>&, const DecodePlan&, int, int, cudaStream_t);
+template void launch_decode_kernel<__nv_bfloat16, false>(const DecodeArgs<__nv_bfloat16>&, const DecodePlan&,
+                                                         int, int, cudaStream_t);
 
 }  // namespace sparseattn::cuda::decode

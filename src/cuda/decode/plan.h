@@ -78,7 +78,9 @@ inline std::int64_t plan_splits(std::int64_t capacity, std::int64_t base_ctas, i
                        ceil_div_host(capacity, kMinSplitKeys)});
   }
   splits = std::clamp<std::int64_t>(splits, 1, std::max<std::int64_t>(std::min<std::int64_t>(tiles, kMaxSplits), 1));
-  const std::int64_t keys = std::max<std::int64_t>(ceil_div_host(ceil_div_host(capacity, splits), kTileKeys), 1) * kTileKeys;
+  const std::int64_t tiles_per_split =
+      std::max<std::int64_t>(ceil_div_host(ceil_div_host(capacity, splits), kTileKeys), 1);
+  const std::int64_t keys = tiles_per_split * kTileKeys;
   *split_keys = keys;
   return std::max<std::int64_t>(ceil_div_host(capacity, keys), 1);
 }
