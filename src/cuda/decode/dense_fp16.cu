@@ -1,0 +1,9 @@
+// flash_decode's kernels for a dense cache in fp16, every head-dim pair and warp layout.
+#include "cuda/decode/launch.cuh"
+
+namespace sparseattn::cuda::decode {
+
+template void launch_decode_kernel<__half, false>(const DecodeArgs<__half>&, const DecodePlan&,
+                                                  int, int, cudaStream_t);
+
+}  // namespace sparseattn::cuda::decode

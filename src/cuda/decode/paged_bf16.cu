@@ -1,0 +1,9 @@
+// flash_decode's kernels for a paged cache in bf16, every head-dim pair and warp layout.
+#include "cuda/decode/launch.cuh"
+
+namespace sparseattn::cuda::decode {
+
+template void launch_decode_kernel<__nv_bfloat16, true>(const DecodeArgs<__nv_bfloat16>&, const DecodePlan&,
+                                                        int, int, cudaStream_t);
+
+}  // namespace sparseattn::cuda::decode
