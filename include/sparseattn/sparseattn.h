@@ -7,6 +7,7 @@
 #include "sparseattn/create_mask.h"
 #include "sparseattn/error.h"
 #include "sparseattn/flash_attention.h"
+#include "sparseattn/flash_decode.h"
 #include "sparseattn/head_dims.h"
 #include "sparseattn/nsa_attention.h"
 #include "sparseattn/select_blocks.h"

@@ -25,6 +25,7 @@ from .functional import (  # noqa: E402
     selected_attention,
 )
 from .modules import NativeSparseAttention, NativeSparseAttentionCore  # noqa: E402
+from .decode import flash_decode  # noqa: E402
 from . import compat, distributed  # noqa: E402,F401
 
 __version__ = _C.__version__
@@ -71,6 +72,7 @@ __all__ = [
     "compressed_cu_seqlens",
     "create_mask",
     "flash_attention",
+    "flash_decode",
     "nsa_attention",
     "select_blocks",
     "selected_attention",

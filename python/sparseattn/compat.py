@@ -2,6 +2,7 @@
 signature and layout over sparseattn's operations.
 
 - ``flash_attn_func``, ``flash_attn_varlen_func``: flash-attn's dense attention (FlashAttention-2 signatures).
+- ``flash_attn_with_kvcache``: flash-attn's decode against a dense or paged KV cache (appending the new keys).
 - ``parallel_nsa``: fla's (flash-linear-attention) Native Sparse Attention.
 
 The differences that remain are listed in each docstring; arguments the wrapped operation cannot honour raise
@@ -16,9 +17,10 @@ from torch import Tensor
 
 from . import _checks as chk
 from ._errors import SparseAttnUnsupportedError, make_error
+from .decode import flash_decode
 from .functional import NSAConfig, flash_attention, nsa_attention
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "parallel_nsa"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "parallel_nsa"]
 
 
 def _unsupported(op: str, arg: str, why: str) -> SparseAttnUnsupportedError:
@@ -124,6 +126,135 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                                cu_seqlens_k=_int32(op, "cu_seqlens_k", cu_seqlens_k), max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, return_lse=True)
     return (out, lse, None) if return_attn_probs else out
+
+
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """flash-attn's rotary embedding of x [B, T, H, D] at positions [B, T]: the first 2 * cos.shape[1] dims are
+    rotated, as pairs (x0, x1), (x2, x3), ... when interleaved, else as halves."""
+    rot = 2 * cos.shape[1]
+    compute = torch.promote_types(x.dtype, torch.float32)
+    c = cos[positions][:, :, None].to(compute)  # [B, T, 1, rot / 2]
+    s = sin[positions][:, :, None].to(compute)
+    head, rest = x[..., :rot].to(compute), x[..., rot:]
+    if interleaved:
+        a, b = head[..., 0::2], head[..., 1::2]
+        rotated = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        a, b = head[..., : rot // 2], head[..., rot // 2:]
+        rotated = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                            v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
+                            rotary_sin: Optional[Tensor] = None, cache_seqlens: Union[int, Tensor, None] = None,
+                            cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
+                            block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
+                            causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False):
+    """flash-attn's ``flash_attn_with_kvcache`` over :func:`sparseattn.flash_decode`.
+
+    Same layouts: q [B, Tq, Hq, D]; a dense cache [B, S, Hkv, D] or a paged one [num_pages, page_size, Hkv, D]
+    with ``block_table`` [B, max_pages] (int32); ``cache_seqlens`` (an int or int32 [B]) counts the keys in the
+    cache before this call. New keys ``k``/``v`` [B, Tnew, Hkv, D] are written into the cache in place at
+    positions cache_seqlens .. cache_seqlens + Tnew - 1 (rotated first when ``rotary_cos``/``rotary_sin`` are
+    given, as is q: at those positions when causal or windowed, else all at position cache_seqlens), then q
+    attends to every key up to the new end, bottom-right aligned. Differences: 1 to 16 queries per sequence (the
+    decode kernel's range); ``cache_batch_idx``, ``cache_leftpad``, ``softcap`` and ``alibi_slopes`` raise
+    SparseAttnUnsupportedError; on CUDA the lengths and pages are trusted device data (writes and reads stay
+    inside the cache: positions are clamped to it), on the CPU they are checked.
+
+    Args:
+        q: [B, Tq, Hq, D], 1 <= Tq <= 16.
+        k_cache, v_cache: dense [B, S, Hkv, D] or paged [num_pages, page_size, Hkv, D]; updated in place when k/v
+            are given.
+        k, v: optional new keys and values [B, Tnew, Hkv, D] (both or neither).
+        rotary_cos, rotary_sin: optional [max_position, rotary_dim / 2] tables (both or neither).
+        cache_seqlens: keys in the cache before this call: an int or int32 [B]; None: the whole cache (dense).
+        cache_batch_idx, cache_leftpad, softcap, alibi_slopes: must be None, None, 0 and None.
+        block_table: int32 [B, max_pages] for a paged cache.
+        softmax_scale: None is 1/sqrt(D).
+        causal, window_size: as flash-attn's.
+        rotary_interleaved: rotate pairs of adjacent dims (True) or the two halves (False).
+        num_splits: KV splits (0: heuristic), as :func:`sparseattn.flash_decode`.
+        return_softmax_lse: also return the log-sum-exp [B, Hq, Tq].
+
+    Returns:
+        out [B, Tq, Hq, Dv], or (out, softmax_lse) with ``return_softmax_lse``.
+
+    Raises:
+        SparseAttnUnsupportedError: the arguments listed above, or more than 16 queries.
+        SparseAttnError: as :func:`sparseattn.flash_decode`, and k without v or rotary_cos without rotary_sin.
+
+    Example:
+        >>> import torch
+        >>> from sparseattn.compat import flash_attn_with_kvcache
+        >>> k_cache, v_cache = torch.zeros(2, 64, 2, 16), torch.zeros(2, 64, 2, 16)
+        >>> lengths = torch.tensor([10, 3], dtype=torch.int32)
+        >>> q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+        >>> out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+        >>> tuple(out.shape), bool(k_cache[0, 10].eq(k[0, 0]).all())
+        ((2, 1, 4, 16), True)
+    """
+    op = "flash_attn_with_kvcache"
+    _flash_extras(op, 0.0, softcap, alibi_slopes)
+    for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if value is not None:
+            raise _unsupported(op, name, "is not implemented; index or trim the cache before the call")
+    if (k is None) != (v is None):
+        raise make_error(chk.SparseAttnError, "config", op, "k" if k is None else "v", "k and v come together")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise make_error(chk.SparseAttnError, "config", op, "rotary_sin" if rotary_sin is None else "rotary_cos",
+                         "rotary_cos and rotary_sin come together")
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise chk.type_error(op, "q", "a [B, Tq, Hq, D] torch.Tensor", q)
+    if not 1 <= q.shape[1] <= 16:
+        raise _unsupported(op, "q", f"has {q.shape[1]} queries per sequence; the decode kernel takes 1 to 16")
+    batch, paged = q.shape[0], block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if cache_seqlens is None and paged:
+        raise make_error(chk.SparseAttnError, "config", op, "cache_seqlens", "is required with block_table")
+    if cache_seqlens is None:
+        lengths = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int):
+        lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        lengths = cache_seqlens
+    new = 0 if k is None else k.shape[1]
+    if rotary_cos is not None:
+        steps = torch.arange(max(q.shape[1], new), device=q.device)
+        base = lengths.long()[:, None]
+        if k is not None:
+            k = _rotary(k, rotary_cos, rotary_sin, (base + steps[:new]).clamp(max=rotary_cos.shape[0] - 1),
+                        rotary_interleaved)
+        local = causal or window_size[0] >= 0 or window_size[1] >= 0
+        q_positions = base + (steps[: q.shape[1]] if local else torch.zeros_like(steps[: q.shape[1]]))
+        q = _rotary(q, rotary_cos, rotary_sin, q_positions.clamp(max=rotary_cos.shape[0] - 1), rotary_interleaved)
+    if k is not None:
+        if not q.is_cuda:
+            _check_room(op, lengths, new, capacity)
+        positions = (lengths.long()[:, None] + torch.arange(new, device=q.device)).clamp(0, max(capacity - 1, 0))
+        if paged:
+            page_size = k_cache.shape[1]
+            pages = block_table.long().gather(1, positions // page_size).clamp(0, k_cache.shape[0] - 1)
+            k_cache[pages, positions % page_size] = k.to(k_cache.dtype)
+            v_cache[pages, positions % page_size] = v.to(v_cache.dtype)
+        else:
+            rows = torch.arange(batch, device=q.device)[:, None].expand_as(positions)
+            k_cache[rows, positions] = k.to(k_cache.dtype)
+            v_cache[rows, positions] = v.to(v_cache.dtype)
+        lengths = (lengths + new).to(torch.int32)
+    return flash_decode(q, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table, causal=causal,
+                        window=_window(op, window_size), scale=softmax_scale, num_splits=num_splits,
+                        return_lse=return_softmax_lse)
+
+
+def _check_room(op: str, lengths: Tensor, new: int, capacity: int) -> None:
+    """CPU: the new keys fit the cache (on CUDA the lengths are trusted device data)."""
+    if bool(((lengths < 0) | (lengths.long() + new > capacity)).any()):
+        raise make_error(chk.SparseAttnError, "value", op, "cache_seqlens",
+                         f"a sequence's {new} new keys do not fit the cache of {capacity} keys")
 
 
 def _int32(op: str, arg: str, t: Optional[Tensor]) -> Optional[Tensor]:

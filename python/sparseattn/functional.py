@@ -21,9 +21,11 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from . import _C
 from . import _checks as chk
 from . import _ops
 from . import _tiles
+from . import decode as _decode
 from ._errors import SparseAttnError, make_error
 
 __all__ = [
@@ -534,6 +536,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     mask = None if mask is None else mask.detach()
     block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = (
         None if t is None else t.detach() for t in block_tensors)
+    if _decode_shaped(q, k, v, packed, (mask, bias, alpha, delta, gate_threshold, softmax_threshold, *block_tensors,
+                                        window_left_heads, window_right_heads)):
+        return _decode.flash_decode(q, k, v, causal=causal, window=(window_left, window_right), scale=scale,
+                                    return_lse=return_lse)
     if q.is_cuda:
         block_mask, block_q, block_k = _cuda_tile_states(q, k, mask, block_mask, kv_num_blocks, kv_indices,
                                                          full_kv_num_blocks, full_kv_indices, block_q, block_k,
@@ -545,6 +551,32 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                                   kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q, block_k,
                                   window_left_heads, window_right_heads)
     return (o, lse) if return_lse else o
+
+
+def _decode_shaped(q: Tensor, k: Tensor, v: Tensor, packed: bool, features: tuple) -> bool:
+    """Whether a flash_attention call goes to the split-KV decode kernel (sparseattn.decode.flash_decode): CUDA,
+    batched, 1 to 16 queries, a dtype and head dims the kernels take, none of the optional `features` (mask,
+    bias, gates, thresholds, block-sparse masks, per-head windows) given, and no gradient to compute (the decode
+    kernel has no backward). The result is the same attention."""
+    if not q.is_cuda or packed or q.dim() != 4 or not 1 <= q.shape[1] <= 16 or q.dtype not in _DECODE_DTYPES:
+        return False
+    if any(feature is not None for feature in features):
+        return False
+    if (q.shape[-1], v.shape[-1]) not in _cuda_head_dims():
+        return False
+    consistent = (k.dim() == 4 and v.dim() == 4 and k.shape[0] == q.shape[0] and k.shape[2] > 0
+                  and q.shape[2] % k.shape[2] == 0 and k.shape[3] == q.shape[3] and v.shape[:3] == k.shape[:3]
+                  and k.dtype == q.dtype == v.dtype and k.device == q.device == v.device)
+    if not consistent:
+        return False  # flash_attention's own checks name the problem
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+
+
+_DECODE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _cuda_head_dims() -> tuple:
+    return tuple(tuple(pair) for pair in _C.cuda_head_dims())
 
 
 def _cuda_tile_states(q: Tensor, k: Tensor, mask: Optional[Tensor], block_mask: Optional[Tensor],

@@ -131,3 +131,78 @@ def test_flash_attn_func_refuses_what_it_cannot_honour(kwargs):
     q = k = v = torch.randn(1, 4, 4, 16)
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match=next(iter(kwargs))):
         flash_attn_func(q, k, v, **kwargs)
+
+
+def _rotate_reference(x, cos, sin, positions, interleaved):
+    """Rotary embedding one token at a time (float64)."""
+    out = x.clone()
+    rot = 2 * cos.shape[1]
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            c, s = cos[positions[b][t]], sin[positions[b][t]]
+            head = x[b, t, :, :rot]
+            if interleaved:
+                a, bb = head[:, 0::2], head[:, 1::2]
+                out[b, t, :, :rot] = torch.stack((a * c - bb * s, a * s + bb * c), -1).flatten(-2)
+            else:
+                a, bb = head[:, : rot // 2], head[:, rot // 2:]
+                out[b, t, :, :rot] = torch.cat((a * c - bb * s, a * s + bb * c), -1)
+    return out
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
+def test_flash_attn_with_kvcache_appends_and_attends(paged, rotary):
+    from sparseattn.compat import flash_attn_with_kvcache
+    gen = torch.Generator().manual_seed(6)
+    B, Hq, Hkv, D, new, Tq, cap = 2, 4, 2, 16, 3, 3, 48
+    lengths = torch.tensor([7, 30], dtype=torch.int32)
+    dense_k = torch.randn(B, cap, Hkv, D, dtype=torch.float64, generator=gen)
+    dense_v = torch.randn(B, cap, Hkv, D, dtype=torch.float64, generator=gen)
+    q = torch.randn(B, Tq, Hq, D, dtype=torch.float64, generator=gen)
+    k = torch.randn(B, new, Hkv, D, dtype=torch.float64, generator=gen)
+    v = torch.randn(B, new, Hkv, D, dtype=torch.float64, generator=gen)
+    cos = sin = None
+    if rotary is not None:
+        angles = torch.rand(64, 4, dtype=torch.float64, generator=gen) * 6
+        cos, sin = angles.cos(), angles.sin()
+    page = 16
+    if paged:
+        order = torch.randperm(B * cap // page, generator=gen)
+        table = order.view(B, cap // page).int()
+        k_cache = torch.empty(B * cap // page, page, Hkv, D, dtype=torch.float64)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[order] = dense_k.view(-1, page, Hkv, D)
+        v_cache[order] = dense_v.view(-1, page, Hkv, D)
+    else:
+        table, k_cache, v_cache = None, dense_k.clone(), dense_v.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=lengths, block_table=table, causal=True,
+                                       rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+    positions = lengths.long()[:, None] + torch.arange(new)
+    if rotary is not None:
+        k = _rotate_reference(k, cos, sin, positions, rotary == "interleaved")
+        q = _rotate_reference(q, cos, sin, positions, rotary == "interleaved")
+    expected_k, expected_v = dense_k.clone(), dense_v.clone()
+    for b in range(B):
+        expected_k[b, positions[b]] = k[b]
+        expected_v[b, positions[b]] = v[b]
+    cached_k = k_cache[table.long()].flatten(1, 2) if paged else k_cache
+    torch.testing.assert_close(cached_k, expected_k, rtol=0, atol=0)
+    for b in range(B):
+        end = int(lengths[b]) + new
+        o_ref, lse_ref = sparseattn.flash_attention(q[b:b + 1], expected_k[b:b + 1, :end], expected_v[b:b + 1, :end],
+                                                    causal=True, return_lse=True)
+        torch.testing.assert_close(out[b:b + 1], o_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[b:b + 1], lse_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_flash_attn_with_kvcache_refuses_what_it_cannot_honour():
+    from sparseattn.compat import flash_attn_with_kvcache
+    q, cache = torch.randn(1, 1, 2, 16), torch.zeros(1, 8, 1, 16)
+    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="cache_batch_idx"):
+        flash_attn_with_kvcache(q, cache, cache, cache_batch_idx=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="1 to 16"):
+        flash_attn_with_kvcache(torch.randn(1, 17, 2, 16), cache, cache)
+    with pytest.raises(sparseattn.SparseAttnError, match="do not fit"):
+        flash_attn_with_kvcache(q, cache, cache, torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), cache_seqlens=7)
