@@ -603,8 +603,8 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
   } else {
     plan.keys = seq_table(plan.shape, p.seqs);
   }
-  plan.select = selection::plan_select_blocks(p, plan.shape.batch, plan.shape.max_len, multiprocessors(p.q.device_index),
-                                              max_keys);
+  plan.select = selection::plan_select_blocks(p, plan.shape.batch, plan.shape.max_len,
+                                              multiprocessors(p.q.device_index), max_keys);
   plan.select.config.scale_log2 = static_cast<float>(softmax_scale(p.scale, plan.dim) * kLog2eDouble);
   return plan;
 }

@@ -34,8 +34,9 @@ __global__ void block_offsets_kernel(const std::int32_t* cu_seqlens, std::int64_
 }
 
 // One thread per entry (pair, slot j), so that consecutive threads read and write consecutive slots: the key
-// h * blocks_bound + global block if the slot lists a block that starts at or before the token's key position, the sentinel
-// otherwise and from the first -1 of the row on; either with the entry's chunk above it. I is the type of the
+// h * blocks_bound + global block if the slot lists a block that starts at or before the token's key position (its
+// position, or t + S - T for a query chunk), the sentinel otherwise and from the first -1 of the row on; either with
+// the entry's chunk above it. I is the type of the
 // entry, pair and row arithmetic: 32-bit where all of it fits (launch_make_keys), as 64-bit divisions would take
 // most of the kernel's time.
 template <class I>
