@@ -303,16 +303,18 @@ class NativeSparseAttention(nn.Module):
             return None
         if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
             raise chk.type_error(op, "kv_cache", "None or a (k, v) pair of tensors", kv_cache)
-        rank = 3 if packed else 4
-        for name, t, dim in (("kv_cache[0]", kv_cache[0], self.head_dim), ("kv_cache[1]", kv_cache[1], self.v_head_dim)):
+        rank, heads = (3 if packed else 4), self.num_kv_heads
+        for i, dim in ((0, self.head_dim), (1, self.v_head_dim)):
+            name, t = f"kv_cache[{i}]", kv_cache[i]
             chk.tensor_arg(op, name, t)
             chk.same_device(op, name, t, x, "x")
-            if t.dim() != rank or t.shape[-2:] != (self.num_kv_heads, dim) or (not packed and t.shape[0] != x.shape[0]):
-                expected = f"[Np, {self.num_kv_heads}, {dim}]" if packed else f"[{x.shape[0]}, P, {self.num_kv_heads}, {dim}]"
+            if t.dim() != rank or t.shape[-2:] != (heads, dim) or (not packed and t.shape[0] != x.shape[0]):
+                expected = f"[Np, {heads}, {dim}]" if packed else f"[{x.shape[0]}, P, {heads}, {dim}]"
                 raise make_error(SparseAttnError, "shape", op, name, f"expected {expected}, got {list(t.shape)}")
         if kv_cache[0].shape[:-1] != kv_cache[1].shape[:-1]:
             raise make_error(SparseAttnError, "shape", op, "kv_cache[1]",
-                             f"has {list(kv_cache[1].shape[:-1])} tokens and heads, kv_cache[0] {list(kv_cache[0].shape[:-1])}")
+                             f"has {list(kv_cache[1].shape[:-1])} tokens and heads, kv_cache[0] "
+                             f"{list(kv_cache[0].shape[:-1])}")
         if packed != (cu_seqlens_cache is not None):
             raise chk.config_error(op, "cu_seqlens_cache", "is required with a packed kv_cache (and only then)")
         if not packed:

@@ -120,12 +120,6 @@ ChunkKeys chunk_keys(const Check& check, const TokenLayout& queries, const Seque
   return keys;
 }
 
-void check_no_cuda_chunk(const Check& check, const ChunkKeys& keys, const std::string& arg) {
-  check.require(!keys.chunk, ErrorKind::unsupported, arg,
-                "a query chunk (more keys than queries) runs on the CPU reference only for now; the CUDA kernels of " +
-                    check.op() + " take as many keys as queries");
-}
-
 ChunkKeys chunk_key_count(const Check& check, const TokenLayout& queries, const Sequences& seqs,
                           const Sequences& seqs_k, std::int64_t seqlen_k) {
   ChunkKeys keys = chunk_key_sequences(check, queries, seqs, seqs_k, /*read_contents=*/true);

@@ -53,8 +53,6 @@ ChunkKeys chunk_key_sequences(const Check& check, const TokenLayout& queries, co
 // S >= T, packed [Nk, ...] with the sequences above (cu_seqlens_k's last entry <= Nk on the CPU).
 ChunkKeys chunk_keys(const Check& check, const TokenLayout& queries, const Sequences& seqs, const Sequences& seqs_k,
                      const TensorView& k, const std::string& k_arg, bool read_contents);
-// Query chunks have no CUDA kernels yet: ErrorKind::unsupported on CUDA tensors naming `arg`.
-void check_no_cuda_chunk(const Check& check, const ChunkKeys& keys, const std::string& arg);
 // The keys of an operation without key tensor (compressed_attention, select_blocks): batched S = seqlen_k
 // (0: T), which must be at least T; packed, seqlen_k must be 0.
 ChunkKeys chunk_key_count(const Check& check, const TokenLayout& queries, const Sequences& seqs,

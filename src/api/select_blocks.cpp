@@ -60,7 +60,6 @@ void select_blocks(const SelectBlocksParams& params) {
   const detail::Backend backend = detail::backend(check, params.q, "q", detail::kCudaBuilt);
 #ifdef SPARSEATTN_WITH_CUDA
   if (backend == detail::Backend::cuda) {
-    detail::check_no_cuda_chunk(check, keys, layout.packed ? "cu_seqlens_k" : "seqlen_k");
     detail::check_cuda_half(check, params.q);
     check.require(cuda_head_dim_qk_supported(dim), ErrorKind::unsupported, "q",
                   "head dim " + std::to_string(dim) + " has no CUDA kernel; the (Dqk, Dv) pairs with kernels are " +

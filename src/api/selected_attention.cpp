@@ -76,7 +76,6 @@ SelectedShapes check_common(const detail::Check& check, const Params& params) {
 // What the CUDA kernels need beyond the shared checks (no device reads): dtype, head dims, 16-byte rows.
 void check_cuda(const detail::Check& check, const SelectedShapes& shapes, const TensorView& q,
                 const std::initializer_list<std::pair<const TensorView*, const char*>>& rows, std::int64_t count) {
-  detail::check_no_cuda_chunk(check, shapes.keys, shapes.layout.packed ? "cu_seqlens_k" : "k");
 #ifdef SPARSEATTN_WITH_CUDA
   detail::check_cuda_half(check, q);
   detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);

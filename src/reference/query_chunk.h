@@ -23,7 +23,8 @@ inline std::vector<Span> key_spans(const detail::TokenLayout& queries, const Seq
 }
 
 // S_b - T_b for every sequence: what a query row adds to become a key position.
-inline std::vector<std::int64_t> chunk_offsets(const std::vector<Span>& query_spans, const std::vector<Span>& key_spans) {
+inline std::vector<std::int64_t> chunk_offsets(const std::vector<Span>& query_spans,
+                                               const std::vector<Span>& key_spans) {
   std::vector<std::int64_t> offsets(query_spans.size());
   for (std::size_t b = 0; b < offsets.size(); ++b) offsets[b] = key_spans[b].length - query_spans[b].length;
   return offsets;

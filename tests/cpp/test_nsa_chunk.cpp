@@ -85,7 +85,8 @@ HostF64 pick_lse(const HostF64& full, const ChunkRows& c) {
     if (source < 0) continue;
     const std::int64_t b = c.packed ? 0 : source / full_rows, s = c.packed ? source : source % full_rows;
     const std::int64_t t = c.packed ? static_cast<std::int64_t>(r) : static_cast<std::int64_t>(r) % c.rows;
-    for (std::int64_t h = 0; h < heads; ++h) out.data[(b * heads + h) * c.rows + t] = full.data[(b * heads + h) * full_rows + s];
+    for (std::int64_t h = 0; h < heads; ++h)
+      out.data[(b * heads + h) * c.rows + t] = full.data[(b * heads + h) * full_rows + s];
   }
   return out;
 }
@@ -97,7 +98,8 @@ HostF64 spread(const HostF64& chunk_d_o, const HostF64& full_like, const ChunkRo
   const std::int64_t row = chunk_d_o.numel() / std::max<std::int64_t>(static_cast<std::int64_t>(c.sources.size()), 1);
   for (std::size_t r = 0; r < c.sources.size(); ++r) {
     if (c.sources[r] < 0) continue;
-    std::copy_n(chunk_d_o.data.begin() + static_cast<std::int64_t>(r) * row, row, full.data.begin() + c.sources[r] * row);
+    std::copy_n(chunk_d_o.data.begin() + static_cast<std::int64_t>(r) * row, row,
+                full.data.begin() + c.sources[r] * row);
   }
   return full;
 }
@@ -134,8 +136,8 @@ void expect_close(const std::vector<double>& got, const std::vector<double>& exp
 // The shapes of a random chunk case: batched (one S and T for every sequence) or packed (per sequence).
 struct ChunkShape {
   bool packed;
-  std::int64_t batch, keys, count;                      // batched
-  std::vector<std::int64_t> seq_keys, seq_counts;       // packed
+  std::int64_t batch, keys, count;                 // batched
+  std::vector<std::int64_t> seq_keys, seq_counts;  // packed
 };
 
 // Chunk sizes that matter: one query (decoding), all of them (T = S), and a random number in between, with S
@@ -154,8 +156,10 @@ std::vector<ChunkShape> chunk_shapes(std::mt19937_64& rng) {
     for (int b = 0; b < 4; ++b) {
       const std::int64_t s = b == 3 && i % 2 == 0 ? 0 : keys(rng);
       const int kind = std::uniform_int_distribution<int>(0, 3)(rng);
-      const std::int64_t t = kind == 0 ? std::min<std::int64_t>(1, s) : kind == 1 ? s : kind == 2 ? 0
-                                                                        : std::uniform_int_distribution<std::int64_t>(0, s)(rng);
+      const std::int64_t t = kind == 0   ? std::min<std::int64_t>(1, s)
+                             : kind == 1 ? s
+                             : kind == 2 ? 0
+                                         : std::uniform_int_distribution<std::int64_t>(0, s)(rng);
       p.seq_keys.push_back(s);
       p.seq_counts.push_back(t);
     }
@@ -169,7 +173,8 @@ ChunkRows rows_of(const ChunkShape& s) {
 }
 
 std::string describe(const ChunkShape& s) {
-  std::string text = s.packed ? "packed keys/queries:" : "batched S " + std::to_string(s.keys) + " T " + std::to_string(s.count);
+  std::string text =
+      s.packed ? "packed keys/queries:" : "batched S " + std::to_string(s.keys) + " T " + std::to_string(s.count);
   for (std::size_t b = 0; b < s.seq_keys.size(); ++b) {
     text += " " + std::to_string(s.seq_keys[b]) + "/" + std::to_string(s.seq_counts[b]);
   }
@@ -244,15 +249,26 @@ TEST(NsaChunk, CompressedAttentionRowsAndGradients) {
     for (HostF64* t : {&q, &k_cmp, &v_cmp}) fill_random(*t, rng);
     // Full call.
     HostF64 o = host<double>(token_shape(c, c.keys, kHeadsQ, kDimV)), lse = host<double>(lse_shape(c, c.keys));
-    CompressedAttentionParams full{.q = q.view(), .k_cmp = k_cmp.view(), .v_cmp = v_cmp.view(), .o = o.view(),
-                                   .lse = lse.view(), .block = kCmpBlock, .stride = kCmpStride};
+    CompressedAttentionParams full{.q = q.view(),
+                                   .k_cmp = k_cmp.view(),
+                                   .v_cmp = v_cmp.view(),
+                                   .o = o.view(),
+                                   .lse = lse.view(),
+                                   .block = kCmpBlock,
+                                   .stride = kCmpStride};
     full_sequences(full, c, cmp);
     compressed_attention(full);
     // Chunk.
     HostF64 q_chunk = pick(q, c);
-    HostF64 o_chunk = host<double>(token_shape(c, c.rows, kHeadsQ, kDimV)), lse_chunk = host<double>(lse_shape(c, c.rows));
-    CompressedAttentionParams part{.q = q_chunk.view(), .k_cmp = k_cmp.view(), .v_cmp = v_cmp.view(),
-                                   .o = o_chunk.view(), .lse = lse_chunk.view(), .block = kCmpBlock, .stride = kCmpStride};
+    HostF64 o_chunk = host<double>(token_shape(c, c.rows, kHeadsQ, kDimV)),
+            lse_chunk = host<double>(lse_shape(c, c.rows));
+    CompressedAttentionParams part{.q = q_chunk.view(),
+                                   .k_cmp = k_cmp.view(),
+                                   .v_cmp = v_cmp.view(),
+                                   .o = o_chunk.view(),
+                                   .lse = lse_chunk.view(),
+                                   .block = kCmpBlock,
+                                   .stride = kCmpStride};
     chunk_sequences(part, c, cmp);
     compressed_attention(part);
     expect_close(o_chunk.data, pick(o, c).data, 0, "o");
@@ -261,12 +277,24 @@ TEST(NsaChunk, CompressedAttentionRowsAndGradients) {
     HostF64 d_o_chunk = o_chunk;
     fill_random(d_o_chunk, rng);
     HostF64 d_o = spread(d_o_chunk, o, c);
-    const auto backward = [&](const CompressedAttentionParams& f, HostF64& q_, HostF64& o_, HostF64& lse_, HostF64& d_o_) {
+    const auto backward = [&](const CompressedAttentionParams& f, HostF64& q_, HostF64& o_, HostF64& lse_,
+                              HostF64& d_o_) {
       HostF64 dq = host<double>(q_.shape), dk = host<double>(k_cmp.shape), dv = host<double>(v_cmp.shape);
-      CompressedAttentionBackwardParams b{.q = f.q, .k_cmp = f.k_cmp, .v_cmp = f.v_cmp, .o = o_.view(), .lse = lse_.view(),
-                                          .d_o = d_o_.view(), .dq = dq.view(), .dk_cmp = dk.view(), .dv_cmp = dv.view(),
-                                          .seqs = f.seqs, .seqs_k = f.seqs_k, .seqlen_k = f.seqlen_k,
-                                          .cu_seqlens_cmp = f.cu_seqlens_cmp, .block = kCmpBlock, .stride = kCmpStride};
+      CompressedAttentionBackwardParams b{.q = f.q,
+                                          .k_cmp = f.k_cmp,
+                                          .v_cmp = f.v_cmp,
+                                          .o = o_.view(),
+                                          .lse = lse_.view(),
+                                          .d_o = d_o_.view(),
+                                          .dq = dq.view(),
+                                          .dk_cmp = dk.view(),
+                                          .dv_cmp = dv.view(),
+                                          .seqs = f.seqs,
+                                          .seqs_k = f.seqs_k,
+                                          .seqlen_k = f.seqlen_k,
+                                          .cu_seqlens_cmp = f.cu_seqlens_cmp,
+                                          .block = kCmpBlock,
+                                          .stride = kCmpStride};
       (void)q_;
       compressed_attention_backward(b);
       return std::array<HostF64, 3>{dq, dk, dv};
@@ -318,15 +346,26 @@ TEST(NsaChunk, SelectedAttentionRowsAndGradients) {
     for (HostF64* t : {&q, &k, &v}) fill_random(*t, rng);
     Host<std::int32_t> indices = random_indices(c, kHeadsKv, 3, kSelBlock, rng);
     HostF64 o = host<double>(token_shape(c, c.keys, kHeadsQ, kDimV)), lse = host<double>(lse_shape(c, c.keys));
-    SelectedAttentionParams full{.q = q.view(), .k = k.view(), .v = v.view(), .indices = indices.view(),
-                                 .o = o.view(), .lse = lse.view(), .block = kSelBlock};
+    SelectedAttentionParams full{.q = q.view(),
+                                 .k = k.view(),
+                                 .v = v.view(),
+                                 .indices = indices.view(),
+                                 .o = o.view(),
+                                 .lse = lse.view(),
+                                 .block = kSelBlock};
     full_sequences(full, c, cmp);
     selected_attention(full);
     HostF64 q_chunk = pick(q, c);
     Host<std::int32_t> indices_chunk = pick(indices, c, -1);
-    HostF64 o_chunk = host<double>(token_shape(c, c.rows, kHeadsQ, kDimV)), lse_chunk = host<double>(lse_shape(c, c.rows));
-    SelectedAttentionParams part{.q = q_chunk.view(), .k = k.view(), .v = v.view(), .indices = indices_chunk.view(),
-                                 .o = o_chunk.view(), .lse = lse_chunk.view(), .block = kSelBlock};
+    HostF64 o_chunk = host<double>(token_shape(c, c.rows, kHeadsQ, kDimV)),
+            lse_chunk = host<double>(lse_shape(c, c.rows));
+    SelectedAttentionParams part{.q = q_chunk.view(),
+                                 .k = k.view(),
+                                 .v = v.view(),
+                                 .indices = indices_chunk.view(),
+                                 .o = o_chunk.view(),
+                                 .lse = lse_chunk.view(),
+                                 .block = kSelBlock};
     chunk_sequences(part, c, cmp);
     selected_attention(part);
     expect_close(o_chunk.data, pick(o, c).data, 0, "o");
@@ -338,9 +377,19 @@ TEST(NsaChunk, SelectedAttentionRowsAndGradients) {
     const auto backward = [&](const SelectedAttentionParams& f, HostF64& d_o_) {
       HostF64 dq = host<double>(std::vector<std::int64_t>(f.q.shape.begin(), f.q.shape.begin() + f.q.rank));
       HostF64 dk = host<double>(k.shape), dv = host<double>(v.shape);
-      SelectedAttentionBackwardParams b{.q = f.q, .k = f.k, .v = f.v, .indices = f.indices, .o = f.o, .lse = f.lse,
-                                        .d_o = d_o_.view(), .dq = dq.view(), .dk = dk.view(), .dv = dv.view(),
-                                        .seqs = f.seqs, .seqs_k = f.seqs_k, .block = kSelBlock};
+      SelectedAttentionBackwardParams b{.q = f.q,
+                                        .k = f.k,
+                                        .v = f.v,
+                                        .indices = f.indices,
+                                        .o = f.o,
+                                        .lse = f.lse,
+                                        .d_o = d_o_.view(),
+                                        .dq = dq.view(),
+                                        .dk = dk.view(),
+                                        .dv = dv.view(),
+                                        .seqs = f.seqs,
+                                        .seqs_k = f.seqs_k,
+                                        .block = kSelBlock};
       selected_attention_backward(b);
       return std::array<HostF64, 3>{dq, dk, dv};
     };
@@ -364,15 +413,27 @@ TEST(NsaChunk, SelectBlocksChoosesTheFullRowsBlocks) {
     HostF64 v_cmp = host<double>(token_shape(c, cmp.rows, kHeadsKv, kDimV));
     for (HostF64* t : {&q, &k_cmp, &v_cmp}) fill_random(*t, rng);
     HostF64 o = host<double>(token_shape(c, c.keys, kHeadsQ, kDimV)), lse = host<double>(lse_shape(c, c.keys));
-    CompressedAttentionParams attention{.q = q.view(), .k_cmp = k_cmp.view(), .v_cmp = v_cmp.view(), .o = o.view(),
-                                        .lse = lse.view(), .block = kCmpBlock, .stride = kCmpStride};
+    CompressedAttentionParams attention{.q = q.view(),
+                                        .k_cmp = k_cmp.view(),
+                                        .v_cmp = v_cmp.view(),
+                                        .o = o.view(),
+                                        .lse = lse.view(),
+                                        .block = kCmpBlock,
+                                        .stride = kCmpStride};
     full_sequences(attention, c, cmp);
     compressed_attention(attention);
     const auto select = [&](HostF64& q_, HostF64& lse_, std::int64_t rows, bool chunk) {
       Host<std::int32_t> indices = host<std::int32_t>(token_shape(c, rows, kHeadsKv, 4), -1);
-      SelectBlocksParams p{.q = q_.view(), .k_cmp = k_cmp.view(), .lse_cmp = lse_.view(), .indices = indices.view(),
-                           .cmp_block = kCmpBlock, .cmp_stride = kCmpStride, .sel_block = kSelBlock,
-                           .num_selected = 4, .num_init = 1, .num_local = 2};
+      SelectBlocksParams p{.q = q_.view(),
+                           .k_cmp = k_cmp.view(),
+                           .lse_cmp = lse_.view(),
+                           .indices = indices.view(),
+                           .cmp_block = kCmpBlock,
+                           .cmp_stride = kCmpStride,
+                           .sel_block = kSelBlock,
+                           .num_selected = 4,
+                           .num_init = 1,
+                           .num_local = 2};
       if (chunk) {
         chunk_sequences(p, c, cmp);
       } else {
@@ -406,8 +467,8 @@ NsaCase chunk_case(const NsaCase& full, const ChunkRows& c) {
 
 void expect_nsa_chunk(const ChunkShape& shape, std::array<bool, kNumBranches> gates, bool user_cmp, bool user_indices,
                       std::int64_t heads_q, std::int64_t heads_kv, std::mt19937_64& rng) {
-  SCOPED_TRACE(describe(shape) + (user_cmp ? " user k_cmp" : "") + (user_indices ? " user indices" : "") +
-               " gates " + std::to_string(gates[0]) + std::to_string(gates[1]) + std::to_string(gates[2]));
+  SCOPED_TRACE(describe(shape) + (user_cmp ? " user k_cmp" : "") + (user_indices ? " user indices" : "") + " gates " +
+               std::to_string(gates[0]) + std::to_string(gates[1]) + std::to_string(gates[2]));
   ChunkRows c = rows_of(shape);
   NsaCase full = shape.packed ? NsaCase::varlen(shape.seq_keys, 2, heads_q, heads_kv, rng)
                               : NsaCase::batched(shape.batch, shape.keys, heads_q, heads_kv, rng);
@@ -441,7 +502,8 @@ void expect_nsa_chunk(const ChunkShape& shape, std::array<bool, kNumBranches> ga
 
 TEST(NsaChunk, NsaAttentionRowsAndGradients) {
   std::mt19937_64 rng(10);
-  for (const ChunkShape& shape : chunk_shapes(rng)) expect_nsa_chunk(shape, {true, true, true}, false, false, 4, 2, rng);
+  for (const ChunkShape& shape : chunk_shapes(rng))
+    expect_nsa_chunk(shape, {true, true, true}, false, false, 4, 2, rng);
 }
 
 TEST(NsaChunk, NsaAttentionBranchesAndUserInputs) {
@@ -463,20 +525,35 @@ TEST(NsaChunk, WorkedExampleOfTheSemantics) {
   HostF64 q = host<double>({1, 3, 1, 2}), k_cmp = host<double>({1, 4, 1, 2}), v_cmp = host<double>({1, 4, 1, 2});
   for (HostF64* t : {&q, &k_cmp, &v_cmp}) fill_random(*t, rng);
   HostF64 o = host<double>({1, 3, 1, 2}), lse = host<double>({1, 1, 3});
-  CompressedAttentionParams cmp{.q = q.view(), .k_cmp = k_cmp.view(), .v_cmp = v_cmp.view(), .o = o.view(),
-                                .lse = lse.view(), .seqlen_k = 10, .block = 4, .stride = 2};
+  CompressedAttentionParams cmp{.q = q.view(),
+                                .k_cmp = k_cmp.view(),
+                                .v_cmp = v_cmp.view(),
+                                .o = o.view(),
+                                .lse = lse.view(),
+                                .seqlen_k = 10,
+                                .block = 4,
+                                .stride = 2};
   compressed_attention(cmp);
   Host<std::int32_t> indices = host<std::int32_t>({1, 3, 1, 2}, 7);
-  SelectBlocksParams select{.q = q.view(), .k_cmp = k_cmp.view(), .lse_cmp = lse.view(), .indices = indices.view(),
-                            .seqlen_k = 10, .cmp_block = 4, .cmp_stride = 2, .sel_block = 4, .num_selected = 2,
-                            .num_init = 1, .num_local = 1};
+  SelectBlocksParams select{.q = q.view(),
+                            .k_cmp = k_cmp.view(),
+                            .lse_cmp = lse.view(),
+                            .indices = indices.view(),
+                            .seqlen_k = 10,
+                            .cmp_block = 4,
+                            .cmp_stride = 2,
+                            .sel_block = 4,
+                            .num_selected = 2,
+                            .num_init = 1,
+                            .num_local = 1};
   select_blocks(select);
   EXPECT_EQ(indices.data, (std::vector<std::int32_t>{0, 1, 0, 2, 0, 2}));
   // Query 0 (a = 7) sees compressed blocks 0..2 only: changing block 3 leaves its row alone but not query 2's.
   HostF64 before = o;
   for (std::int64_t d = 0; d < 2; ++d) v_cmp.data[3 * 2 + d] += 1.0;
   compressed_attention(cmp);
-  EXPECT_EQ(std::vector<double>(o.data.begin(), o.data.begin() + 4), std::vector<double>(before.data.begin(), before.data.begin() + 4));
+  EXPECT_EQ(std::vector<double>(o.data.begin(), o.data.begin() + 4),
+            std::vector<double>(before.data.begin(), before.data.begin() + 4));
   EXPECT_NE(o.data[4], before.data[4]);
   (void)c;
 }
@@ -488,13 +565,24 @@ TEST(NsaChunk, ValidationNamesTheArgument) {
   HostF64 q = host<double>({1, 6, 2, 4}), k = host<double>({1, 5, 1, 4}), v = host<double>({1, 5, 1, 4});
   HostF64 o = host<double>({1, 6, 2, 4}), lse = host<double>({1, 2, 6});
   Host<std::int32_t> indices = host<std::int32_t>({1, 6, 1, 1}, 0);
-  SelectedAttentionParams slc{.q = q.view(), .k = k.view(), .v = v.view(), .indices = indices.view(), .o = o.view(),
-                              .lse = lse.view(), .block = 4};
+  SelectedAttentionParams slc{.q = q.view(),
+                              .k = k.view(),
+                              .v = v.view(),
+                              .indices = indices.view(),
+                              .o = o.view(),
+                              .lse = lse.view(),
+                              .block = 4};
   expect_error([&] { selected_attention(slc); }, ErrorKind::shape, "k");  // S = 5 < T = 6
 
   HostF64 k_cmp = host<double>({1, 1, 1, 4}), v_cmp = host<double>({1, 1, 1, 4});
-  CompressedAttentionParams cmp{.q = q.view(), .k_cmp = k_cmp.view(), .v_cmp = v_cmp.view(), .o = o.view(),
-                                .lse = lse.view(), .seqlen_k = 5, .block = 4, .stride = 2};
+  CompressedAttentionParams cmp{.q = q.view(),
+                                .k_cmp = k_cmp.view(),
+                                .v_cmp = v_cmp.view(),
+                                .o = o.view(),
+                                .lse = lse.view(),
+                                .seqlen_k = 5,
+                                .block = 4,
+                                .stride = 2};
   expect_error([&] { compressed_attention(cmp); }, ErrorKind::config, "seqlen_k");
   cmp.seqlen_k = 9;  // 3 compressed blocks, k_cmp has 1
   expect_error([&] { compressed_attention(cmp); }, ErrorKind::shape, "k_cmp");
@@ -506,8 +594,15 @@ TEST(NsaChunk, ValidationNamesTheArgument) {
   Host<std::int32_t> cu_q = host<std::int32_t>({3}), cu_k = host<std::int32_t>({3}), cu_short = host<std::int32_t>({2});
   cu_q.data = {0, 2, 6};
   cu_k.data = {0, 5, 8};  // sequence 1: 3 keys, 4 queries
-  SelectedAttentionParams packed{.q = qp.view(), .k = kp.view(), .v = vp.view(), .indices = ip.view(), .o = op.view(),
-                                 .lse = lsep.view(), .seqs = {cu_q.view()}, .seqs_k = {cu_k.view()}, .block = 4};
+  SelectedAttentionParams packed{.q = qp.view(),
+                                 .k = kp.view(),
+                                 .v = vp.view(),
+                                 .indices = ip.view(),
+                                 .o = op.view(),
+                                 .lse = lsep.view(),
+                                 .seqs = {cu_q.view()},
+                                 .seqs_k = {cu_k.view()},
+                                 .block = 4};
   expect_error([&] { selected_attention(packed); }, ErrorKind::value, "cu_seqlens_k");
   packed.seqs_k.cu_seqlens = cu_short.view();
   expect_error([&] { selected_attention(packed); }, ErrorKind::shape, "cu_seqlens_k");
@@ -525,10 +620,16 @@ TEST(NsaChunk, ValidationNamesTheArgument) {
   expect_error([&] { selected_attention(slc); }, ErrorKind::config, "cu_seqlens_k");
 
   HostF64 k_cmp_packed = host<double>({4, 1, 4}), v_cmp_packed = host<double>({4, 1, 4});
-  CompressedAttentionParams cmp_packed{.q = qp.view(), .k_cmp = k_cmp_packed.view(), .v_cmp = v_cmp_packed.view(),
+  CompressedAttentionParams cmp_packed{.q = qp.view(),
+                                       .k_cmp = k_cmp_packed.view(),
+                                       .v_cmp = v_cmp_packed.view(),
                                        .o = op.view(),
-                                       .lse = lsep.view(), .seqs = {cu_q.view()}, .seqs_k = {cu_k.view()},
-                                       .seqlen_k = 8, .block = 4, .stride = 2};
+                                       .lse = lsep.view(),
+                                       .seqs = {cu_q.view()},
+                                       .seqs_k = {cu_k.view()},
+                                       .seqlen_k = 8,
+                                       .block = 4,
+                                       .stride = 2};
   expect_error([&] { compressed_attention(cmp_packed); }, ErrorKind::config, "seqlen_k");
 
   // nsa_attention: the same rules, and the keys' sequences lay out the compressed tensors.

@@ -186,7 +186,8 @@ def test_chunk_opcheck():
     """torch.library.opcheck of the NSA ops with the chunk arguments (schema, fake impls, autograd)."""
     torch.manual_seed(7)
     cu_q, cu_k = cu_seqlens_of([1, 5]), cu_seqlens_of([20, 17])
-    q, k, v = randn(6, 4, 8, requires_grad=True), randn(37, 2, 8, requires_grad=True), randn(37, 2, 8, requires_grad=True)
+    q = randn(6, 4, 8, requires_grad=True)
+    k, v = randn(37, 2, 8, requires_grad=True), randn(37, 2, 8, requires_grad=True)
     gs = [gates(6, 4, requires_grad=True) for _ in range(3)]
     cu_cmp = sa.compressed_cu_seqlens(cu_k, 8, 4)
     config = tuple(CFG[name] for name in ("cmp_block", "cmp_stride", "sel_block", "num_selected", "num_init",
@@ -199,4 +200,5 @@ def test_chunk_opcheck():
                           (q, kc, vc, cu_q, cu_cmp, 0, 8, 4, None, cu_k, 0))
     qb, kb, vb = randn(1, 3, 4, 8, requires_grad=True), randn(1, 40, 2, 8), randn(1, 40, 2, 8, requires_grad=True)
     idx = torch.tensor([0, 2, -1], dtype=torch.int32).expand(1, 3, 2, 3).contiguous()
-    torch.library.opcheck(torch.ops.sparseattn.selected_attention.default, (qb, kb, vb, idx, None, 0, 16, None, None, 0))
+    torch.library.opcheck(torch.ops.sparseattn.selected_attention.default,
+                          (qb, kb, vb, idx, None, 0, 16, None, None, 0))

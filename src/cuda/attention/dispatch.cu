@@ -184,6 +184,14 @@ i64 compressed_max_k(const P& p, i64 max_q) {
   return std::min<i64>(num_compressed_blocks(max_q, p.block, p.stride), p.k_cmp.shape[0]);
 }
 
+// The mask of a call: a batched query chunk's queries sit seqlen_k - T key positions further (the API takes packed
+// query chunks to the CPU only).
+template <class P>
+CompressedMask::Config compressed_mask(const P& p) {
+  const i64 offset = p.q.rank == 4 && p.seqlen_k > 0 ? p.seqlen_k - p.q.shape[1] : 0;
+  return {p.block, p.stride, offset};
+}
+
 }  // namespace
 
 void flash_attention(const FlashAttentionParams& p) {
@@ -229,7 +237,7 @@ void compressed_attention(const CompressedAttentionParams& p) {
     AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, {}, {}, {}, {}, nullptr, p.scale);
     a.seqs = compressed_seqs(p);
     dispatch<T, CompressedMask>(true, p.q.shape[p.q.rank - 1], p.v_cmp.shape[p.v_cmp.rank - 1], a,
-                                CompressedMask::Config{p.block, p.stride}, l);
+                                compressed_mask(p), l);
   });
 }
 
@@ -256,7 +264,7 @@ void compressed_attention_backward(const CompressedAttentionBackwardParams& p,
     set_head_splits(a, p.workspace, backward_workspace(p.q, p.k_cmp, p.v_cmp, l));
     a.seqs = compressed_seqs(p);
     dispatch<T, CompressedMask>(false, p.q.shape[p.q.rank - 1], p.v_cmp.shape[p.v_cmp.rank - 1], a,
-                                CompressedMask::Config{p.block, p.stride}, l);
+                                compressed_mask(p), l);
   });
 }
 

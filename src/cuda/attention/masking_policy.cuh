@@ -52,21 +52,27 @@ struct FlashMask {
   }
 };
 
-// Compressed attention: compressed key j is visible to query t iff j*stride + block - 1 <= t.
+// Compressed attention: compressed key j is visible to query t iff j*stride + block - 1 <= a, where a = t + offset
+// is the query's key position (a query chunk: offset = keys - queries of the sequence; 0 otherwise).
 struct CompressedMask {
   struct Config {
     i64 block, stride;
+    i64 offset = 0;
   };
   Config c;
   i64 T, S;
 
   __device__ __forceinline__ i64 lo(i64) const { return 0; }
   __device__ __forceinline__ i64 hi(i64 t) const {
-    if (t < c.block - 1) return -1;
-    const i64 h = (t - c.block + 1) / c.stride;
+    const i64 a = t + c.offset;
+    if (a < c.block - 1) return -1;
+    const i64 h = (a - c.block + 1) / c.stride;
     return h < S - 1 ? h : S - 1;
   }
-  __device__ __forceinline__ i64 first_query(i64 j) const { return j * c.stride + c.block - 1; }
+  __device__ __forceinline__ i64 first_query(i64 j) const {
+    const i64 t = j * c.stride + c.block - 1 - c.offset;
+    return t > 0 ? t : 0;
+  }
   __device__ __forceinline__ i64 end_query(i64) const { return T; }
 };
 

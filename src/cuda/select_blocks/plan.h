@@ -34,7 +34,7 @@ struct SelectConfig {
   // In the kernel parameters, so that the unrolled pooling takes them as constant operands, not registers.
   float taps[kSelectColumns];
   int blocks_per_tile;        // selection blocks pooled per column tile
-  std::int64_t slot_blocks;   // row length of a slot: selection blocks of the longest sequence, rounded up to 4
+  std::int64_t slot_blocks;   // row length of a slot: selection blocks of the longest key sequence, rounded up to 4
   std::int64_t position_tiles;  // token tiles of the longest sequence
   std::int64_t batch;
   float scale_log2;  // set by the launch (softmax scale * log2 e)
@@ -47,10 +47,11 @@ struct SelectPlan {
   std::size_t workspace_bytes() const { return static_cast<std::size_t>(ctas) * slot_bytes; }
 };
 
-// The plan for `batch` sequences of at most `max_len` tokens (from p.q and p.seqs), the heads of p.q and
-// p.k_cmp and the compression and selection parameters of `p`, on a device of `multiprocessors` SMs.
+// The plan for `batch` sequences of at most `max_len` queries (from p.q and p.seqs) and `max_keys` keys (a query
+// chunk's: docs/semantics.md section 11; 0: max_len), the heads of p.q and p.k_cmp and the compression and
+// selection parameters of `p`, on a device of `multiprocessors` SMs.
 inline SelectPlan plan_select_blocks(const SelectBlocksParams& p, std::int64_t batch, std::int64_t max_len,
-                                     int multiprocessors) {
+                                     int multiprocessors, std::int64_t max_keys = 0) {
   const auto ceil_div = [](std::int64_t a, std::int64_t b) { return (a + b - 1) / b; };
   const std::int64_t heads_q = p.q.shape[p.q.rank - 2], heads_kv = p.k_cmp.shape[p.k_cmp.rank - 2];
   SelectPlan plan;
@@ -81,7 +82,7 @@ inline SelectPlan plan_select_blocks(const SelectBlocksParams& p, std::int64_t b
     c.taps[s] = static_cast<float>(overlap) / static_cast<float>(p.cmp_stride);
   }
   c.blocks_per_tile = static_cast<int>((kSelectColumns - c.border) / c.cols_per_block);
-  c.slot_blocks = ceil_div(ceil_div(max_len, p.sel_block), 4) * 4;
+  c.slot_blocks = ceil_div(ceil_div(std::max(max_len, max_keys), p.sel_block), 4) * 4;
   c.position_tiles = ceil_div(max_len, c.tokens_per_tile);
   c.batch = batch;
   plan.slot_bytes = static_cast<std::size_t>(c.tokens_per_tile * c.slot_blocks) * sizeof(float);

@@ -16,6 +16,9 @@
 // slot of the workspace ([tokens][blocks] fp32: O(T) per CTA, a fixed number of CTAs), then each warp picks
 // the top-n of one token's row (choose_blocks: a threshold from the lanes' best blocks, then ranks among the
 // few blocks that reach it; ties to the lower index, as the reference's stable sort).
+// A query chunk (docs/semantics.md section 11): sequence b's T_b queries are the last of its S_b keys, so every
+// rule (visible compressed blocks, candidates, forced blocks) applies at key position t + S_b - T_b; the key
+// sequences (`keys`) give S_b and with it the sequence's compressed blocks.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -318,7 +321,7 @@ __device__ __forceinline__ void store_group_sums(const float (&p)[kCols / 8][4],
 template <class T, int D, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     select_blocks_kernel(Tokens<const T> q, Tokens<const T> k_cmp, LseView<const float> lse, Tokens<std::int32_t> out,
-                         SeqTable seqs, const std::int32_t* cu_seqlens_cmp, Config c, float* slots) {
+                         SeqTable seqs, SeqTable keys, const std::int32_t* cu_seqlens_cmp, Config c, float* slots) {
   if constexpr (kWgmma && !SPARSEATTN_WGMMA_ENABLED) return;  // not launched: wgmma::kernel_runs is false
   using L = Layout<D>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -367,9 +370,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const i64 t0 = position_tile * M;
     if (t0 >= seq.length) continue;
     const int tokens = static_cast<int>(min(M, seq.length - t0));
+    const i64 key_count = keys[sq].length;
+    const i64 a0 = t0 + key_count - seq.length;  // the key position of token t0 (t0 without a query chunk)
     const i64 cmp_begin = cu_seqlens_cmp != nullptr ? cu_seqlens_cmp[sq] : 0;
     const int cmp_count =
-        seq.length >= c.cmp_block ? static_cast<int>((seq.length - c.cmp_block) / c.cmp_stride + 1) : 0;
+        key_count >= c.cmp_block ? static_cast<int>((key_count - c.cmp_block) / c.cmp_stride + 1) : 0;
 
     __syncthreads();  // the previous tile is done with shared memory
     // Zero the padding of the sums rows (and of the row before row 0): the unrolled pooling reads the border
@@ -391,10 +396,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     for (int half = 0; half < 2; ++half) {
       const int m = row_token[half];
       const bool used = m < tokens && row_head[half] < G;
-      const i64 t = t0 + m;
-      row_lse[half] = used ? lse.at(seq.batch, seq.begin + t, h * G + row_head[half]) * kLog2e : -INFINITY;
-      const bool sees = used && row_lse[half] != -INFINITY && t >= c.cmp_block - 1;  // j visible iff j*d + l - 1 <= t
-      visible_end[half] = sees ? static_cast<int>(min((t - c.cmp_block + 1) / c.cmp_stride + 1, i64{cmp_count})) : 0;
+      const i64 a = a0 + m;
+      row_lse[half] = used ? lse.at(seq.batch, seq.begin + t0 + m, h * G + row_head[half]) * kLog2e : -INFINITY;
+      const bool sees = used && row_lse[half] != -INFINITY && a >= c.cmp_block - 1;  // j visible iff j*d + l - 1 <= a
+      visible_end[half] = sees ? static_cast<int>(min((a - c.cmp_block + 1) / c.cmp_stride + 1, i64{cmp_count})) : 0;
     }
     const int warp_visible_end = __reduce_max_sync(0xffffffffu, max(visible_end[0], visible_end[1]));
     // Compressed blocks that every row of the warp sees; 0 if the warp holds an unused row (a padded group head
@@ -402,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const bool rows_used = row_token[0] < tokens && row_token[1] < tokens && row_head[0] < G && row_head[1] < G;
     const int warp_all_visible =
         __reduce_min_sync(0xffffffffu, rows_used ? min(visible_end[0], visible_end[1]) : 0);
-    const i64 col_tiles = ceil_div((t0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
+    const i64 col_tiles = ceil_div((a0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
     const auto k_stage = [&](i64 k) { return k_base + (k % L::kStages) * (kCols * D); };
     const auto first_col = [&](i64 k) { return first_cmp_block(c, static_cast<int>(k * c.blocks_per_tile)); };
     // Compressed blocks [j0, j0 + kCols) of the sequence's KV head, zero rows past cmp_count.
@@ -492,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         for (int m = pool_first; m < last_token; m += token_lanes) {
           const float* const row = sums + m * wpt * kSumPitch - shift;  // the token's group sums (wpt rows)
           float* const scores = slot + m * c.slot_blocks + b0;
-          const int position = static_cast<int>(t0) + m;
+          const int position = static_cast<int>(a0) + m;
           for (int bb = pool_block; bb < nb && (b0 + bb) * sel_block <= position; bb += block_lanes) {
             const float* x = row + bb * c.cols_per_block;  // x[s]: the block's s-th compressed block
             float score = 0.f;
@@ -533,13 +538,13 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     // The top-n reads a row at least twice: from this warp's share of shared memory where it fits (L2 latency
     // per pass otherwise, which dominates small groups' time). Where two rows fit, the warp's next row is copied
     // while this one is ranked.
-    const i64 most_candidates = (t0 + tokens - 1) / c.sel_block + 1;
+    const i64 most_candidates = (a0 + tokens - 1) / c.sel_block + 1;
     const int buffers = 2 * most_candidates <= kStageFloats ? 2 : most_candidates <= kStageFloats ? 1 : 0;
     const auto buffer = [&](int i) { return stage + (i % buffers) * (kStageFloats / buffers); };
     const auto stage_row = [&](int m, float* dst) {  // one 16-byte cp.async per 4 blocks, all in flight at once
       if (m < tokens) {
         const float* const row = slot + m * c.slot_blocks;
-        const int candidates = static_cast<int>((t0 + m) / c.sel_block + 1);
+        const int candidates = static_cast<int>((a0 + m) / c.sel_block + 1);
         // Whole 16-byte pieces, then the row's last scores one by one: the pooling writes no more of the row, and a
         // whole piece there would read unwritten bytes, which the top-n never uses but initcheck reports.
         for (int b = 4 * lane; b < candidates; b += 4 * 32) {
@@ -566,7 +571,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         __syncwarp();
         row = buffer(i);
       }
-      choose_blocks(row, static_cast<int>(t / c.sel_block + 1), c, out.row(seq.batch, seq.begin + t, h), list);
+      choose_blocks(row, static_cast<int>((a0 + m) / c.sel_block + 1), c, out.row(seq.batch, seq.begin + t, h), list);
       __syncwarp();  // the stage is read before the warp's next row overwrites it
       if (buffers == 1) stage_row(m + kWarps, buffer(i + 1));
     }
@@ -575,6 +580,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 
 struct LaunchPlan {
   HostShape shape;
+  SeqTable keys;  // the keys' sequences: batched S (seqlen_k, else T) rows; packed cu_seqlens_k (else cu_seqlens)
   selection::SelectPlan select;
   i64 dim = 0;
 };
@@ -585,8 +591,20 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
   LaunchPlan plan;
   plan.shape = host_shape(p.q, p.seqs);
   plan.dim = p.q.shape[p.q.rank - 1];
-  plan.select =
-      selection::plan_select_blocks(p, plan.shape.batch, plan.shape.max_len, multiprocessors(p.q.device_index));
+  // The longest key sequence: batched S; packed max_seqlen_k where given, else the most that the compressed rows
+  // allow (a sequence of Sc blocks has at most Sc * stride + block - 1 keys).
+  i64 max_keys = plan.shape.max_len;
+  if (!plan.shape.packed) {
+    max_keys = p.seqlen_k > 0 ? p.seqlen_k : plan.shape.rows;
+    plan.keys = {nullptr, max_keys, plan.shape.batch};
+  } else if (p.seqs_k.cu_seqlens.present()) {
+    max_keys = p.seqs_k.max_seqlen > 0 ? p.seqs_k.max_seqlen : p.k_cmp.shape[0] * p.cmp_stride + p.cmp_block - 1;
+    plan.keys = {static_cast<const std::int32_t*>(p.seqs_k.cu_seqlens.data), 0, plan.shape.batch};
+  } else {
+    plan.keys = seq_table(plan.shape, p.seqs);
+  }
+  plan.select = selection::plan_select_blocks(p, plan.shape.batch, plan.shape.max_len,
+                                              multiprocessors(p.q.device_index), max_keys);
   plan.select.config.scale_log2 = static_cast<float>(softmax_scale(p.scale, plan.dim) * kLog2eDouble);
   return plan;
 }
@@ -599,7 +617,7 @@ void launch(const SelectBlocksParams& p, const LaunchPlan& plan) {
   set_dynamic_smem(kernel, smem);
   kernel<<<plan.select.ctas, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
       tokens_of<const T>(p.q), tokens_of<const T>(p.k_cmp), lse_of<const float>(p.lse_cmp),
-      tokens_of<std::int32_t>(p.indices), seq_table(plan.shape, p.seqs),
+      tokens_of<std::int32_t>(p.indices), seq_table(plan.shape, p.seqs), plan.keys,
       static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), plan.select.config, static_cast<float*>(p.workspace));
   check_launch("select_blocks_kernel");
 }

@@ -8,6 +8,8 @@
 //     which reuses the inverse index's buffers once step 4 is done with them.
 // Which dQ runs is a pure host choice from shapes (backward_plan.h). No float atomics anywhere: every sum over CTAs
 // is written to a workspace slot and added up in a fixed order, so the backward is deterministic.
+// A query chunk (common.cuh: keys outnumbering queries) numbers the blocks of the keys' sequences; the inverse index
+// and the dK/dV take it, and its dQ is the query-outer one.
 //
 // Workspace (shapes only): delta, the inverse index (4 x 4 bytes per (token, KV head, slot) entry + the radix
 // sort's scratch), the chunk table (16 bytes per (KV head, block)), the dK/dV partials (at most kDkvPartialCap =
@@ -39,11 +41,13 @@ using selection::DkvConfig;
 
 // The backward's workspace, from shapes only.
 struct BwdPlan {
-  HostShape shape;
+  HostShape shape;             // of the queries
+  HostShape key_shape;         // of the keys (common.cuh)
+  bool chunk;                  // keys may outnumber queries
   std::int64_t heads_q, heads_kv, num_idx, block;
   std::int64_t total_rows;     // B*T or N
   std::int64_t blocks_bound;   // selection blocks of all sequences (per KV head), an upper bound
-  std::int64_t blocks_per_seq; // batched: ceil(T / block)
+  std::int64_t blocks_per_seq; // batched: ceil(S / block)
   std::int64_t entries;        // total_rows * Hkv * n
   std::int64_t keys;           // Hkv * blocks_bound
   std::int64_t chunk_tokens;   // tokens per dK/dV chunk (dkv_chunk_tokens)
@@ -62,14 +66,17 @@ struct BwdPlan {
 BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
   BwdPlan plan{};
   plan.shape = host_shape(p.q, p.seqs);
+  plan.key_shape = selection::key_host_shape(p.k, p.seqs, p.seqs_k);
+  plan.chunk = selection::query_chunk(p.q, p.k, p.seqs_k);
   plan.heads_q = p.q.shape[p.q.rank - 2];
   plan.heads_kv = p.k.shape[p.k.rank - 2];
   plan.num_idx = p.indices.shape[p.indices.rank - 1];
   plan.block = p.block;
   const auto& s = plan.shape;
+  const std::int64_t key_rows = plan.key_shape.rows;
   plan.total_rows = s.packed ? s.rows : s.batch * s.rows;
-  plan.blocks_per_seq = (s.rows + p.block - 1) / p.block;
-  plan.blocks_bound = s.packed ? s.rows / p.block + s.batch : s.batch * plan.blocks_per_seq;
+  plan.blocks_per_seq = (key_rows + p.block - 1) / p.block;
+  plan.blocks_bound = s.packed ? key_rows / p.block + s.batch : s.batch * plan.blocks_per_seq;
   plan.entries = plan.total_rows * plan.heads_kv * plan.num_idx;
   const std::int64_t keys = plan.heads_kv * plan.blocks_bound;
   if (keys >= (std::int64_t{1} << 31) - 1 || plan.entries >= (std::int64_t{1} << 31) - 1) {
@@ -95,7 +102,8 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
   const std::int64_t group = plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 0;
   {
     const DeviceGuard device(p.q.device_index);
-    plan.dq_kv = selection::choose_kv_outer_dq(selection::parse_path_choice(std::getenv(selection::kDqEnv)), group,
+    plan.dq_kv = !plan.chunk &&
+                 selection::choose_kv_outer_dq(selection::parse_path_choice(std::getenv(selection::kDqEnv)), group,
                                                dqk, dv, plan.total_rows, plan.num_idx, plan.block,
                                                smem_optin_bytes(p.q.device_index));
     plan.temp_bytes = selection::radix_sort_temp_bytes(plan.entries, plan.end_bit);
@@ -145,7 +153,8 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
   const BwdPlan plan = plan_of(p);
   const HostShape& s = plan.shape;
   const std::int64_t dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
-  if (s.batch <= 0 || s.max_len <= 0 || plan.heads_q <= 0) return;
+  // Without keys nothing is written; without queries dK and dV are still written (zero: every segment is empty).
+  if (s.batch <= 0 || plan.key_shape.max_len <= 0 || plan.heads_q <= 0) return;
   const auto stream = static_cast<cudaStream_t>(p.stream);
   unsigned char* ws = aligned_workspace(p.workspace);
   // delta = rowsum(dO * O): the caller's (laid out like lse), else computed into the workspace as [rows][Hq].
@@ -169,8 +178,9 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
   const std::int64_t group = plan.heads_q / plan.heads_kv;
   const double scale = softmax_scale(p.scale, dqk);
   const float scale_log2 = static_cast<float>(scale * kLog2eDouble);
-  const SeqTable table = seq_table(s, p.seqs);
+  const SeqPairTable table = selection::query_key_table(p.q, p.k, p.seqs, p.seqs_k);
   const auto* cu = static_cast<const std::int32_t*>(p.seqs.cu_seqlens.data);
+  const std::int32_t* cu_k = table.k.cu_seqlens;  // packed: the keys' (cu_seqlens_k, else cu)
   const std::int64_t keys = plan.heads_kv * plan.blocks_bound;
 
   dispatch_16bit(p.q.dtype, [&](auto tag) {
@@ -182,12 +192,13 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
                       stream);
     }
     // 2. Inverse index: block offsets (packed), keys, stable sort, segments.
-    if (s.packed) selection::launch_block_offsets(cu, s.batch, plan.block, offsets, stream);
+    if (s.packed) selection::launch_block_offsets(cu_k, s.batch, plan.block, offsets, stream);
     const selection::KeyConfig kc{plan.num_idx, plan.block, s.rows, s.batch, plan.blocks_per_seq, plan.total_rows,
                                   /*pair0=*/0, plan.total_rows * plan.heads_kv,
                                   /*chunk_pairs=*/plan.total_rows * plan.heads_kv, /*chunk_shift=*/0,
                                   static_cast<std::uint32_t>(plan.blocks_bound), plan.sentinel, s.packed,
-                                  /*value_is_entry=*/false};
+                                  /*value_is_entry=*/false, s.packed && cu_k != cu ? cu_k : nullptr,
+                                  s.packed ? 0 : plan.key_shape.rows - s.rows};
     selection::launch_make_keys(selection::index_of(p.indices), cu, offsets, kc, keys_in, values_in, stream);
     selection::radix_sort_pairs(ws + plan.temp, plan.temp_bytes, keys_in, keys_out, values_in, values_out,
                                 plan.entries, plan.end_bit, stream);

@@ -26,6 +26,28 @@ struct IndexView {
   }
 };
 
+// Query chunks (docs/semantics.md section 11): sequence b's T_b queries are the last of its S_b >= T_b keys, and its
+// query t sits at key position t + S_b - T_b. The query and key sequences of a call: batched, q's T rows and k's S
+// rows; packed, cu_seqlens and the keys' cu_seqlens_k (absent: cu_seqlens).
+inline SeqPairTable query_key_table(const TensorView& q, const TensorView& k, const Sequences& seqs,
+                                    const Sequences& seqs_k) {
+  if (q.rank == 4) return {{nullptr, q.shape[1], q.shape[0]}, {nullptr, k.shape[1], q.shape[0]}};
+  const std::int64_t batch = seqs.cu_seqlens.shape[0] - 1;
+  const auto* cu = static_cast<const std::int32_t*>(seqs.cu_seqlens.data);
+  const auto* cu_k = seqs_k.cu_seqlens.present() ? static_cast<const std::int32_t*>(seqs_k.cu_seqlens.data) : cu;
+  return {{cu, 0, batch}, {cu_k, 0, batch}};
+}
+
+// The keys' host shape (rows: S or Nk; max_len: the longest key sequence's bound).
+inline HostShape key_host_shape(const TensorView& k, const Sequences& seqs, const Sequences& seqs_k) {
+  return host_shape(k, seqs_k.cu_seqlens.present() ? seqs_k : seqs);
+}
+
+// Whether keys may outnumber queries: the paths that take no query chunk are not chosen for one.
+inline bool query_chunk(const TensorView& q, const TensorView& k, const Sequences& seqs_k) {
+  return q.rank == 3 ? seqs_k.cu_seqlens.present() : k.rank == 4 && k.shape[1] != q.shape[1];
+}
+
 inline IndexView index_of(const TensorView& view) {
   const bool packed = view.rank == 3;
   return {static_cast<const std::int32_t*>(view.data), packed ? 0 : view.stride[0], view.stride[packed ? 0 : 1],

@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
     Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, LseView<const float> lse, Tokens<const T> d_o,
     LseView<const float> delta, LseView<const float> p_scale, const std::int32_t* offsets,
     const std::int32_t* seg_begin, const std::int32_t* seg_end, const std::int32_t* tokens,
-    const std::uint64_t* chunk_scan, float* partials, Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
+    const std::uint64_t* chunk_scan, float* partials, Tokens<T> dk, Tokens<T> dv, SeqPairTable seqs, DkvConfig c) {
   using S = DkvSmem<T, DQK, DV>;
   constexpr int kCk = DQK / SPLIT, kCv = DV / SPLIT;  // dK / dV columns of this CTA
   extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernel of this unit declares it
@@ -79,11 +79,11 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
 
   float dk_acc[kCk / 8][4] = {}, dv_acc[kCv / 8][4] = {};
   const int k_lo = warp * 16 + lane / 4, k_hi = k_lo + 8;  // key rows of this thread in the tile
-  const T* q_fallback = q.row(seq.batch, seq.begin, 0);
-  const T* do_fallback = d_o.row(seq.batch, seq.begin, 0);
+  const T* q_fallback = q.row(seq.batch, task.q_begin, 0);
+  const T* do_fallback = d_o.row(seq.batch, task.q_begin, 0);
   const std::uint32_t group32 = static_cast<std::uint32_t>(c.group);
-  // Query head h * G of the sequence's token 0; head h * G + g is g head strides further.
-  const auto x_head = [&](const Tokens<const T>& x) { return x.row(seq.batch, seq.begin, h * c.group); };
+  // Query head h * G of the sequence's query 0; head h * G + g is g head strides further.
+  const auto x_head = [&](const Tokens<const T>& x) { return x.row(seq.batch, task.q_begin, h * c.group); };
   for (std::int64_t p0 = 0; p0 < pairs; p0 += kGather) {
     __syncthreads();  // the previous chunk is done with qs, dos, *_s
     // Pair p0 + r is (token list_begin + (p0 + r) / G, head (p0 + r) % G): 32-bit division (pairs < 2^31).
@@ -106,15 +106,15 @@ __global__ void __launch_bounds__(kThreads) selected_dkv_kernel(
         const std::uint32_t token = static_cast<std::uint32_t>(pidx) / group32;
         pos = tokens[list_begin + token];
         const std::int64_t hq = h * c.group + (static_cast<std::uint32_t>(pidx) - token * group32);
-        const float x = lse.at(seq.batch, seq.begin + pos, hq);
+        const float x = lse.at(seq.batch, task.q_begin + pos, hq);
         if (x != -INFINITY) lv = x * kLog2e;
-        dl = delta.at(seq.batch, seq.begin + pos, hq);
-        g = selection::p_scale_at(p_scale, seq.batch, seq.begin + pos, hq);
+        dl = delta.at(seq.batch, task.q_begin + pos, hq);
+        g = selection::p_scale_at(p_scale, seq.batch, task.q_begin + pos, hq);
       }
       lse_s[r] = lv;
       delta_s[r] = dl;
       scale_s[r] = g;
-      pos_s[r] = pos;
+      pos_s[r] = pos < 0 ? -1 : static_cast<int>(pos + task.offset);  // the row's key position
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -226,10 +226,10 @@ __global__ void dkv_reduce_kernel(const std::uint64_t* chunk_scan, const float* 
 
 void dkdv_kv_block_outer(const SelectedAttentionBackwardParams& p, const DkvConfig& c, const ChunkConfig& cc,
                          const DkdvBuffers& b, const LseView<const float>& delta, const LseView<const float>& p_scale,
-                         const SeqTable& table) {
+                         const SeqPairTable& table) {
   const auto stream = static_cast<cudaStream_t>(p.stream);
   const std::int64_t dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
-  launch_chunk_counts(b.seg_begin, b.seg_end, b.offsets, table, cc, b.counts, stream);
+  launch_chunk_counts(b.seg_begin, b.seg_end, b.offsets, table.k, cc, b.counts, stream);
   chunk_scan(b.scan_temp, b.scan_temp_bytes, b.counts, b.scan, c.keys, stream);
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -258,7 +258,7 @@ void dkdv_kv_block_outer(const SelectedAttentionBackwardParams& p, const DkvConf
       check_launch("selected_dkv_kernel");
       if (b.slots > 0) {
         dkv_reduce_kernel<T><<<static_cast<unsigned>(c.keys), 256, 0, stream>>>(
-            b.scan, b.partials, b.offsets, tokens_of<T>(p.dk), tokens_of<T>(p.dv), table, c, DQK, DV);
+            b.scan, b.partials, b.offsets, tokens_of<T>(p.dk), tokens_of<T>(p.dv), table.k, c, DQK, DV);
         check_launch("dkv_reduce_kernel");
       }
     });

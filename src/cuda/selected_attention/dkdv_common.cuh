@@ -19,18 +19,21 @@ struct DkvConfig {
   float scale, scale_log2;
 };
 
-// One CTA's work: keys [first, end) of block `block` of sequence `seq`, KV head h, and the (token, group
-// head) pairs of its chunk of the block's inverse-index segment: pair p is token tokens[list_begin + p / G],
-// head h * G + p % G. slot >= 0: the chunk of a split segment, whose fp32 partial goes to that workspace slot.
+// One CTA's work: keys [first, end) of block `block` of the keys `seq` of a sequence, KV head h, and the (token,
+// group head) pairs of its chunk of the block's inverse-index segment: pair p is token tokens[list_begin + p / G]
+// (a query row from q_begin; its key position is that row + offset, common.cuh), head h * G + p % G. slot >= 0:
+// the chunk of a split segment, whose fp32 partial goes to that workspace slot.
 struct DkvTask {
   SeqTable::Seq seq;
+  std::int64_t q_begin, offset;
   std::int64_t h, block, first, end, list_begin, pairs, slot;
 };
 
 // The task of CTA (blockIdx.x, key tile `sub` of the block); first >= end: nothing to do. Ends with a barrier.
 __device__ __forceinline__ DkvTask dkv_task(const std::uint64_t* chunk_scan, const std::int32_t* offsets,
                                             const std::int32_t* seg_begin, const std::int32_t* seg_end,
-                                            const SeqTable& seqs, const DkvConfig& c, std::int64_t sub, int keys) {
+                                            const SeqPairTable& seqs, const DkvConfig& c, std::int64_t sub,
+                                            int keys) {
   __shared__ std::int64_t task_s[3];
   if (threadIdx.x == 0) {
     const ChunkTask task = locate_chunk(chunk_scan, c.keys, blockIdx.x);
@@ -50,7 +53,10 @@ __device__ __forceinline__ DkvTask dkv_task(const std::uint64_t* chunk_scan, con
                                  c.packed);
   t.h = where.head;
   t.block = where.block;
-  t.seq = seqs[where.seq];
+  const SeqPairTable::Seq pair = seqs[where.seq];
+  t.seq = {pair.batch, pair.k_begin, pair.S};
+  t.q_begin = pair.q_begin;
+  t.offset = pair.S - pair.T;
   t.first = t.block * c.block + sub * keys;
   t.end = min(min((t.block + 1) * c.block, t.seq.length), t.first + keys);
   t.list_begin = seg_begin[key] + chunk * c.chunk_tokens;

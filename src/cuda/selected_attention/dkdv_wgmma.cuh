@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, LseView<const float> lse, Tokens<const T> d_o,
     LseView<const float> delta, LseView<const float> p_scale, const std::int32_t* offsets,
     const std::int32_t* seg_begin, const std::int32_t* seg_end, const std::int32_t* tokens,
-    const std::uint64_t* chunk_scan, float* partials, Tokens<T> dk, Tokens<T> dv, SeqTable seqs, DkvConfig c) {
+    const std::uint64_t* chunk_scan, float* partials, Tokens<T> dk, Tokens<T> dv, SeqPairTable seqs, DkvConfig c) {
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = DkvWgmmaTile<DQK, DV>;
   constexpr int kThreads = Tile::kThreads, kKeys = Tile::kKeys, kRows = Tile::kRows;
@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
       *row = make_int2(-1, 0);
     }
   };
-  const T* const q_head = q.row(seq.batch, seq.begin, task.h * c.group);
-  const T* const do_head = d_o.row(seq.batch, seq.begin, task.h * c.group);
+  const T* const q_head = q.row(seq.batch, task.q_begin, task.h * c.group);
+  const T* const do_head = d_o.row(seq.batch, task.q_begin, task.h * c.group);
   // Gathers the Q and dO rows of ring slot `slot` into buffer `buf`: a pass of 128 threads covers
   // kThreads / (kSpan / 8) rows of kSpan columns (the whole row, or 64-column panels at 192/128), 16 bytes per
   // thread; padding rows are zero.
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
     if (threadIdx.x >= kRows) return;
     const int2 row = sRows[slot * kRows + threadIdx.x];
     const bool in = row.x >= 0;
-    const std::int64_t pos = seq.begin + (in ? row.x : 0), hq = task.h * c.group + row.y;
+    const std::int64_t pos = task.q_begin + (in ? row.x : 0), hq = task.h * c.group + row.y;
     cp_async_4(sLse + buf * kRows + threadIdx.x, &lse.at(seq.batch, pos, hq), in ? 4 : 0);
     cp_async_4(sDelta + buf * kRows + threadIdx.x, &delta.at(seq.batch, pos, hq), in ? 4 : 0);
     if (p_scale.data != nullptr) {
@@ -146,8 +146,10 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
   const std::uint64_t do_desc0 = wgmma::k_major_descriptor<kRows>(sDO, 0, 0);
   const std::uint64_t q_mn_desc0 = wgmma::mn_major_descriptor<kRows>(sQ, 0, 0);
   const std::uint64_t do_mn_desc0 = wgmma::mn_major_descriptor<kRows>(sDO, 0, 0);
-  // This thread's key rows, relative to the sequence.
-  const std::int64_t key_row[2] = {task.first + warp * 16 + lane / 4, task.first + warp * 16 + lane / 4 + 8};
+  // This thread's key rows, relative to the sequence, less the key position offset of the queries (a query chunk's,
+  // common.cuh), so that they compare with the rows' query positions.
+  const std::int64_t key_row[2] = {task.first + warp * 16 + lane / 4 - task.offset,
+                                   task.first + warp * 16 + lane / 4 + 8 - task.offset};
 
   float dk_acc[DQK / 8][4], dv_acc[DV / 8][4];
 #pragma unroll
@@ -221,7 +223,8 @@ __global__ void __launch_bounds__(128, 2) selected_dkv_wgmma_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const bool odd = (e & 1) != 0;
-        const bool visible = key_row[e / 2] <= (odd ? p2.z : p2.x);
+        const int position = odd ? p2.z : p2.x;  // -1: a padding row
+        const bool visible = position >= 0 && key_row[e / 2] <= position;
         const float p = visible ? fast_exp2(fmaf(st[n][e], c.scale_log2, -(odd ? l2.y : l2.x))) * (odd ? g2.y : g2.x)
                                 : 0.f;
         st[n][e] = p;

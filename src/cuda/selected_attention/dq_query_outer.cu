@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
                                                                LseView<const float> lse, Tokens<const T> d_o,
                                                                LseView<const float> delta,
                                                                LseView<const float> p_scale, Tokens<T> dq,
-                                                               SeqTable seqs, QueryOuterConfig c) {
+                                                               SeqPairTable seqs, QueryOuterConfig c) {
   using S = DqSmem<T, DQK, DV>;
   constexpr int kKeys = S::kKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -163,7 +163,8 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
 
 void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
                     const LseView<const float>& p_scale, bool accumulate_dq) {
-  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.block, p.scale, accumulate_dq);
+  const QueryOuterLaunch l =
+      launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.seqs_k, p.block, p.scale, accumulate_dq);
   if (l.empty) return;
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;

@@ -10,6 +10,7 @@
 
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/launch.cuh"
+#include "cuda/selected_attention/common.cuh"
 #include "cuda/selected_attention/forward_plan.h"
 #include "cuda/selected_attention/launchers.h"
 #include "cuda/selected_attention/ops.h"
@@ -31,9 +32,16 @@ selection::ForwardPath forward_path(const SelectedAttentionParams& p) {
   // Past this bound the KV-block-outer forward's keys do not fit; no tokens: nothing runs.
   const std::int64_t kv_tokens = heads_kv * blocks_bound >= (std::int64_t{1} << 31) - 1 ? 0 : tokens;
   const auto choice = selection::parse_path_choice(std::getenv(selection::kForwardEnv));
-  return selection::choose_forward(choice, heads_q / heads_kv, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1],
-                                   kv_tokens, s.max_len, p.indices.shape[p.indices.rank - 1], p.block,
-                                   smem_optin_bytes(p.q.device_index));
+  const selection::ForwardPath path =
+      selection::choose_forward(choice, heads_q / heads_kv, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1],
+                                kv_tokens, s.max_len, p.indices.shape[p.indices.rank - 1], p.block,
+                                smem_optin_bytes(p.q.device_index));
+  // The KV-block-outer forward takes no query chunk (its inverse index numbers the blocks of the queries' own
+  // sequences); the query-outer ones do (common.cuh).
+  if (path == selection::ForwardPath::kv_outer && selection::query_chunk(p.q, p.k, p.seqs_k)) {
+    return selection::ForwardPath::query_outer;
+  }
+  return path;
 }
 
 }  // namespace

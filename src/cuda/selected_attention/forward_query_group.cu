@@ -202,7 +202,7 @@ struct GroupTask : HeadChunk<T> {
   std::int64_t t0;
   bool valid;
 
-  __device__ __forceinline__ GroupTask(const Tokens<const T>& k, const Tokens<const T>& v, const SeqTable& seqs,
+  __device__ __forceinline__ GroupTask(const Tokens<const T>& k, const Tokens<const T>& v, const SeqPairTable& seqs,
                                        const QueryOuterConfig& c)
       : HeadChunk<T>(k, v, seqs, c), t0(std::int64_t{blockIdx.x} * kTokens), valid(t0 < this->seq.length) {}
   __device__ __forceinline__ std::int64_t t_last() const { return min(t0 + kTokens, this->seq.length) - 1; }
@@ -216,8 +216,9 @@ struct GroupTask : HeadChunk<T> {
       lists[e] = t0 + token <= t_last() ? first[token * indices.row_stride + e % num_idx] : -1;
     }
   }
+  // The walk at the tokens' key positions (a query chunk's queries sit `offset` further).
   __device__ __forceinline__ GroupTiles<kKeys> tiles(const std::int32_t* lists, const QueryOuterConfig& c) const {
-    return {lists, c.num_idx, c.block, t0, t_last()};
+    return {lists, c.num_idx, c.block, t0 + this->offset, t_last() + this->offset};
   }
   template <class KTile, class VTile>
   __device__ __forceinline__ void copy(const KTile& ks, const VTile& vs, const GroupTiles<kKeys>& tile) const {
@@ -254,7 +255,7 @@ __device__ __forceinline__ void produce(const Task& task, const Stages& stages, 
 template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads, 1)
     selected_group_forward_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, IndexView indices,
-                                  Tokens<T> o, LseView<float> lse, SeqTable seqs, QueryOuterConfig c) {
+                                  Tokens<T> o, LseView<float> lse, SeqPairTable seqs, QueryOuterConfig c) {
   using S = GroupStages<T, DQK, DV>;
   constexpr int kKeys = S::kKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -301,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 void forward_query_group(const SelectedAttentionParams& p) {
-  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.block, p.scale, false);
+  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.seqs_k, p.block, p.scale, false);
   if (l.empty) return;
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;

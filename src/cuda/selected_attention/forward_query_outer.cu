@@ -34,7 +34,7 @@ struct FwdSmem {
 template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const T> q, Tokens<const T> k,
                                                                     Tokens<const T> v, IndexView indices,
-                                                                    Tokens<T> o, LseView<float> lse, SeqTable seqs,
+                                                                    Tokens<T> o, LseView<float> lse, SeqPairTable seqs,
                                                                     QueryOuterConfig c) {
   using S = FwdSmem<T, DQK, DV>;
   constexpr int kKeys = S::kKeys;
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
 }  // namespace
 
 void forward_query_outer(const SelectedAttentionParams& p) {
-  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.block, p.scale, false);
+  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.seqs_k, p.block, p.scale, false);
   if (l.empty) return;
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;

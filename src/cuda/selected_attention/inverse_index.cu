@@ -34,8 +34,9 @@ __global__ void block_offsets_kernel(const std::int32_t* cu_seqlens, std::int64_
 }
 
 // One thread per entry (pair, slot j), so that consecutive threads read and write consecutive slots: the key
-// h * blocks_bound + global block if the slot lists a block that starts at or before the token, the sentinel
-// otherwise and from the first -1 of the row on; either with the entry's chunk above it. I is the type of the
+// h * blocks_bound + global block if the slot lists a block that starts at or before the token's key position (its
+// position, or t + S - T for a query chunk), the sentinel otherwise and from the first -1 of the row on; either with
+// the entry's chunk above it. I is the type of the
 // entry, pair and row arithmetic: 32-bit where all of it fits (launch_make_keys), as 64-bit divisions would take
 // most of the kernel's time.
 template <class I>
@@ -48,7 +49,7 @@ __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqle
   const I chunk = local / static_cast<I>(c.chunk_pairs);
   const I pair = static_cast<I>(c.pair0) + local;
   const I h = pair / static_cast<I>(c.total_rows), row_g = pair - h * static_cast<I>(c.total_rows);
-  std::int64_t t = 0, batch = 0, row = row_g, block_base = 0;
+  std::int64_t t = 0, batch = 0, row = row_g, block_base = 0, offset = c.batched_offset;
   bool valid = true;
   if (c.packed) {
     if (c.batch <= 0 || row < cu_seqlens[0] || row >= cu_seqlens[c.batch]) {
@@ -57,6 +58,10 @@ __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqle
       const std::int64_t seq = last_at_most(cu_seqlens, c.batch, row);
       t = row - cu_seqlens[seq];
       block_base = offsets[seq];
+      if (c.cu_seqlens_k != nullptr) {
+        offset = (std::int64_t{c.cu_seqlens_k[seq + 1]} - c.cu_seqlens_k[seq]) -
+                 (std::int64_t{cu_seqlens[seq + 1]} - cu_seqlens[seq]);
+      }
     }
   } else {
     const I b = row_g / static_cast<I>(c.rows);
@@ -70,8 +75,9 @@ __global__ void make_keys_kernel(IndexView indices, const std::int32_t* cu_seqle
     const std::int64_t b = idx[j];
     bool listed = b >= 0;
     for (I i = 0; i < j; ++i) listed = listed && idx[i] >= 0;  // L1 hits: the row's earlier slots
-    if (listed && b * c.block <= t) key = static_cast<std::uint32_t>(static_cast<std::int64_t>(h) * c.blocks_bound +
-                                                                     block_base + b);
+    if (listed && b * c.block <= t + offset) {
+      key = static_cast<std::uint32_t>(static_cast<std::int64_t>(h) * c.blocks_bound + block_base + b);
+    }
   }
   keys[e] = key | static_cast<std::uint32_t>(static_cast<std::uint64_t>(chunk) << c.chunk_shift);
   values[e] = static_cast<std::int32_t>(c.value_is_entry ? e - chunk * static_cast<I>(c.chunk_pairs) * num_idx : t);

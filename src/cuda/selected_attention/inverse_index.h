@@ -33,12 +33,17 @@ struct KeyConfig {
   std::uint32_t blocks_bound, sentinel;
   bool packed;
   bool value_is_entry;  // value = entry index within its chunk (forward, dQ) instead of the token position t
+  // Query chunks (common.cuh): a block is visible from key position t + S - T. Packed: the keys' cu_seqlens (null:
+  // the queries' own, offset 0), which the block offsets then count; batched: S - T.
+  const std::int32_t* cu_seqlens_k = nullptr;
+  std::int64_t batched_offset = 0;
 };
 
 // Number of key bits the radix sort must look at to order keys in [0, sentinel].
 int key_end_bit(std::uint32_t sentinel);
 
-// offsets[s] = sum_{s' < s} ceil(len_s' / block) from cu_seqlens (packed layout); one CTA, deterministic.
+// offsets[s] = sum_{s' < s} ceil(len_s' / block) from cu_seqlens (packed layout; the keys' for a query chunk); one
+// CTA, deterministic.
 void launch_block_offsets(const std::int32_t* cu_seqlens, std::int64_t batch, std::int64_t block,
                           std::int32_t* offsets, cudaStream_t stream);
 // keys/values of the pair_count * num_idx entries of the pairs; entry (pair, j) sits at (pair - pair0) * num_idx + j.

@@ -61,6 +61,6 @@ struct DkdvBuffers {
 // Enqueues the chunk table, the dK/dV kernel and, where segments were split, the reduction of their partials.
 void dkdv_kv_block_outer(const SelectedAttentionBackwardParams& p, const DkvConfig& c, const ChunkConfig& cc,
                          const DkdvBuffers& buffers, const LseView<const float>& delta,
-                         const LseView<const float>& p_scale, const SeqTable& table);
+                         const LseView<const float>& p_scale, const SeqPairTable& table);
 
 }  // namespace sparseattn::cuda::selection

@@ -27,17 +27,18 @@ struct QueryOuterConfig {
 };
 
 // What both launchers derive from the shapes: the configuration, the grid (token, KV head x chunk of 16 query
-// heads, sequence) and the sequence table; empty: nothing to launch.
+// heads, sequence) and the query and key sequences (common.cuh: a query chunk's keys outnumber its queries); empty:
+// nothing to launch.
 struct QueryOuterLaunch {
   QueryOuterConfig config;
   dim3 grid;
-  SeqTable table;
+  SeqPairTable table;
   std::int64_t dqk, dv;
   bool empty;
 };
 
 inline QueryOuterLaunch launch_of(const TensorView& q, const TensorView& k, const TensorView& v,
-                                  const TensorView& indices, const Sequences& seqs, int block,
+                                  const TensorView& indices, const Sequences& seqs, const Sequences& seqs_k, int block,
                                   const std::optional<double>& scale, bool accumulate_dq) {
   const HostShape s = host_shape(q, seqs);
   const std::int64_t heads_q = q.shape[q.rank - 2], heads_kv = k.shape[k.rank - 2], dqk = q.shape[q.rank - 1];
@@ -48,31 +49,35 @@ inline QueryOuterLaunch launch_of(const TensorView& q, const TensorView& k, cons
                            accumulate_dq};
   const dim3 grid(static_cast<unsigned>(s.max_len), static_cast<unsigned>(heads_kv * chunks),
                   static_cast<unsigned>(s.batch));
-  return {c, grid, seq_table(s, seqs), dqk, v.shape[v.rank - 1], s.batch <= 0 || s.max_len <= 0 || heads_q <= 0};
+  return {c, grid, query_key_table(q, k, seqs, seqs_k), dqk, v.shape[v.rank - 1],
+          s.batch <= 0 || s.max_len <= 0 || heads_q <= 0};
 }
 
-// What every query-outer kernel takes from blockIdx.y and .z: sequence blockIdx.z, KV head h, the chunk of query
-// heads (first hq0, rows_here of them), and K's and V's token 0 of head h in the sequence, with the copies of a
-// key tile's rows from there (rows [s0, s0 + keys) into a tile of kKeys rows, zero-filled past keys, by Threads
-// threads).
+// What every query-outer kernel takes from blockIdx.y and .z: sequence blockIdx.z (its queries `seq`, and the
+// key position offset S - T of a query chunk), KV head h, the chunk of query heads (first hq0, rows_here of them),
+// and K's and V's key 0 of head h in the sequence, with the copies of a key tile's rows from there (rows [s0, s0 +
+// keys) into a tile of kKeys rows, zero-filled past keys, by Threads threads).
 template <class T>
 struct HeadChunk {
   SeqTable::Seq seq;
+  std::int64_t offset;  // query t sits at key position t + offset
   std::int64_t h, hq0;
   int rows_here;
   const T* k_head;
   const T* v_head;
   std::int64_t k_stride, v_stride;
 
-  __device__ __forceinline__ HeadChunk(const Tokens<const T>& k, const Tokens<const T>& v, const SeqTable& seqs,
+  __device__ __forceinline__ HeadChunk(const Tokens<const T>& k, const Tokens<const T>& v, const SeqPairTable& seqs,
                                        const QueryOuterConfig& c) {
     h = blockIdx.y / c.chunks;
     const std::int64_t chunk = blockIdx.y - h * c.chunks;
-    seq = seqs[blockIdx.z];
+    const SeqPairTable::Seq pair = seqs[blockIdx.z];
+    seq = {pair.batch, pair.q_begin, pair.T};
+    offset = pair.S - pair.T;
     hq0 = h * c.group + chunk * kRows;
     rows_here = static_cast<int>(min(std::int64_t{kRows}, c.group - chunk * kRows));
-    k_head = k.row(seq.batch, seq.begin, h);
-    v_head = v.row(seq.batch, seq.begin, h);
+    k_head = k.row(pair.batch, pair.k_begin, h);
+    v_head = v.row(pair.batch, pair.k_begin, h);
     k_stride = k.row_stride;
     v_stride = v.row_stride;
   }
@@ -279,11 +284,12 @@ struct TokenTask : HeadChunk<T> {
   std::int64_t t, row;
   bool valid;
 
-  __device__ __forceinline__ TokenTask(const Tokens<const T>& k, const Tokens<const T>& v, const SeqTable& seqs,
+  __device__ __forceinline__ TokenTask(const Tokens<const T>& k, const Tokens<const T>& v, const SeqPairTable& seqs,
                                        const QueryOuterConfig& c)
       : HeadChunk<T>(k, v, seqs, c), t(blockIdx.x), row(this->seq.begin + t), valid(t < this->seq.length) {}
+  // The tiles of the token's selected blocks up to its key position.
   __device__ __forceinline__ KeyTiles<kKeys> key_tiles(const IndexView& indices, const QueryOuterConfig& c) const {
-    return {indices.row(this->seq.batch, row, this->h), c.num_idx, c.block, t};
+    return {indices.row(this->seq.batch, row, this->h), c.num_idx, c.block, t + this->offset};
   }
   template <class Tile>
   __device__ __forceinline__ void copy_k(const Tile& ks, const KeyTiles<kKeys>& tile) const {
