@@ -228,6 +228,30 @@ def test_prefix_plan_reads_each_documents_prefix():
                                                                                    ((10, 20), (0, 30))]
 
 
+def test_packed_calls_take_the_forms_cuda_runs():
+    """Per chunk: the document that began before it alone (a batched query chunk, S > T), then the documents that
+    begin inside it in one packed call whose keys are its queries; together exactly the plan's calls."""
+    cu = (0, 10, 25, 25, 37)
+    for layout in sad.LAYOUTS:
+        for rank in range(3):
+            plan = nsa.make_prefix_plan(40, 3, rank, layout, cu)
+            calls = nsa.nsa_calls(plan)
+            for _, call in calls:
+                if call.cu_seqlens_q is None:
+                    assert call.keys[1] - call.keys[0] > call.q_rows[1] - call.q_rows[0]
+                else:
+                    assert call.cu_seqlens_q == call.cu_seqlens_k
+                    assert call.keys[1] - call.keys[0] == call.q_rows[1] - call.q_rows[0]
+            rows = [r for _, c in calls for r in range(*c.q_rows)]
+            planned = [r for chunk in plan.chunks for c in chunk.calls for r in range(*c.q_rows)]
+            assert rows == planned
+    plan = nsa.make_prefix_plan(40, 2, 0, "zigzag", cu)  # chunks [0, 10) and [30, 40)
+    assert [(stage, c.q_rows, c.keys, c.cu_seqlens_q) for stage, c in nsa.nsa_calls(plan)] == [
+        (0, (0, 10), (0, 10), (0, 10)), (1, (10, 17), (25, 37), None)]
+    plan = nsa.make_prefix_plan(40, 1, 0, "contiguous", None)
+    assert nsa.nsa_calls(plan) == tuple((0, c) for chunk in plan.chunks for c in chunk.calls)
+
+
 def test_compressed_bounds_match_the_op():
     for cu_k in ((0, 2), (0, 7, 8, 40, 40, 77), (0,)):
         for block, stride in ((8, 4), (16, 16), (32, 16)):

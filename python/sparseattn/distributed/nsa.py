@@ -4,14 +4,19 @@ gets its shard of the output; the result equals the single-process call on the w
 Compressed attention and selection read the whole prefix of a query's document (every compressed block that
 ends at or before it, every selection block that starts at or before it), so each chunk of a rank needs every key
 from the start of its first query's document to its end: the plan of causal attention without a window
-(:mod:`.plan`). Each chunk (each run of document pieces, packed) is then one call of NSA over a query chunk
-(docs/semantics.md section 11): its queries against that prefix, bottom-right aligned, which gives exactly the
-full call's rows.
+(:mod:`.plan`). Each chunk is then NSA over a query chunk (docs/semantics.md section 11): its queries against that
+prefix, bottom-right aligned, which gives exactly the full call's rows.
+
+Packed, a chunk's first document may have started on an earlier chunk (more keys than queries) while the documents
+that start inside the chunk have as many keys as queries. The first runs as a batched query chunk of one sequence
+([1, T_b, ..] against [1, S_b, ..]), the others as one packed call without cu_seqlens_k (an ordinary packed call):
+at most two calls per chunk, in the forms the CUDA kernels take (their packed query chunks are narrower).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -23,7 +28,7 @@ from .. import _ops
 from .._errors import SparseAttnDTypeError, SparseAttnError, make_error
 from ..functional import NSAConfig
 from . import group as _group
-from .calls import call_cu_seqlens, call_key_rows, call_query_rows, call_views, int32_on
+from .calls import call_key_rows, call_query_rows, call_views, int32_on
 from .documents import host_cu_seqlens
 from .exchange import KeyExchange, reduce_to_owners
 from .plan import METHODS, AttentionCall, ContextPlan, choose_method, make_plan
@@ -231,19 +236,24 @@ def _chunk_error(q: Tensor, k: Tensor, v: Tensor, gates, local: dict) -> Optiona
 def _probe_chunk(device: torch.device, dtype: torch.dtype, heads_q: int, heads_kv: int, dim_qk: int, dim_v: int,
                  gate_mask: int, packed: bool, nsa: tuple) -> Optional[tuple]:
     """(class, kind, argument, message) of the error that sparseattn.nsa_attention's forward or backward raises
-    for one query against two keys with these properties, or None when both run. Cached: the answer depends on
-    these properties alone."""
-    lead_q, lead_k = ((1,), (2,)) if packed else ((1, 1), (1, 2))
+    for the calls a sharded call makes, or None when they run: a batched query chunk (one query against two keys)
+    and, for a packed stream, a packed call of two one-token documents. Cached: the answer depends on these
+    properties alone."""
     zeros = functools.partial(torch.zeros, dtype=dtype, device=device)
-    q, k, v = zeros(*lead_q, heads_q, dim_qk), zeros(*lead_k, heads_kv, dim_qk), zeros(*lead_k, heads_kv, dim_v)
-    gates = [zeros(*lead_q, heads_q) if gate_mask >> i & 1 else None for i in range(len(_GATES))]
-    cu_q, cu_k, cu_cmp = (int32_on(c, device) for c in ((0, 1), (0, 2), _compressed_bounds((0, 2), nsa))) \
-        if packed else (None, None, None)
+    probes = [((1, 1), (1, 2), None)]
+    if packed:
+        probes.append(((2,), (2,), (0, 1, 2)))
     try:
-        o, workspace = _ops.nsa_attention(q, k, v, None, None, None, *gates, cu_q, cu_cmp, 1 if packed else 0, *nsa,
-                                          cu_k, 2 if packed else 0)
-        _ops.nsa_attention_backward(q, k, v, None, None, None, *gates, cu_q, cu_cmp, 1 if packed else 0, *nsa, o,
-                                    workspace, torch.zeros_like(o), cu_k, 2 if packed else 0)
+        for lead_q, lead_k, cu in probes:
+            q = zeros(*lead_q, heads_q, dim_qk)
+            k, v = zeros(*lead_k, heads_kv, dim_qk), zeros(*lead_k, heads_kv, dim_v)
+            gates = [zeros(*lead_q, heads_q) if gate_mask >> i & 1 else None for i in range(len(_GATES))]
+            cu_q = None if cu is None else int32_on(cu, device)
+            cu_cmp = None if cu is None else int32_on(_compressed_bounds(cu, nsa), device)
+            max_q = 0 if cu is None else 1
+            o, workspace = _ops.nsa_attention(q, k, v, None, None, None, *gates, cu_q, cu_cmp, max_q, *nsa, None, 0)
+            _ops.nsa_attention_backward(q, k, v, None, None, None, *gates, cu_q, cu_cmp, max_q, *nsa, o, workspace,
+                                        torch.zeros_like(o), None, 0)
     except SparseAttnError as exc:
         return type(exc), getattr(exc, "kind", "value"), getattr(exc, "argument", ""), str(exc)
     return None
@@ -259,23 +269,66 @@ def _compressed_bounds(cu_k: tuple[int, ...], nsa: tuple) -> tuple[int, ...]:
     return tuple(out)
 
 
+def nsa_calls(plan: ContextPlan) -> tuple[tuple[int, AttentionCall], ...]:
+    """The nsa_attention calls of a prefix plan (:func:`make_prefix_plan`), in chunk order, each with the exchange
+    stage its chunk waits for. A batched plan's calls are its own. A packed call is cut in two where its first document started before the chunk (more keys than
+    queries): that document alone, with no cu_seqlens (run as a batched [1, T_b, ..] query chunk), and the
+    documents after it, whose keys are their queries (cu_seqlens_k equal to cu_seqlens_q)."""
+    out = []
+    for chunk in plan.chunks:
+        for call in chunk.calls:
+            cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
+            if cu_q is None or cu_q[1] == cu_k[1]:
+                out.append((chunk.stage, call))
+                continue
+            queries, keys = cu_q[1], cu_k[1]
+            out.append((chunk.stage, replace(call, q_rows=(call.q_rows[0], call.q_rows[0] + queries),
+                               keys=(call.keys[0], call.keys[0] + keys), cu_seqlens_q=None, cu_seqlens_k=None,
+                               max_seqlen_q=queries, max_seqlen_k=keys)))
+            if len(cu_q) > 2:
+                rest = tuple(c - queries for c in cu_q[1:])
+                longest = max(b - a for a, b in zip(rest, rest[1:]))
+                out.append((chunk.stage, replace(call, q_rows=(call.q_rows[0] + queries, call.q_rows[1]),
+                                                 keys=(call.keys[0] + keys, call.keys[1]), cu_seqlens_q=rest,
+                                                 cu_seqlens_k=rest, max_seqlen_q=longest, max_seqlen_k=longest)))
+    return tuple(out)
+
+
 def _call_sequences(call: AttentionCall, nsa: tuple, device: torch.device):
-    """The packed sequences of a call on the device: (cu_seqlens_q, cu_seqlens_k, cu_seqlens_cmp), or None three
-    times for the batched layout."""
-    cu_q, cu_k = call_cu_seqlens(call, device)
-    if cu_q is None:
+    """The packed sequences of a call on the device: (cu_seqlens, cu_seqlens_k, cu_seqlens_cmp), None for what
+    the call does not take (cu_seqlens_k where the keys' sequences are the queries')."""
+    if call.cu_seqlens_q is None:
         return None, None, None
-    return cu_q, cu_k, int32_on(_compressed_bounds(call.cu_seqlens_k, nsa), device)
+    cu_k = None if call.cu_seqlens_k == call.cu_seqlens_q else int32_on(call.cu_seqlens_k, device)
+    return (int32_on(call.cu_seqlens_q, device), cu_k,
+            int32_on(_compressed_bounds(call.cu_seqlens_k, nsa), device))
 
 
-def _max_lengths(call: AttentionCall, packed: bool) -> tuple[int, int]:
-    """max_seqlen of the call's queries and of its keys (0 for the batched layout, where the shapes give them)."""
-    return (call.max_seqlen_q, call.max_seqlen_k) if packed else (0, 0)
+def _max_lengths(call: AttentionCall) -> tuple[int, int]:
+    """max_seqlen of the call's queries and of its keys (0 for a batched call, where the shapes give them)."""
+    return (call.max_seqlen_q, call.max_seqlen_k) if call.cu_seqlens_q is not None else (0, 0)
+
+
+def _call_tensors(plan: ContextPlan, call: AttentionCall, dim: int, packed_stream: bool, q: Tensor,
+                  k_buffer: Tensor, v_buffer: Tensor, gates, more=()):
+    """The call's (q, k, v), its gates and `more` (tensors laid out like q, None allowed) as views, with a batch
+    dimension of one added where one sequence of a packed stream runs as a batched query chunk."""
+    first, rows = call_query_rows(call)
+    single = packed_stream and call.cu_seqlens_q is None
+
+    def view(t: Optional[Tensor], narrow: bool = True) -> Optional[Tensor]:
+        if t is None:
+            return None
+        t = t.narrow(dim, first, rows) if narrow else t
+        return t.unsqueeze(0) if single else t
+
+    qkv = tuple(view(t, narrow=False) for t in call_views(plan, call, dim, q, k_buffer, v_buffer))
+    return qkv, [view(g) for g in gates], [view(t) for t in more]
 
 
 class _ShardedNSA(torch.autograd.Function):
-    """Forward: exchange K/V into key buffers, one nsa_attention call (a query chunk) per chunk of the shard.
-    Backward: the nsa_attention backward of every call with the workspace its forward kept; dq and the gates'
+    """Forward: exchange K/V into key buffers, then the nsa_attention calls of every chunk of the shard (a query
+    chunk against its prefix; :func:`nsa_calls`). Backward: the nsa_attention backward of every call with the workspace its forward kept; dq and the gates'
     gradients into place, dK/dV partials summed over the key buffer (in call order) and reduced onto the keys'
     owners (exchange.reduce_to_owners)."""
 
@@ -287,26 +340,23 @@ class _ShardedNSA(torch.autograd.Function):
         keys = KeyExchange(plan, (k, v), dim, group)
         make = torch.empty if batched else torch.zeros  # packed rows in no document stay 0, as in nsa_attention
         o = make(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+        calls = nsa_calls(plan)
         sequences, workspaces = [], []
-        for chunk in plan.chunks:
-            if not chunk.calls:
-                continue
-            k_buffer, v_buffer = keys.wait(chunk.stage)
-            for call in chunk.calls:
-                cu_q, cu_k, cu_cmp = _call_sequences(call, nsa, q.device)
-                max_q, max_k = _max_lengths(call, not batched)
-                q_call, k_call, v_call = call_views(plan, call, dim, q, k_buffer, v_buffer)
-                first, rows = call_query_rows(call)
-                gates_call = [None if g is None else g.narrow(dim, first, rows) for g in gates]
-                o_call, workspace = _ops.nsa_attention(q_call, k_call, v_call, None, None, None, *gates_call, cu_q,
-                                                       cu_cmp, max_q, *nsa, cu_k, max_k)
-                o.narrow(dim, first, rows).copy_(o_call)
-                sequences.append((cu_q, cu_k, cu_cmp))
-                workspaces.append(workspace)
+        for stage, call in calls:
+            k_buffer, v_buffer = keys.wait(stage)
+            cu_q, cu_k, cu_cmp = _call_sequences(call, nsa, q.device)
+            max_q, max_k = _max_lengths(call)
+            qkv, gates_call, (o_call,) = _call_tensors(plan, call, dim, not batched, q, k_buffer, v_buffer, gates,
+                                                       (o,))
+            out, workspace = _ops.nsa_attention(*qkv, None, None, None, *gates_call, cu_q, cu_cmp, max_q, *nsa, cu_k,
+                                                max_k)
+            o_call.copy_(out)
+            sequences.append((cu_q, cu_k, cu_cmp))
+            workspaces.append(workspace)
         k_buffer, v_buffer = keys.wait(len(plan.stages) - 1)  # every collective done before its buffers go
         ctx.save_for_backward(q, k_buffer, v_buffer, *gates, o, *workspaces)
         ctx.plan, ctx.group, ctx.dim, ctx.batched, ctx.nsa = plan, group, dim, batched, nsa
-        ctx.sequences, ctx.kv_dtype = sequences, k.dtype
+        ctx.calls, ctx.sequences, ctx.kv_dtype = [call for _, call in calls], sequences, k.dtype
         return o
 
     @staticmethod
@@ -321,21 +371,21 @@ class _ShardedNSA(torch.autograd.Function):
         partial_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         dk_partial = k_buffer.new_zeros(k_buffer.shape, dtype=partial_dtype)
         dv_partial = v_buffer.new_zeros(v_buffer.shape, dtype=partial_dtype)
-        calls = [call for chunk in plan.chunks for call in chunk.calls]
-        for call, (cu_q, cu_k, cu_cmp), workspace in zip(calls, ctx.sequences, workspaces):
-            max_q, max_k = _max_lengths(call, not ctx.batched)
-            q_call, k_call, v_call = call_views(plan, call, dim, q, k_buffer, v_buffer)
-            first, rows = call_query_rows(call)
-            gates_call = [None if g is None else g.narrow(dim, first, rows) for g in gates]
-            dq_call, dk_call, dv_call, _dk_cmp, _dv_cmp, *d_gates_call = _ops.nsa_attention_backward(
-                q_call, k_call, v_call, None, None, None, *gates_call, cu_q, cu_cmp, max_q, *nsa,
-                o.narrow(dim, first, rows), workspace, d_o.narrow(dim, first, rows), cu_k, max_k)
-            dq.narrow(dim, first, rows).copy_(dq_call)
-            for d_gate, d_gate_call in zip(d_gates, d_gates_call):
-                if d_gate is not None:
-                    d_gate.narrow(dim, first, rows).copy_(d_gate_call)
+        for call, (cu_q, cu_k, cu_cmp), workspace in zip(ctx.calls, ctx.sequences, workspaces):
+            max_q, max_k = _max_lengths(call)
+            qkv, gates_call, (o_call, d_o_call, dq_call, *d_gates_call) = _call_tensors(
+                plan, call, dim, not ctx.batched, q, k_buffer, v_buffer, gates, (o, d_o, dq, *d_gates))
+            grads = _ops.nsa_attention_backward(*qkv, None, None, None, *gates_call, cu_q, cu_cmp, max_q, *nsa, o_call,
+                                                workspace, d_o_call, cu_k, max_k)
+            dq_call.copy_(grads[0])
+            for d_gate_call, grad in zip(d_gates_call, grads[5:]):
+                if d_gate_call is not None:
+                    d_gate_call.copy_(grad)
+            dk, dv = grads[1], grads[2]
+            if dk.dim() > k_buffer.dim():  # one sequence of a packed stream, run batched
+                dk, dv = dk[0], dv[0]
             key_row, key_count = call_key_rows(plan, call)
-            dk_partial.narrow(dim, key_row, key_count).add_(dk_call)
-            dv_partial.narrow(dim, key_row, key_count).add_(dv_call)
+            dk_partial.narrow(dim, key_row, key_count).add_(dk)
+            dv_partial.narrow(dim, key_row, key_count).add_(dv)
         dk, dv = reduce_to_owners((dk_partial, dv_partial), plan, dim, ctx.group, ctx.kv_dtype)
         return dq, dk, dv, *d_gates, None, None, None, None
