@@ -163,3 +163,117 @@ def unshard_mismatch(rank, world_size):
     """unshard with a shard of another width on rank 1."""
     x = torch.zeros(2, sad.shard_lengths(8, world_size)[rank], 3 if rank != 1 else 4)
     return tuple(sad.unshard(x, dim=1).shape)
+
+
+# ------------------------------------------------------------------------------------------------------ NSA
+
+NSA_GATES = ("g_cmp", "g_slc", "g_swa")
+NSA_NAMES = ("o", "dq", "dk", "dv") + tuple(f"d_{g}" for g in NSA_GATES)
+
+
+def _nsa_inputs(seed, B, T, Hq, Hkv, Dqk, Dv, packed, gates, dtype, device):
+    """Full q, k, v, the gates named in `gates` (None for the others; sigmoids, as a model's gates are) and an
+    output weight, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (T,) if packed else (B, T)
+    q, k, v, w = (torch.randn(*lead, h, d, generator=g, dtype=torch.float64)
+                  for h, d in ((Hq, Dqk), (Hkv, Dqk), (Hkv, Dv), (Hq, Dv)))
+    gate_values = [torch.sigmoid(torch.randn(*lead, Hq, generator=g, dtype=torch.float64)) for _ in NSA_GATES]
+    gate_values = [t if name in gates else None for t, name in zip(gate_values, NSA_GATES)]
+    return [None if t is None else t.to(device=device, dtype=dtype) for t in (q, k, v, *gate_values, w)]
+
+
+def _nsa_sharded_run(tensors, w, dim, layout, **kwargs):
+    leaves = [None if x is None else sad.shard(x, dim=dim, layout=layout).detach().requires_grad_()
+              for x in tensors]
+    w_r = sad.shard(w, dim=dim, layout=layout)
+    o_r = sad.nsa_attention(*leaves, layout=layout, **kwargs)
+    (o_r.double() * w_r.double()).sum().backward()
+    return [o_r.detach()] + [None if x is None else x.grad for x in leaves]
+
+
+def nsa_compare(rank, world_size, *, seed=0, B=2, T=200, Hq=4, Hkv=2, Dqk=16, Dv=8, config=None, gates=NSA_GATES,
+                cu_seqlens=None, layout="zigzag", exchange="auto", dtype="float64", repeat=True):
+    """The sharded sparseattn.distributed.nsa_attention against the single-process sparseattn.nsa_attention on the
+    same inputs: max errors of o and the gradients of q, k, v and the given gates on this rank's shard, the shard
+    length, and whether a second run gave the same bits. `config`: NSAConfig keyword arguments. With bf16/fp16,
+    also the errors of the single-process call against float64."""
+    dtype = getattr(torch, dtype)
+    device = _device(rank)
+    packed = cu_seqlens is not None
+    dim = 0 if packed else 1
+    cfg = sparseattn.NSAConfig(**(config or {}))
+    *tensors, w = _nsa_inputs(seed, B, T, Hq, Hkv, Dqk, Dv, packed, gates, dtype, device)
+
+    def reference(tensors, w):
+        cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32, device=w.device)
+        leaves = [None if x is None else x.detach().requires_grad_() for x in tensors]
+        o = sparseattn.nsa_attention(*leaves, config=cfg, cu_seqlens=cu)
+        (o.double() * w.double()).sum().backward()
+        return [o.detach()] + [None if x is None else x.grad for x in leaves]
+
+    ref = reference(tensors, w)
+    cu_arg = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32)
+    options = dict(config=cfg, cu_seqlens=cu_arg, exchange=exchange)
+    got = _nsa_sharded_run(tensors, w, dim, layout, **options)
+    present = [(n, g, r) for n, g, r in zip(NSA_NAMES, got, ref) if r is not None]
+    errors = {n: _max_err(g, sad.shard(r, dim=dim, layout=layout)) for n, g, r in present}
+    result = dict(errors=errors, rows=got[0].shape[dim], dtypes=[str(t.dtype) for _, t, _ in present],
+                  grads_given=[n for n, g, _ in zip(NSA_NAMES, got, ref) if g is not None])
+    if repeat:
+        again = _nsa_sharded_run(tensors, w, dim, layout, **options)
+        result["bit_equal"] = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, again))
+    if dtype in (torch.bfloat16, torch.float16):
+        ref64 = reference([None if x is None else x.detach().cpu().double() for x in tensors], w.cpu().double())
+        present64 = [(n, g, r, r64) for (n, g, r), r64 in zip(present, (r for r in ref64 if r is not None))]
+        result["errors64"] = {n: _max_err(g.cpu(), sad.shard(r64, dim=dim, layout=layout))
+                              for n, g, _, r64 in present64}
+        result["single_errors64"] = {n: _max_err(r.cpu(), r64) for n, _, r, r64 in present64}
+        result["magnitude64"] = {n: float(r64.abs().max()) if r64.numel() else 0.0 for n, _, _, r64 in present64}
+        result["max_diff_single"] = {n: _max_err(g, sad.shard(r, dim=dim, layout=layout)) for n, g, r, _ in present64}
+    return result
+
+
+def nsa_call(rank, world_size, *, per_rank=None, **kwargs):
+    """One sharded NSA forward with arguments that may differ per rank (``per_rank[rank]`` overrides ``kwargs``).
+    Besides nsa_attention's keyword arguments (config: a dict of NSAConfig keyword arguments, else as given): T, B, Hq, Hkv, D, dtype,
+    gate_dtype, gates (the names of the gates given), gate_tokens (a gate length other than the shard's), lengths
+    (the shard lengths of all ranks), device, group_backend (as in :func:`call`). Returns o's shape."""
+    args = dict(T=40, B=1, Hq=2, Hkv=1, D=16, dtype="float64", gate_dtype=None, gates=NSA_GATES, gate_tokens=None,
+                lengths=None, layout="zigzag", device=_device(rank), group_backend=None,
+                config=dict(cmp_block=8, cmp_stride=4, sel_block=8, num_selected=3, num_init=1, num_local=1,
+                            window=16))
+    args.update(kwargs)
+    args.update((per_rank or {}).get(rank, {}))
+    T, B, Hq, Hkv, D = (args.pop(name) for name in ("T", "B", "Hq", "Hkv", "D"))
+    dtype = getattr(torch, args.pop("dtype"))
+    gate_dtype = args.pop("gate_dtype")
+    gate_dtype = dtype if gate_dtype is None else getattr(torch, gate_dtype)
+    gates, gate_tokens = args.pop("gates"), args.pop("gate_tokens")
+    lengths, device = args.pop("lengths"), args.pop("device")
+    length = (lengths or sad.shard_lengths(T, world_size, args["layout"]))[rank]
+    packed = args.get("cu_seqlens") is not None
+    lead = (length,) if packed else (B, length)
+    q, k, v = (torch.randn(*lead, h, D, dtype=dtype, device=device) for h in (Hq, Hkv, Hkv))
+    gate_lead = lead if gate_tokens is None else lead[:-1] + (gate_tokens,)
+    gate_args = {name: torch.rand(*gate_lead, Hq, dtype=gate_dtype, device=device) for name in gates}
+    config = args.pop("config")
+    args["config"] = sparseattn.NSAConfig(**config) if isinstance(config, dict) else config
+    group_backend = args.pop("group_backend")
+    group = None if group_backend is None else dist.new_group(backend=group_backend)
+    try:
+        return tuple(sad.nsa_attention(q, k, v, **gate_args, group=group, **args).shape)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+
+
+def nsa_plan_summary(rank, world_size, *, T, layout="zigzag", cu_seqlens=None, exchange="auto"):
+    """What NSA's plan moves: rows received by this rank's exchange, rows of its key buffer and of its shard, the
+    chunks' calls as (query rows, keys) and the chunks' stages."""
+    from sparseattn.distributed.nsa import make_prefix_plan
+
+    plan = make_prefix_plan(T, world_size, rank, layout, None if cu_seqlens is None else tuple(cu_seqlens), exchange)
+    return dict(method=plan.method, received=sum(sum(s.recv_counts) for s in plan.stages if s.active),
+                key_rows=plan.key_rows, rows=plan.local_length, stages=[c.stage for c in plan.chunks],
+                calls=[(c.q_rows, c.keys) for chunk in plan.chunks for c in chunk.calls])

@@ -2,6 +2,8 @@
 (NCCL for CUDA tensors, gloo for CPU tensors). See docs/distributed.md.
 
 - :func:`flash_attention`: sparseattn.flash_attention on a sharded sequence, forward and backward.
+- :func:`nsa_attention`: sparseattn.nsa_attention on a sharded sequence, forward and backward (each chunk of a
+  shard runs NSA over a query chunk against the keys before it).
 - Sharding (:mod:`.sharding`): :func:`shard`, :func:`unshard`, :func:`shard_ranges`, :func:`shard_lengths`,
   :func:`shard_positions`; layouts "zigzag" (load-balanced causal) and "contiguous".
 
@@ -12,12 +14,14 @@ agreement check (:mod:`.group`).
 """
 
 from .flash import flash_attention
+from .nsa import nsa_attention
 from .sharding import LAYOUTS, chunk_bounds, shard, shard_lengths, shard_positions, shard_ranges, unshard
 
 __all__ = [
     "LAYOUTS",
     "chunk_bounds",
     "flash_attention",
+    "nsa_attention",
     "shard",
     "shard_lengths",
     "shard_positions",

@@ -16,8 +16,8 @@ from ..functional import flash_attention as _flash_attention
 from . import group as _group
 from .documents import host_cu_seqlens
 from .exchange import KeyExchange, reduce_to_owners
-from .plan import METHODS, AttentionCall, ContextPlan, choose_method, make_plan
-from .ranges import offset_in
+from .calls import call_cu_seqlens, call_key_rows, call_views
+from .plan import METHODS, ContextPlan, choose_method, make_plan
 from .sharding import LAYOUTS, check_shard_lengths
 
 _OP = "distributed.flash_attention"
@@ -172,20 +172,6 @@ def _config_values(config: dict, q: Tensor, k: Tensor, v: Tensor) -> tuple[int, 
             q.shape[-1], v.shape[-1], q.shape[0 if packed else 1])
 
 
-def _cu_tensors(call: AttentionCall, device: torch.device):
-    """The call's cu_seqlens on the tensors' device (None, None for the batched layout); through pinned memory on
-    CUDA, so that the copies do not wait for the device."""
-    if call.cu_seqlens_q is None:
-        return None, None
-    out = []
-    for values in (call.cu_seqlens_q, call.cu_seqlens_k):
-        t = torch.tensor(values, dtype=torch.int32)
-        if device.type == "cuda":
-            t = t.pin_memory().to(device, non_blocking=True)
-        out.append(t)
-    return tuple(out)
-
-
 class _ShardedAttention(torch.autograd.Function):
     """Forward: exchange K/V into key buffers, one flash_attention call per chunk piece. Backward: the
     flash_attention backward of every call, dq into place, dK/dV partials summed over the key buffer (in the
@@ -208,9 +194,9 @@ class _ShardedAttention(torch.autograd.Function):
                 continue
             k_buffer, v_buffer = keys.wait(chunk.stage)
             for call in chunk.calls:
-                cu_q, cu_k = _cu_tensors(call, q.device)
+                cu_q, cu_k = call_cu_seqlens(call, q.device)
                 cu_tensors.append((cu_q, cu_k))
-                q_call, k_call, v_call = _views(plan, call, dim, q, k_buffer, v_buffer)
+                q_call, k_call, v_call = call_views(plan, call, dim, q, k_buffer, v_buffer)
                 o_call, lse_call = _flash_attention(
                     q_call, k_call, v_call, causal=causal, window=call.window, scale=scale, cu_seqlens_q=cu_q,
                     cu_seqlens_k=cu_k, max_seqlen_q=call.max_seqlen_q if cu_q is not None else None,
@@ -240,7 +226,7 @@ class _ShardedAttention(torch.autograd.Function):
         for chunk in plan.chunks:
             for call in chunk.calls:
                 cu_q, cu_k = next(cu_tensors)
-                q_call, k_call, v_call = _views(plan, call, dim, q, k_buffer, v_buffer)
+                q_call, k_call, v_call = call_views(plan, call, dim, q, k_buffer, v_buffer)
                 first, rows = call.q_rows[0], call.q_rows[1] - call.q_rows[0]
                 dq_call, dk_call, dv_call = _ops.flash_attention_backward(
                     q_call, k_call, v_call, None, None, o.narrow(dim, first, rows), lse.narrow(lse_dim, first, rows),
@@ -248,20 +234,9 @@ class _ShardedAttention(torch.autograd.Function):
                     call.max_seqlen_k if cu_q is not None else 0, ctx.causal, call.window[0], call.window[1],
                     ctx.scale, False)[:3]
                 dq.narrow(dim, first, rows).copy_(dq_call)
-                key_row, key_count = _key_rows(plan, call)
+                key_row, key_count = call_key_rows(plan, call)
                 dk_partial.narrow(dim, key_row, key_count).add_(dk_call)
                 dv_partial.narrow(dim, key_row, key_count).add_(dv_call)
         dk, dv = reduce_to_owners((dk_partial, dv_partial), plan, dim, ctx.group, ctx.kv_dtype)
         return dq, dk, dv, None, None, None, None, None
 
-
-def _key_rows(plan: ContextPlan, call: AttentionCall) -> tuple[int, int]:
-    """The call's first row in the key buffer, and its key count."""
-    return offset_in(plan.key_set, call.keys[0]), call.keys[1] - call.keys[0]
-
-
-def _views(plan: ContextPlan, call: AttentionCall, dim: int, q: Tensor, k_buffer: Tensor, v_buffer: Tensor):
-    """The call's queries (rows of the shard) and keys/values (rows of the key buffers), as views."""
-    key_row, key_count = _key_rows(plan, call)
-    return (q.narrow(dim, call.q_rows[0], call.q_rows[1] - call.q_rows[0]),
-            k_buffer.narrow(dim, key_row, key_count), v_buffer.narrow(dim, key_row, key_count))
