@@ -162,11 +162,7 @@ __device__ __forceinline__ void add_work(const ScoreTerms& terms, unsigned long 
   if (terms.work_counter != nullptr && work > 0) atomicAdd(terms.work_counter, work);
 }
 
-// The 16-bit element pattern of a bias value, and back to float.
-template <class T>
-__device__ __forceinline__ std::uint32_t bias_bits(const void* data, i64 offset) {
-  return static_cast<const std::uint16_t*>(data)[offset];
-}
+// A bias value (of q's dtype T) from its 16-bit pattern.
 template <class T>
 __device__ __forceinline__ float bias_value(std::uint32_t bits) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -178,7 +174,8 @@ __device__ __forceinline__ float bias_value(std::uint32_t bits) {
 
 // Initialises a thread's scores s, an accumulator fragment [16 x kCols] that the score MMA then accumulates q.k
 // onto, with the terms: bias / scale where the element is kept, -inf where it is not (-inf + q.k stays -inf), 0
-// past the sequence (T or S; the kernels' bounds mask those, and their mask and bias are not read). Element (n, i)
+// past the sequence (T or S; the kernels' bounds mask those, and their mask and bias are not read); with kAdd,
+// adds them to the q.k that s holds (elements past the sequence keep theirs). Element (n, i)
 // is row row0 + lane / 4 + 8 (i / 2), column col0 + 8 n + 2 (lane % 4) + i % 2. kQueryRows: rows are queries and
 // columns keys (forward, dQ); otherwise rows are keys and columns queries (dK/dV). kind: the tile's
 // (classify_tile). Terms shared by every query row (rows_shared) in a tile that is not mixed are read once per
@@ -186,7 +183,6 @@ __device__ __forceinline__ float bias_value(std::uint32_t bits) {
 template <class T, int kCols, bool kQueryRows, bool kAdd = false, class Seq>
 __device__ __forceinline__ void init_scores(float (&s)[kCols / 8][4], const ScoreTerms& terms, const Seq& seq,
                                             i64 sequence, i64 h, i64 row0, i64 col0, int kind) {
-  // kAdd: s holds q.k already; the terms are added (-inf stays -inf) and elements past the sequence keep theirs.
   auto put = [&](float& dst, float x, bool inside) {
     if constexpr (kAdd) {
       if (inside) dst += x;
