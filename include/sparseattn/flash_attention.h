@@ -15,11 +15,12 @@ namespace sparseattn {
 // Query t of a sequence with T queries and S keys is aligned to key position a = t + S - T (bottom-right,
 // as FlashAttention): causal keeps keys <= a; the window keeps keys in [a - window_left, a + window_right]
 // (a negative bound means unbounded). A row with no kept key returns o = 0 and lse = -inf.
-// mask and bias (CPU only) broadcast as [B|1, Hq|Hkv|1, T|1, S] in the batched layout; packed, they take the row
+// mask and bias (CPU and CUDA) broadcast as [B|1, Hq|Hkv|1, T|1, S] in the batched layout; packed, they take the row
 // form [Hm|1, Nq|1, Lk] (column j: key j of the row's own sequence; Lk >= every key count, on CUDA >=
 // seqs_k.max_seqlen, which is then required) or the key form [Hm|1, Nk] (entry m: packed key m for every query of
 // its sequence), told apart by rank; Hm is Hq, Hkv or 1. With Hkv heads, query head h uses mask/bias head
-// h / (Hq / Hkv). A packed dbias leaves the entries no sequence reads untouched.
+// h / (Hq / Hkv). A packed dbias leaves the entries no sequence reads untouched. On CUDA, dbias is summed in fp32
+// through the backward's workspace in a fixed order (deterministic, no atomics).
 //
 // Gated attention and thresholds (CPU only for now; CUDA tensors raise ErrorKind::unsupported), see
 // docs/semantics.md section 8: with alpha [B, T, Hq] and delta [B, S, Hkv] the logits are scale * (q.k + g),
@@ -41,14 +42,17 @@ struct FlashGateOptions {
   std::int64_t threshold_block_k = 128;
 };
 
-// Block-sparse masks (CPU only for now; CUDA tensors raise ErrorKind::unsupported), docs/semantics.md section 8:
-// which (query tile, key tile) pairs exist, tiles of block_q queries x block_k keys aligned to each sequence's
-// first query and key. Either a dense tile mask or FlexAttention's lists, not both. Batched, the batch index is
-// b; packed, it counts sequences (B = len(cu_seqlens) - 1). Hb is Hq, Hkv or 1; nQ and nK are at least every
-// sequence's tile count. A key of an absent tile is hidden (AND with every other rule); a key of a full tile
-// does not read the element mask.
+// Block-sparse masks, docs/semantics.md section 8: which (query tile, key tile) pairs exist, tiles of block_q
+// queries x block_k keys aligned to each sequence's first query and key. Either a dense tile mask or
+// FlexAttention's lists, not both. Batched, the batch index is b; packed, it counts sequences (B =
+// len(cu_seqlens) - 1). Hb is Hq, Hkv or 1; nQ and nK are at least every sequence's tile count (packed on CUDA:
+// ceil(max_seqlen / block), max_seqlen_q and max_seqlen_k then required). A key of an absent tile is hidden (AND
+// with every other rule); a key of a full tile does not read the element mask. The dense tile map is bool (true =
+// the tile exists) or uint8 tile states: 0 absent, 1 exists, 2 exists and full (the element mask is not read, as
+// FlexAttention's full lists). CPU: either form. CUDA: the dense map only (the lists raise ErrorKind::unsupported);
+// the kernels skip a kernel tile whose overlapped tiles are all absent (no loads, no MMAs) at any block sizes.
 struct FlashBlockMask {
-  TensorView block_mask;          // optional bool [B|1, Hb|1, nQ, nK]; true = the tile exists
+  TensorView block_mask;          // optional bool or uint8 [B|1, Hb|1, nQ, nK]: the tile map above
   TensorView kv_num_blocks;       // optional int32 [B|1, Hb|1, nQ]: query tile i lists kv_num_blocks[.., i] tiles
   TensorView kv_indices;          // int32 [B|1, Hb|1, nQ, maxK]: strictly ascending key tiles, past the count ignored
   TensorView full_kv_num_blocks;  // optional (with full_kv_indices): full tiles, disjoint from the partial ones
@@ -89,6 +93,11 @@ struct FlashAttentionParams {
   FlashGateOptions gates;
   FlashBlockMask blocks;
   FlashHeadWindows head_windows;
+  // Optional test diagnostic, int64 [1] on q's device: the CUDA kernels add the query x key elements of the kernel
+  // tiles they compute (query rows x keys of each tile, clipped to the sequence; absent tiles skipped), one
+  // atomicAdd per CTA; the backward adds its dQ and dK/dV kernels' counts (twice the forward's). Not written on
+  // the CPU. Absent: no cost.
+  TensorView work_counter;
   Stream stream = nullptr;
 };
 
@@ -108,6 +117,7 @@ struct FlashAttentionBackwardParams {
   FlashGateOptions gates;  // as in the forward
   FlashBlockMask blocks;   // as in the forward
   FlashHeadWindows head_windows;
+  TensorView work_counter;  // as in the forward
   void* workspace = nullptr;  // on q's device, 16-byte aligned, of the size the function below gives
   std::size_t workspace_bytes = 0;
   Stream stream = nullptr;

@@ -10,7 +10,8 @@
 
 namespace sparseattn {
 
-enum class DType : std::uint8_t { float16, bfloat16, float32, float64, int32, boolean };
+// uint8: block-sparse tile states (flash_attention); int64: counters (flash_attention's work_counter).
+enum class DType : std::uint8_t { float16, bfloat16, float32, float64, int32, boolean, uint8, int64 };
 enum class DeviceType : std::uint8_t { cpu, cuda };
 
 std::size_t element_size(DType dtype);

@@ -241,9 +241,19 @@ void check_blocks(const detail::Check& check, const FlashBlockMask& blocks, cons
     needed_k = std::max(needed_k, tile_count(keys, blocks.block_k));
     key_tiles.push_back(tile_count(keys, blocks.block_k));
   }
+  if (dense && shapes.layout_q.packed && q.device != DeviceType::cpu) {
+    // cu_seqlens is not read on the host: max_seqlen_q and max_seqlen_k bound every sequence's tile counts.
+    for (const auto& [seqs, arg] : {std::pair{&seqs_q, "max_seqlen_q"}, std::pair{&seqs_k, "max_seqlen_k"}}) {
+      check.require(seqs->max_seqlen > 0, ErrorKind::config, arg,
+                    "must be given with a block-sparse mask on CUDA (cu_seqlens is not read on the host)");
+    }
+    needed_q = tile_count(std::min(seqs_q.max_seqlen, shapes.layout_q.rows), blocks.block_q);
+    needed_k = tile_count(std::min(seqs_k.max_seqlen, shapes.layout_k.rows), blocks.block_k);
+  }
   if (dense) {
     const TensorView& m = blocks.block_mask;
-    check.tensor(m, "block_mask", DType::boolean, q, "q");
+    // bool: true = the tile exists; uint8: 0 absent, 1 exists, 2 exists and full (the element mask is not read).
+    check.tensor(m, "block_mask", m.dtype == DType::uint8 ? DType::uint8 : DType::boolean, q, "q");
     check.require(m.rank == 4 && block_leading_ok(m, shapes), ErrorKind::shape, "block_mask",
                   "expected a shape [" + std::to_string(shapes.layout_q.batch) + "|1, " +
                       std::to_string(shapes.q_heads) + "|" + std::to_string(shapes.kv_heads) +
@@ -253,6 +263,22 @@ void check_blocks(const detail::Check& check, const FlashBlockMask& blocks, cons
                       " tiles, fewer than the " + std::to_string(needed_q) + " x " + std::to_string(needed_k) +
                       " of the longest sequence (block_size " + std::to_string(blocks.block_q) + " x " +
                       std::to_string(blocks.block_k) + ")");
+    if (m.dtype == DType::uint8 && q.device == DeviceType::cpu) {
+      const auto* states = static_cast<const std::uint8_t*>(m.data);
+      for (std::int64_t b = 0; b < m.shape[0]; ++b) {
+        for (std::int64_t h = 0; h < m.shape[1]; ++h) {
+          for (std::int64_t i = 0; i < m.shape[2]; ++i) {
+            for (std::int64_t j = 0; j < m.shape[3]; ++j) {
+              const int state = states[b * m.stride[0] + h * m.stride[1] + i * m.stride[2] + j * m.stride[3]];
+              check.require(state <= 2, ErrorKind::config, "block_mask",
+                            "(uint8 tile states) entry [" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                                std::to_string(i) + ", " + std::to_string(j) + "] is " + std::to_string(state) +
+                                "; expected 0 (absent), 1 (exists) or 2 (full)");
+            }
+          }
+        }
+      }
+    }
     return;
   }
   if (lists) {
@@ -306,6 +332,13 @@ void check_head_windows(const detail::Check& check, const FlashHeadWindows& wind
   }
 }
 
+// The optional work counter: int64 [1] on q's device (read by the CUDA kernels only).
+void check_work_counter(const detail::Check& check, const TensorView& counter, const TensorView& q) {
+  if (!counter.present()) return;
+  check.tensor(counter, "work_counter", DType::int64, q, "q");
+  check.shape(counter, "work_counter", {1});
+}
+
 // Checks what the forward and the backward share (for the backward, o and lse are inputs).
 template <class Params>
 FlashShapes check_common(const detail::Check& check, const Params& params) {
@@ -352,16 +385,13 @@ FlashShapes check_common(const detail::Check& check, const Params& params) {
   check_gates(check, params.gates, q, shapes);
   check_blocks(check, params.blocks, q, shapes, params.seqs_q, params.seqs_k);
   check_head_windows(check, params.head_windows, q, shapes, params.window_left, params.window_right);
+  check_work_counter(check, params.work_counter, q);
   detail::resolve_scale(check, params.scale, shapes.dim_qk);
   return shapes;
 }
 
 template <class Params>
 void check_cuda_flash(const detail::Check& check, const Params& params, const FlashShapes& shapes) {
-  check.require(!params.mask.present(), ErrorKind::unsupported, "mask",
-                "is not supported on CUDA yet (the CUDA kernels have no mask); use CPU tensors");
-  check.require(!params.bias.present(), ErrorKind::unsupported, "bias",
-                "is not supported on CUDA yet (the CUDA kernels have no bias); use CPU tensors");
   const FlashGateOptions& gates = params.gates;
   check.require(!gates.alpha.present(), ErrorKind::unsupported, "alpha",
                 "(gated attention) is not supported on CUDA yet; use CPU tensors");
@@ -372,12 +402,14 @@ void check_cuda_flash(const detail::Check& check, const Params& params, const Fl
   check.require(!gates.softmax_threshold, ErrorKind::unsupported, "softmax_threshold",
                 "is not supported on CUDA yet; use CPU tensors");
   const FlashBlockMask& blocks = params.blocks;
-  check.require(!blocks.block_mask.present(), ErrorKind::unsupported, "block_mask",
-                "(block-sparse mask) is not supported on CUDA yet; use CPU tensors");
   check.require(!blocks.kv_num_blocks.present() && !blocks.kv_indices.present(), ErrorKind::unsupported,
-                "kv_num_blocks", "(block-sparse lists) is not supported on CUDA yet; use CPU tensors");
+                "kv_num_blocks",
+                "(FlexAttention's block lists) is not supported on CUDA: pass the dense tile map block_mask "
+                "[B|1, Hb|1, nQ, nK] instead (bool, or uint8 with 2 for the full tiles)");
   check.require(!blocks.full_kv_num_blocks.present() && !blocks.full_kv_indices.present(), ErrorKind::unsupported,
-                "full_kv_num_blocks", "(block-sparse lists) is not supported on CUDA yet; use CPU tensors");
+                "full_kv_num_blocks",
+                "(FlexAttention's block lists) is not supported on CUDA: pass the dense tile map block_mask "
+                "[B|1, Hb|1, nQ, nK] instead (uint8: 2 marks a full tile)");
   check.require(!params.head_windows.left.present(), ErrorKind::unsupported, "window_left",
                 "as a per-head tensor is not supported on CUDA yet; use an int or CPU tensors");
   check.require(!params.head_windows.right.present(), ErrorKind::unsupported, "window_right",
@@ -409,8 +441,9 @@ void flash_attention(const FlashAttentionParams& params) {
 }
 
 std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& params) {
-  // The CPU reference keeps its scratch on the host; CUDA needs delta = rowsum(dO * O) (fp32, one per row) and,
-  // when the dK/dV kernel splits the group's heads over CTAs, their fp32 partials.
+  // The CPU reference keeps its scratch on the host; CUDA needs delta = rowsum(dO * O) (fp32, one per row),
+  // when the dK/dV kernel splits the group's heads over CTAs their fp32 partials, and with dbias the fp32
+  // contributions that a reduction sums into it.
 #ifdef SPARSEATTN_WITH_CUDA
   if (params.q.present() && params.q.device == DeviceType::cuda) return cuda::flash_attention_backward_workspace_size(params);
 #endif

@@ -52,6 +52,8 @@ DType to_dtype(nb::dlpack::dtype dt, const char* arg) {
     if (code == Code::Bfloat && dt.bits == 16) return DType::bfloat16;
     if (code == Code::Int && dt.bits == 32) return DType::int32;
     if (code == Code::Bool && dt.bits == 8) return DType::boolean;
+    if (code == Code::UInt && dt.bits == 8) return DType::uint8;
+    if (code == Code::Int && dt.bits == 64) return DType::int64;
   }
   const auto code = static_cast<Code>(dt.code);
   std::string name;
@@ -66,11 +68,13 @@ DType to_dtype(nb::dlpack::dtype dt, const char* arg) {
                                ? " (index tensors and cu_seqlens are int32: convert with .int())"
                                : "";
   fail(ErrorKind::dtype, arg,
-       "unsupported dtype " + name + "; expected float16, bfloat16, float32, float64, int32 or bool" + hint);
+       "unsupported dtype " + name + "; expected float16, bfloat16, float32, float64, int32, int64, uint8 or bool" +
+           hint);
 }
 
 DType dtype_from_name(const std::string& name, const char* arg) {
-  for (DType d : {DType::float16, DType::bfloat16, DType::float32, DType::float64, DType::int32, DType::boolean}) {
+  for (DType d : {DType::float16, DType::bfloat16, DType::float32, DType::float64, DType::int32, DType::boolean,
+                  DType::uint8, DType::int64}) {
     if (name == dtype_name(d)) return d;
   }
   fail(ErrorKind::dtype, arg, "unknown dtype name '" + name + "'");
@@ -501,7 +505,8 @@ NB_MODULE(_C, m) {
          std::int64_t threshold_block_q, std::int64_t threshold_block_k, const OptArray& block_mask,
          const OptArray& kv_num_blocks, const OptArray& kv_indices, const OptArray& full_kv_num_blocks,
          const OptArray& full_kv_indices, std::int64_t block_q, std::int64_t block_k,
-         const OptArray& window_left_heads, const OptArray& window_right_heads, std::uintptr_t stream) {
+         const OptArray& window_left_heads, const OptArray& window_right_heads, std::uintptr_t stream,
+         const OptArray& work_counter) {
         const OpName op_name("flash_attention");
         FlashAttentionParams p;
         p.blocks = flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q,
@@ -522,6 +527,7 @@ NB_MODULE(_C, m) {
         p.window_left = window_left;
         p.window_right = window_right;
         p.scale = scale;
+        p.work_counter = view(work_counter, "work_counter");
         p.stream = as_stream(stream);
         run(flash_attention, p);
       },
@@ -530,7 +536,8 @@ NB_MODULE(_C, m) {
       "window_right"_a, "scale"_a.none(), "alpha"_a.none(), "delta"_a.none(), "gate"_a, "gate_threshold"_a.none(),
       "softmax_threshold"_a.none(), "threshold_block_q"_a, "threshold_block_k"_a, "block_mask"_a.none(),
       "kv_num_blocks"_a.none(), "kv_indices"_a.none(), "full_kv_num_blocks"_a.none(), "full_kv_indices"_a.none(),
-      "block_q"_a, "block_k"_a, "window_left_heads"_a.none(), "window_right_heads"_a.none(), "stream"_a);
+      "block_q"_a, "block_k"_a, "window_left_heads"_a.none(), "window_right_heads"_a.none(), "stream"_a,
+      "work_counter"_a.none() = nb::none());
   m.def(
       "flash_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const OptArray& mask, const OptArray& bias,
@@ -543,7 +550,7 @@ NB_MODULE(_C, m) {
          const OptArray& block_mask, const OptArray& kv_num_blocks, const OptArray& kv_indices,
          const OptArray& full_kv_num_blocks, const OptArray& full_kv_indices, std::int64_t block_q,
          std::int64_t block_k, const OptArray& window_left_heads, const OptArray& window_right_heads,
-         const nb::callable& allocate, std::uintptr_t stream) {
+         const nb::callable& allocate, std::uintptr_t stream, const OptArray& work_counter) {
         const OpName op_name("flash_attention_backward");
         FlashAttentionBackwardParams p;
         p.blocks = flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q,
@@ -571,6 +578,7 @@ NB_MODULE(_C, m) {
         p.window_left = window_left;
         p.window_right = window_right;
         p.scale = scale;
+        p.work_counter = view(work_counter, "work_counter");
         p.stream = as_stream(stream);
         run_with_workspace(flash_attention_backward, flash_attention_backward_workspace_size, p, allocate);
       },
@@ -580,7 +588,8 @@ NB_MODULE(_C, m) {
       "dalpha"_a.none(), "ddelta"_a.none(), "gate"_a, "gate_threshold"_a.none(), "softmax_threshold"_a.none(),
       "threshold_block_q"_a, "threshold_block_k"_a, "block_mask"_a.none(), "kv_num_blocks"_a.none(),
       "kv_indices"_a.none(), "full_kv_num_blocks"_a.none(), "full_kv_indices"_a.none(), "block_q"_a, "block_k"_a,
-      "window_left_heads"_a.none(), "window_right_heads"_a.none(), "allocate"_a, "stream"_a);
+      "window_left_heads"_a.none(), "window_right_heads"_a.none(), "allocate"_a, "stream"_a,
+      "work_counter"_a.none() = nb::none());
 
   // ---- combine ----
   m.def(

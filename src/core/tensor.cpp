@@ -13,8 +13,10 @@ std::size_t element_size(DType dtype) {
     case DType::bfloat16: return 2;
     case DType::float32:
     case DType::int32: return 4;
-    case DType::float64: return 8;
-    case DType::boolean: return 1;
+    case DType::float64:
+    case DType::int64: return 8;
+    case DType::boolean:
+    case DType::uint8: return 1;
   }
   return 0;
 }
@@ -27,6 +29,8 @@ const char* dtype_name(DType dtype) {
     case DType::float64: return "float64";
     case DType::int32: return "int32";
     case DType::boolean: return "bool";
+    case DType::uint8: return "uint8";
+    case DType::int64: return "int64";
   }
   return "?";
 }

@@ -79,6 +79,8 @@ double read_element(const TensorView& t, std::int64_t offset) {
     case DType::float64: return reinterpret_cast<const double*>(base)[offset];
     case DType::int32: return reinterpret_cast<const std::int32_t*>(base)[offset];
     case DType::boolean: return reinterpret_cast<const std::uint8_t*>(base)[offset] != 0;
+    case DType::uint8: return reinterpret_cast<const std::uint8_t*>(base)[offset];
+    case DType::int64: return static_cast<double>(reinterpret_cast<const std::int64_t*>(base)[offset]);
   }
   return 0;
 }
@@ -96,6 +98,8 @@ void write_element(const TensorView& t, std::int64_t offset, double value) {
     case DType::float64: reinterpret_cast<double*>(base)[offset] = value; break;
     case DType::int32: reinterpret_cast<std::int32_t*>(base)[offset] = static_cast<std::int32_t>(value); break;
     case DType::boolean: reinterpret_cast<std::uint8_t*>(base)[offset] = value != 0; break;
+    case DType::uint8: reinterpret_cast<std::uint8_t*>(base)[offset] = static_cast<std::uint8_t>(value); break;
+    case DType::int64: reinterpret_cast<std::int64_t*>(base)[offset] = static_cast<std::int64_t>(value); break;
   }
 }
 

@@ -44,7 +44,8 @@ struct Broadcast4d {
 };
 
 // A block-sparse mask as a table of tile states over [Bt, Ht, nQ, nK] (Bt, Ht: B|1, Hb|1 as given):
-// 0 absent, 1 exists (the element mask is read), 2 full (exists, the element mask is not read).
+// 0 absent, 1 exists (the element mask is read), 2 full (exists, the element mask is not read). A bool
+// block_mask gives 0 and 1, a uint8 one its own states, the lists 1 (kv_indices) and 2 (full_kv_indices).
 struct TileTable {
   enum : std::uint8_t { absent = 0, partial = 1, full = 2 };
   std::array<std::int64_t, 4> shape{};
@@ -61,7 +62,13 @@ struct TileTable {
     if (blocks.block_mask.present()) {
       const TensorView& m = blocks.block_mask;
       table.shape = {m.shape[0], m.shape[1], m.shape[2], m.shape[3]};
-      table.state = load_bool(m);  // 1 where the tile exists
+      if (m.dtype == DType::uint8) {  // the states as given (validated to be 0, 1 or 2)
+        const Dense states = load(m);
+        table.state.reserve(states.values.size());
+        for (double x : states.values) table.state.push_back(static_cast<std::uint8_t>(x));
+      } else {
+        table.state = load_bool(m);  // 1 where the tile exists
+      }
       return table;
     }
     // Lists: the table is as wide as the largest index (validation bounds them by every sequence's tile count).

@@ -312,19 +312,58 @@ TEST(FlashBlockMask, Validation) {
   }
 }
 
-TEST(FlashBlockMask, CudaTensorsRaiseUnsupported) {
+TEST(FlashBlockMask, CudaListsRaiseUnsupported) {
+  // CUDA takes the dense tile map only: FlexAttention's lists are refused (naming the map to pass) before any launch.
   Call c(1, 4, 4, 1, 1, 8, 8, 9);
-  Host<std::uint8_t> tiles({1, 1, 1, 1}, 1);
+  Host<std::int32_t> counts({1, 1, 1}, 1), indices({1, 1, 1, 1}, 0);
   FlashAttentionParams p = c.forward_params();
   for (TensorView* t : {&p.q, &p.k, &p.v, &p.o, &p.lse}) *t = on_cuda(*t);
   p.q.dtype = p.k.dtype = p.v.dtype = p.o.dtype = DType::float16;
   p.lse.dtype = DType::float32;
-  p.blocks.block_mask = on_cuda(tiles.view()), p.blocks.block_q = p.blocks.block_k = 4;
+  p.blocks.kv_num_blocks = on_cuda(counts.view()), p.blocks.kv_indices = on_cuda(indices.view());
+  p.blocks.block_q = p.blocks.block_k = 4;
   try {
     flash_attention(p);
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::unsupported) << e.what();
+  }
+}
+
+TEST(FlashBlockMask, Uint8TileStatesEqualTheListsWithFullTiles) {
+  // The uint8 map's states (0 absent, 1 exists, 2 full) carry what the partial and full lists do.
+  const int kStates[3][3] = {{2, 0, 1}, {1, 2, 0}, {0, 1, 2}};
+  for (bool causal : {false, true}) {
+    Call dense(1, 10, 12, 2, 1, 8, 4, 11), lists(1, 10, 12, 2, 1, 8, 4, 11);
+    std::mt19937_64 rng(5);
+    Host<std::uint8_t> mask({1, 2, 10, 12});
+    for (auto& x : mask.data) x = static_cast<std::uint8_t>(rng() % 4 != 0);
+    Host<std::uint8_t> states({1, 1, 3, 3});
+    Host<std::int32_t> counts({1, 1, 3}, 0), indices({1, 1, 3, 3}, 0), full_counts({1, 1, 3}, 0),
+        full_indices({1, 1, 3, 3}, 0);
+    for (int i = 0; i < 3; ++i) {
+      for (int j = 0; j < 3; ++j) {
+        states.data[i * 3 + j] = static_cast<std::uint8_t>(kStates[i][j]);
+        if (kStates[i][j] == 1) indices.data[i * 3 + counts.data[i]++] = j;
+        if (kStates[i][j] == 2) full_indices.data[i * 3 + full_counts.data[i]++] = j;
+      }
+    }
+    for (Call* c : {&dense, &lists}) c->causal = causal, c->mask = mask, c->use_bias();
+    TensorView state_view = states.view();
+    state_view.dtype = DType::uint8;
+    dense.blocks.block_mask = state_view;
+    lists.blocks.kv_num_blocks = counts.view(), lists.blocks.kv_indices = indices.view();
+    lists.blocks.full_kv_num_blocks = full_counts.view(), lists.blocks.full_kv_indices = full_indices.view();
+    for (Call* c : {&dense, &lists}) {
+      c->blocks.block_q = 4, c->blocks.block_k = 5;
+      c->forward();
+      c->backward();
+    }
+    expect_near(dense.o.data, lists.o.data, 1e-13, "o");
+    expect_near(dense.lse.data, lists.lse.data, 1e-13, "lse");
+    expect_near(dense.dq.data, lists.dq.data, 1e-12, "dq");
+    expect_near(dense.dk.data, lists.dk.data, 1e-12, "dk");
+    expect_near(dense.dbias.data, lists.dbias.data, 1e-12, "dbias");
   }
 }
 

@@ -115,9 +115,10 @@ def test_unsupported_on_cuda():
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="float32"):
         sparseattn.flash_attention(q, q, q)
     q = torch.randn(1, 8, 2, 64, dtype=torch.float16, device="cuda")
-    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda")
-    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="mask"):
-        sparseattn.flash_attention(q, q, q, mask=mask)
+    counts = torch.ones(1, 1, 1, dtype=torch.int32, device="cuda")
+    indices = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device="cuda")
+    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="block_mask"):
+        sparseattn.flash_attention(q, q, q, kv_num_blocks=counts, kv_indices=indices, block_size=(8, 8))
 
 
 def test_too_long_sequence_is_a_clear_error():

@@ -1,19 +1,24 @@
 // Host entry points of flash_attention and compressed_attention on CUDA: params -> kernel arguments, head
 // dims -> template constants (the kernels are instantiated in units that CMake generates from
-// instantiation.cu.in, declared in instantiations.h), the backward's workspace and head splits. No host
-// synchronisation.
+// instantiation.cu.in, declared in instantiations.h), the backward's workspace and head splits. A flash_attention
+// call with a mask, bias, tile map or work counter runs the FlashTermsMask kernels (score_terms.cuh), with dbias
+// summed through the workspace (bias_gradient.h); the others run FlashMask's. No host synchronisation.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <string>
 
+#include "cuda/attention/bias_gradient.h"
 #include "cuda/attention/instantiations.h"
 #include "cuda/attention/ops.h"
+#include "cuda/attention/score_terms_host.h"
 
 namespace sparseattn::cuda {
 
 using attention::AttnArgs;
 using attention::CompressedMask;
 using attention::FlashMask;
+using attention::FlashTermsMask;
 using attention::i64;
 using attention::Launch;
 using attention::Partials;
@@ -49,15 +54,19 @@ int dkv_head_splits(i64 group, i64 key_blocks, int multiprocessor_count, std::si
   return static_cast<int>(std::clamp<i64>(std::min(wanted, affordable), 1, group));
 }
 
-// The backward workspace: delta, then (with head splits) the fp32 dK and dV partials.
+// The backward workspace: delta, then (with head splits) the fp32 dK and dV partials, then (flash_attention with
+// dbias) the bias gradient's fp32 contributions (bias_gradient.h).
 struct BackwardWorkspace {
   int head_splits = 1;
   i64 batch = 0, rows = 0, kv_heads = 0, dqk = 0, dv = 0;  // of the partials
-  std::size_t delta = 0, dk_partial = 0, dv_partial = 0;
-  std::size_t bytes() const { return delta + dk_partial + dv_partial; }
+  std::size_t delta = 0, dk_partial = 0, dv_partial = 0, dbias = 0;
+  std::size_t bytes() const { return delta + dk_partial + dv_partial + dbias; }
+  std::size_t dbias_offset() const { return delta + dk_partial + dv_partial; }
 };
 
-BackwardWorkspace backward_workspace(const TensorView& q, const TensorView& k, const TensorView& v, const Launch& l) {
+// allow_head_splits: false where the bias gradient sums a group's heads in one thread (BiasGradientPlan).
+BackwardWorkspace backward_workspace(const TensorView& q, const TensorView& k, const TensorView& v, const Launch& l,
+                                     bool allow_head_splits = true) {
   BackwardWorkspace w;
   if (!q.present() || q.device != DeviceType::cuda || (q.rank != 3 && q.rank != 4) || k.rank != q.rank ||
       v.rank != q.rank || l.kv_heads <= 0 || l.q_heads % l.kv_heads != 0) {
@@ -71,8 +80,10 @@ BackwardWorkspace backward_workspace(const TensorView& q, const TensorView& k, c
   w.dv = v.shape[v.rank - 1];
   const std::size_t split_bytes =
       static_cast<std::size_t>(w.batch * w.rows * w.kv_heads * (w.dqk + w.dv)) * sizeof(float);
-  w.head_splits = dkv_head_splits(l.q_heads / l.kv_heads, ceil_div(l.max_k, 64) * l.kv_heads * l.batch,
-                                  multiprocessors(q.device_index), split_bytes);
+  w.head_splits = allow_head_splits ? dkv_head_splits(l.q_heads / l.kv_heads,
+                                                      ceil_div(l.max_k, 64) * l.kv_heads * l.batch,
+                                                      multiprocessors(q.device_index), split_bytes)
+                                    : 1;
   if (w.head_splits == 1) return w;
   const std::size_t cells = static_cast<std::size_t>(w.head_splits * w.batch * w.rows * w.kv_heads) * sizeof(float);
   w.dk_partial = align_up(cells * static_cast<std::size_t>(w.dqk));
@@ -169,6 +180,30 @@ SeqPairTable flash_seqs(const P& p) {
 
 FlashMask::Config flash_mask(bool causal, std::int64_t left, std::int64_t right) { return {causal, left, right}; }
 
+// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter or bias gradient).
+template <class P>
+bool uses_terms(const P& p) {
+  return p.mask.present() || p.bias.present() || p.blocks.block_mask.present() || p.work_counter.present();
+}
+
+// FlashTermsMask's configuration of a forward or backward call.
+template <class P>
+FlashTermsMask::Config terms_config(const P& p) {
+  FlashTermsMask::Config c{};
+  c.causal = p.causal;
+  c.window_left = p.window_left;
+  c.window_right = p.window_right;
+  const i64 q_heads = p.q.shape[p.q.rank - 2], group = q_heads / p.k.shape[p.k.rank - 2];
+  attention::ScoreTerms& t = c.terms;
+  t.mask = attention::broadcast_view(p.mask, q_heads, group);
+  t.bias = attention::broadcast_view(p.bias, q_heads, group);
+  t.rows_shared = (!p.mask.present() || t.mask.row_stride == 0) && (!p.bias.present() || t.bias.row_stride == 0);
+  t.inv_scale = static_cast<float>(1.0 / softmax_scale(p.scale, p.q.shape[p.q.rank - 1]));
+  t.tiles = attention::tile_map(p.blocks, q_heads, group);
+  t.work_counter = p.work_counter.present() ? static_cast<unsigned long long*>(p.work_counter.data) : nullptr;
+  return c;
+}
+
 // Compressed: key j of sequence b is row cu_seqlens_cmp[b] + j (packed) or j of Tc (batched).
 template <class P>
 SeqPairTable compressed_seqs(const P& p) {
@@ -201,31 +236,67 @@ void flash_attention(const FlashAttentionParams& p) {
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, {}, {}, {}, {}, nullptr, p.scale);
     a.seqs = flash_seqs(p);
-    dispatch<T, FlashMask>(true, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1], a,
-                           flash_mask(p.causal, p.window_left, p.window_right), l);
+    const i64 dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+    if (uses_terms(p)) {
+      dispatch<T, FlashTermsMask>(true, dqk, dv, a, terms_config(p), l);
+    } else {
+      dispatch<T, FlashMask>(true, dqk, dv, a, flash_mask(p.causal, p.window_left, p.window_right), l);
+    }
   });
 }
 
+namespace {
+
+// The backward workspace of a flash_attention call, with its bias gradient's slice.
+BackwardWorkspace flash_backward_workspace(const FlashAttentionBackwardParams& p, const Launch& l,
+                                           const BiasGradientPlan& plan) {
+  BackwardWorkspace w = backward_workspace(p.q, p.k, p.v, l, !plan.single_head_split);
+  if (plan.present) w.dbias = align_up(plan.bytes);
+  return w;
+}
+
+}  // namespace
+
 std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& p) {
   if (!p.q.present() || !p.k.present() || p.k.rank != p.q.rank) return 0;
-  return backward_workspace(p.q, p.k, p.v, launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream)).bytes();
+  const Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
+  return flash_backward_workspace(p, l, bias_gradient_plan(p)).bytes();
 }
 
 void flash_attention_backward(const FlashAttentionBackwardParams& p, const detail::BranchBackwardOptions& options) {
   const DeviceGuard device(p.q.device_index);
   Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
   l.delta_given = options.delta.present();
+  const BiasGradientPlan plan = bias_gradient_plan(p);
+  const BackwardWorkspace workspace = flash_backward_workspace(p, l, plan);
+  float* dbias_workspace =
+      plan.present ? reinterpret_cast<float*>(static_cast<char*>(p.workspace) + workspace.dbias_offset()) : nullptr;
+  if (plan.present) {
+    // Entries no kernel writes (keys or query tiles no step visits) add 0.
+    const cudaError_t status = cudaMemsetAsync(dbias_workspace, 0, plan.bytes, l.stream);
+    if (status != cudaSuccess) {
+      throw std::runtime_error(std::string("sparseattn: cudaMemsetAsync of the bias gradient's workspace failed: ") +
+                               cudaGetErrorString(status));
+    }
+  }
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, p.d_o, p.dq, p.dk, p.dv, p.workspace, p.scale);
     if (l.delta_given) a.delta = lse_of<float>(options.delta);
     if (options.d_o_scale.present()) a.d_o_scale = lse_of<float>(options.d_o_scale);
     a.accumulate_dq = options.accumulate_dq;
-    set_head_splits(a, p.workspace, backward_workspace(p.q, p.k, p.v, l));
+    set_head_splits(a, p.workspace, workspace);
     a.seqs = flash_seqs(p);
-    dispatch<T, FlashMask>(false, p.q.shape[p.q.rank - 1], p.v.shape[p.v.rank - 1], a,
-                           flash_mask(p.causal, p.window_left, p.window_right), l);
+    const i64 dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+    if (uses_terms(p)) {
+      FlashTermsMask::Config config = terms_config(p);
+      config.terms.dbias = plan.sink(dbias_workspace);
+      dispatch<T, FlashTermsMask>(false, dqk, dv, a, config, l);
+    } else {
+      dispatch<T, FlashMask>(false, dqk, dv, a, flash_mask(p.causal, p.window_left, p.window_right), l);
+    }
   });
+  if (plan.present) reduce_bias_gradient(p, plan, dbias_workspace, l.stream);
 }
 
 void compressed_attention(const CompressedAttentionParams& p) {

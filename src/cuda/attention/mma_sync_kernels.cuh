@@ -17,6 +17,10 @@
 //   dK/dV query tile kM: 64 for Dqk = 64, 32 above; 192/128 and 256/256 compute dV and dK in two passes (dK, dV
 //   accumulators together would need 256 fp32 registers per thread), the others in one.
 // Register use (-Xptxas -v): at most a few dozen bytes of spills, at 128/128.
+//
+// With FlashTermsMask (score_terms.cuh: flash_attention's mask, bias, tile map) the loops visit only the key tiles
+// (forward, dQ) or (query head, query tile) steps (dK/dV) that are not absent, the scores start from the terms
+// instead of 0, and the dK/dV kernels write the bias gradient's contributions.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,6 +30,7 @@
 #include <cstdint>
 
 #include "cuda/attention/masking_policy.cuh"
+#include "cuda/attention/score_terms.cuh"
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/mma.cuh"
 #include "cuda/primitives/sequences.cuh"
@@ -259,15 +264,16 @@ __device__ __forceinline__ i64 query_tile() { return i64{gridDim.y} - 1 - blockI
 // y: query tiles of kM, heaviest first; z: sequence; or from a QueryTileOrder) against the key tiles [tile_begin, tile_end) of kN keys that
 // hold visible keys of KV head hk. rows <= 0: the tile lies past the sequence.
 struct QueryWork {
-  i64 t0, h, hk, rows, tile_begin, tile_end;
+  i64 t0, h, hk, rows, tile_begin, tile_end, sequence;
 
   template <class T, class Mask, class Seq>
   __device__ __forceinline__ QueryWork(const AttnArgs<T>& a, const Mask& mask, const Seq& seq, int kM, int kN)
-      : QueryWork(a, mask, seq, kM, kN, blockIdx.x, query_tile()) {}
+      : QueryWork(a, mask, seq, kM, kN, blockIdx.x, query_tile(), blockIdx.z) {}
 
   template <class T, class Mask, class Seq>
   __device__ __forceinline__ QueryWork(const AttnArgs<T>& a, const Mask& mask, const Seq& seq, int kM, int kN,
-                                       i64 head, i64 tile) {
+                                       i64 head, i64 tile, i64 sequence_index) {
+    sequence = sequence_index;
     t0 = tile * kM;
     h = head;
     hk = h / a.group;
@@ -303,9 +309,74 @@ __device__ __forceinline__ void for_each_query_tile(const AttnArgs<T>& a, const 
     const auto tile = order[index];
     const auto seq = a.seqs[tile.sequence];
     const Mask mask{mc, seq.T, seq.S};
-    const QueryWork w(a, mask, seq, kM, kN, tile.head, tile.tile);
+    const QueryWork w(a, mask, seq, kM, kN, tile.head, tile.tile, tile.sequence);
     if (w.rows > 0) body(seq, mask, w);
   }
+}
+
+// The first key tile at or after `it` (below w.tile_end) that a query tile computes: with a tile map (FlashTermsMask)
+// the absent ones are skipped; the other policies compute every tile of [tile_begin, tile_end).
+template <class Mask, class Seq>
+__device__ __forceinline__ i64 next_key_tile_of(const typename Mask::Config& mc, const Seq& seq, const QueryWork& w,
+                                                i64 it, int kN) {
+  if constexpr (kHasTerms<Mask>) {
+    return next_key_tile(mc.terms, w.sequence, w.h, w.t0, w.rows, seq.S, it, w.tile_end, kN);
+  } else {
+    return it;
+  }
+}
+
+// The key tiles a query tile computes (next_key_tile_of from tile_begin on).
+template <class Mask, class Seq>
+__device__ __forceinline__ int key_tile_count(const typename Mask::Config& mc, const Seq& seq, const QueryWork& w,
+                                              int kN) {
+  if constexpr (kHasTerms<Mask>) {
+    return count_key_tiles(mc.terms, w.sequence, w.h, w.t0, w.rows, seq.S, w.tile_begin, w.tile_end, kN);
+  } else {
+    return static_cast<int>(w.tile_end - w.tile_begin);
+  }
+}
+
+// FlashTermsMask in a query-row kernel (forward, dQ): the kind of the kernel tile of queries [t0, t0 + rows) x keys
+// [j0, j0 + kN) and whether its scores start from the terms (init_scores) rather than 0.
+struct QueryTileTerms {
+  int kind;
+  bool needs;
+  template <class Seq>
+  __device__ __forceinline__ QueryTileTerms(const ScoreTerms& terms, const Seq& seq, const QueryWork& w, i64 j0,
+                                            int kN) {
+    kind = classify_tile(terms, w.sequence, w.h, w.t0, w.rows, j0, min(i64{kN}, seq.S - j0));
+    needs = tile_needs_terms(terms, kind);
+  }
+};
+
+// FlashTermsMask's work counter: the query x key elements of the kernel tiles a query tile computes.
+template <class Mask, class Seq>
+__device__ __forceinline__ unsigned long long query_tile_work(const typename Mask::Config& mc, const Seq& seq,
+                                                              const QueryWork& w, int kN) {
+  unsigned long long work = 0;
+  for (i64 it = next_key_tile_of<Mask>(mc, seq, w, w.tile_begin, kN); it < w.tile_end;
+       it = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN)) {
+    work += static_cast<unsigned long long>(w.rows * min(i64{kN}, seq.S - it * kN));
+  }
+  return work;
+}
+
+// The mma.sync query-row kernels' scores of a warp's kMT row tiles (rows row0 + 16 mt) against keys [j0, j0 + kN)
+// before S = Q K^T accumulates onto them: 0, or with FlashTermsMask the terms (init_scores).
+template <class T, int kN, int kMT, class Mask, class Seq>
+__device__ __forceinline__ void init_query_scores(float (&s)[kMT][kN / 8][4], const typename Mask::Config& mc,
+                                                  const Seq& seq, const QueryWork& w, i64 row0, i64 j0) {
+  if constexpr (kHasTerms<Mask>) {
+    const QueryTileTerms tt(mc.terms, seq, w, j0, kN);
+    if (tt.needs) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) init_scores<T, kN, true>(s[mt], mc.terms, seq, w.sequence, w.h, row0 + 16 * mt, j0, tt.kind);
+      return;
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) zero(s[mt]);
 }
 
 // What a dK/dV CTA covers: keys [j0, j0 + keys) of KV head hk (grid x: KV head x head split; y: key blocks of
@@ -336,6 +407,69 @@ struct DkvWork {
     return tile_begin + static_cast<std::uint32_t>(step) % static_cast<std::uint32_t>(tiles);
   }
 };
+
+// The first dK/dV step at or after `step` that the CTA computes: with a tile map (FlashTermsMask) the (query head,
+// query tile) pairs whose kernel tile of kM queries is absent are skipped.
+template <class Mask, class Seq>
+__device__ __forceinline__ i64 next_dkv_step(const typename Mask::Config& mc, const Seq& seq, const DkvWork& w,
+                                             i64 step, int kM) {
+  if constexpr (kHasTerms<Mask>) {
+    if (mc.terms.tiles.states == nullptr) return step;
+    for (; step < w.steps; ++step) {
+      const i64 t0 = w.tile(step) * kM;
+      if (classify_tile(mc.terms, blockIdx.z, w.head(step), t0, min(i64{kM}, seq.T - t0), w.j0, w.keys) !=
+          kTileAbsent) {
+        break;
+      }
+    }
+  }
+  return step;
+}
+
+// The steps next_dkv_step visits.
+template <class Mask, class Seq>
+__device__ __forceinline__ int dkv_step_count(const typename Mask::Config& mc, const Seq& seq, const DkvWork& w,
+                                              int kM) {
+  if constexpr (kHasTerms<Mask>) {
+    if (mc.terms.tiles.states != nullptr) {
+      int count = 0;
+      for (i64 step = next_dkv_step<Mask>(mc, seq, w, 0, kM); step < w.steps;
+           step = next_dkv_step<Mask>(mc, seq, w, step + 1, kM)) {
+        ++count;
+      }
+      return count;
+    }
+  }
+  return static_cast<int>(w.steps);
+}
+
+// FlashTermsMask's work counter: the query x key elements of the steps a dK/dV CTA computes.
+template <class Mask, class Seq>
+__device__ __forceinline__ unsigned long long dkv_work(const typename Mask::Config& mc, const Seq& seq,
+                                                       const DkvWork& w, int kM) {
+  unsigned long long work = 0;
+  for (i64 step = next_dkv_step<Mask>(mc, seq, w, 0, kM); step < w.steps;
+       step = next_dkv_step<Mask>(mc, seq, w, step + 1, kM)) {
+    const i64 t0 = w.tile(step) * kM;
+    work += static_cast<unsigned long long>(min(i64{kM}, seq.T - t0) * w.keys);
+  }
+  return work;
+}
+
+// The dK/dV kernels' transposed scores S^T of a warp's 16 keys (from key0) against the query tile [t0, t0 + kM) of
+// head h, before S^T = K Q^T accumulates onto them: 0, or with FlashTermsMask the terms (init_scores).
+template <class T, int kM, class Mask, class Seq>
+__device__ __forceinline__ void init_key_scores(float (&s)[kM / 8][4], const typename Mask::Config& mc,
+                                                const Seq& seq, const DkvWork& w, i64 h, i64 t0, i64 key0) {
+  if constexpr (kHasTerms<Mask>) {
+    const int kind = classify_tile(mc.terms, blockIdx.z, h, t0, min(i64{kM}, seq.T - t0), w.j0, w.keys);
+    if (tile_needs_terms(mc.terms, kind)) {
+      init_scores<T, kM, false>(s, mc.terms, seq, blockIdx.z, h, key0, t0, kind);
+      return;
+    }
+  }
+  zero(s);
+}
 
 // The lse (times log2 e), delta and P factor (d_o_scale) of query row t of head h (0 past the sequence), for a
 // dQ thread's rows.
@@ -437,23 +571,26 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
     l[mt][0] = l[mt][1] = 0.f;
   }
 
-  if (tile_end > tile_begin) {
+  const i64 first = next_key_tile_of<Mask>(mc, seq, w, tile_begin, kN);
+  if (first < tile_end) {
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
-    load_kv_tiles<kN, Dqk, Dv>(sK, sV, a, seq, tile_begin * kN, hk);
+    load_kv_tiles<kN, Dqk, Dv>(sK, sV, a, seq, first * kN, hk);
     cp_async_commit();
-    for (i64 it = tile_begin; it < tile_end; ++it) {
-      const int buf = (it - tile_begin) & 1;
-      advance_pipeline(it + 1 < tile_end, [&] {
-        load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, (it + 1) * kN, hk);
+    int computed = 0;
+    for (i64 it = first; it < tile_end; ++computed) {
+      const i64 next = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN);
+      const int buf = (kHasTerms<Mask> ? computed : static_cast<int>(it - tile_begin)) & 1;
+      advance_pipeline(next < tile_end, [&] {
+        load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, next * kN, hk);
       });
       __syncthreads();
       const T* k_tile = sK + buf * Tile::kK;
       const T* v_tile = sV + buf * Tile::kV;
       const i64 j0 = it * kN;
+      it = next;
 
       float s[kMT][kN / 8][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) zero(s[mt]);
+      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0);
       gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
 
       const bool full = tile_full(mask, t0, kM, j0, kN);
@@ -475,6 +612,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
 
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) store_forward_rows<Dv>(acc[mt], m[mt], l[mt], a, seq, t0 + warp_row0 + 16 * mt, h);
+  if constexpr (kHasTerms<Mask>) {
+    if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, query_tile_work<Mask>(mc, seq, w, kN));
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ backward
@@ -510,7 +650,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   float acc[kMT][Dqk / 8][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) zero(acc[mt]);
-  if (tile_end > tile_begin) {
+  const i64 first = next_key_tile_of<Mask>(mc, seq, w, tile_begin, kN);
+  if (first < tile_end) {
     float lse2[kMT][2], delta[kMT][2], p_scale[kMT][2];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -519,28 +660,30 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
         row_stats(a, seq, h, t0 + warp_row0 + 16 * mt + lane / 4 + half * 8, lse2[mt][half], delta[mt][half],
                   p_scale[mt][half]);
         delta[mt][half] *= p_scale[mt][half];  // dS = g P (dP - delta) = P (g dP - g delta)
+        if constexpr (kHasTerms<Mask>) lse2[mt][half] = finite_lse(lse2[mt][half]);
       }
     }
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
     load_tile<kM, Dv>(sDO, a.d_o, seq.batch, seq.q_begin + t0, rows, h);
-    load_kv_tiles<kN, Dqk, Dv>(sK, sV, a, seq, tile_begin * kN, hk);
+    load_kv_tiles<kN, Dqk, Dv>(sK, sV, a, seq, first * kN, hk);
     cp_async_commit();
-    for (i64 it = tile_begin; it < tile_end; ++it) {
-      const int buf = (it - tile_begin) & 1;
-      advance_pipeline(it + 1 < tile_end, [&] {
-        load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, (it + 1) * kN, hk);
+    int computed = 0;
+    for (i64 it = first; it < tile_end; ++computed) {
+      const i64 next = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN);
+      const int buf = (kHasTerms<Mask> ? computed : static_cast<int>(it - tile_begin)) & 1;
+      advance_pipeline(next < tile_end, [&] {
+        load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, next * kN, hk);
       });
       __syncthreads();
       const T* k_tile = sK + buf * Tile::kK;
       const T* v_tile = sV + buf * Tile::kV;
       const i64 j0 = it * kN;
+      it = next;
 
       float s[kMT][kN / 8][4], dp[kMT][kN / 8][4];
+      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0);
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        zero(s[mt]);
-        zero(dp[mt]);
-      }
+      for (int mt = 0; mt < kMT; ++mt) zero(dp[mt]);
       gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
       gemm_ss_nk<T, kN, Dv, ld_of<Dv>(), ld_of<Dv>(), kMT>(dp, sDO, warp_row0, v_tile);
       const bool full = tile_full(mask, t0, kM, j0, kN);
@@ -568,6 +711,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
     const i64 row0 = t0 + warp_row0 + 16 * mt;
     store_rows<Dqk>(acc[mt], a.scale, a.scale, a.dq, seq.batch, seq.q_begin + row0, seq.T - row0, h,
                     a.accumulate_dq);
+  }
+  if constexpr (kHasTerms<Mask>) {
+    if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, query_tile_work<Mask>(mc, seq, w, kN));
   }
 }
 
@@ -634,14 +780,18 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
     load_row_stats<kM, kThreads>(sLse + buf * kM, sDelta + buf * kM, sScale + buf * kM, a, seq, t0, h);
   };
 
-  if (w.steps > 0) {
+  [[maybe_unused]] float key_sums[2] = {0.f, 0.f};  // FlashTermsMask: the bias gradient of a shared bias row
+  const i64 first = next_dkv_step<Mask>(mc, seq, w, 0, kM);
+  if (first < w.steps) {
     load_tile<kN, Dqk>(sK, a.k, seq.batch, seq.k_begin + j0, w.keys, w.hk);
     load_tile<kN, Dv>(sV, a.v, seq.batch, seq.k_begin + j0, w.keys, w.hk);
-    load_step(0, 0);
+    load_step(first, 0);
     cp_async_commit();
-    for (i64 step = 0; step < w.steps; ++step) {
-      const int buf = step & 1;
-      advance_pipeline(step + 1 < w.steps, [&] { load_step(step + 1, buf ^ 1); });
+    int computed = 0;
+    for (i64 step = first; step < w.steps; ++computed) {
+      const i64 next = next_dkv_step<Mask>(mc, seq, w, step + 1, kM);
+      const int buf = (kHasTerms<Mask> ? computed : static_cast<int>(step)) & 1;
+      advance_pipeline(next < w.steps, [&] { load_step(next, buf ^ 1); });
       __syncthreads();
       const T* q_tile = sQ + buf * Tile::kQ;
       const T* do_tile = sDO + buf * Tile::kDO;
@@ -652,7 +802,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
 
       // S^T (keys x queries) = K Q^T; this warp's 16 keys.
       float s[kM / 8][4];
-      zero(s);
+      [[maybe_unused]] const i64 h = w.head(step);
+      init_key_scores<T, kM, Mask>(s, mc, seq, w, h, t0, j0 + warp * 16);
       gemm_ss_nk<T, kM, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sK, warp * 16, q_tile);
       const bool full = tile_full(mask, t0, kM, j0, kN);
 #pragma unroll
@@ -660,7 +811,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-          const float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -lse[col] * kLog2e)) * p_scale[col];
+          const float row_lse = kHasTerms<Mask> ? finite_lse(lse[col]) : lse[col];
+          const float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -row_lse * kLog2e)) * p_scale[col];
           s[n][i] = full || (t0 + col >= q_first[i / 2] && t0 + col < q_end[i / 2]) ? p : 0.f;
         }
       }
@@ -677,12 +829,25 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
             s[n][i] = s[n][i] * (dp[n][i] - delta[col]);
           }
         }
+        if constexpr (kHasTerms<Mask>) {
+          const BiasGradientSink& sink = mc.terms.dbias;
+          if (sink.data != nullptr) {
+            add_bias_gradient<kM>(sink, s, key_sums, seq, h, j0 + warp * 16, t0);
+            if (sink.key_sums && (next >= w.steps || w.head(next) != h)) {
+              flush_key_sums(sink, key_sums, seq, h, j0 + warp * 16);
+            }
+          }
+        }
         gemm_rs_kn<T, Dqk, kM, ld_of<Dqk>()>(dk, s, q_tile);
       }
       __syncthreads();
+      step = next;
     }
   }
   store_dkv_rows<kDoDK, kDoDV>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
+  if constexpr (kHasTerms<Mask> && kDoDK) {
+    if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, dkv_work<Mask>(mc, seq, w, kM));
+  }
 }
 
 // dK or dV = the sum of the head splits' partials (in split order), for key rows [j0, j0 + rows_per_cta) of one

@@ -33,14 +33,16 @@ using wgmma::load_swizzled_tile;  // shared with the select_blocks and selected-
 // The two score products of a backward step, committed as one MMA group: s = A_s B_s^T over Dqk columns and
 // dp = A_p B_p^T over Dv (every operand K-major, its descriptor at column 0; A tiles of kRowsA rows, B tiles of
 // kRowsB rows; N = kN). dQ: A = Q, dO and B = K, V; dK/dV: A = K, V and B = Q, dO (the transposed products).
+// s_initialized: s holds initial scores (FlashTermsMask's terms) that the product accumulates onto.
 template <class T, int kN, int Dqk, int Dv, int kRowsA, int kRowsB>
 __device__ __forceinline__ void issue_scores(float (&s)[kN / 8][4], float (&dp)[kN / 8][4], std::uint64_t a_s,
-                                             std::uint64_t b_s, std::uint64_t a_p, std::uint64_t b_p) {
+                                             std::uint64_t b_s, std::uint64_t a_p, std::uint64_t b_p,
+                                             bool s_initialized = false) {
   wgmma::fence();
 #pragma unroll
   for (int k0 = 0; k0 < Dqk; k0 += 16) {
     wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(a_s, wgmma::operand_offset<kRowsA>(0, k0)),
-                            wgmma::advance(b_s, wgmma::operand_offset<kRowsB>(0, k0)), k0 > 0);
+                            wgmma::advance(b_s, wgmma::operand_offset<kRowsB>(0, k0)), k0 > 0 || s_initialized);
   }
 #pragma unroll
   for (int k0 = 0; k0 < Dv; k0 += 16) {
@@ -122,14 +124,20 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     load_row_stats<kM, kThreadCount>(sLse + buf * kM, sDelta + buf * kM, sScale + buf * kM, a, seq, t0, h);
   };
 
-  if (w.steps > 0) {
-    const int steps = static_cast<int>(w.steps);
+  // With a tile map (FlashTermsMask) the CTA computes the present steps only: logical step i is step_now, the
+  // (head, query tile) step of the CTA's i-th present one (next_dkv_step), and step_next the one after.
+  const int steps = dkv_step_count<Mask>(mc, seq, w, kM);
+  if (steps > 0) {
+    [[maybe_unused]] i64 step_now = next_dkv_step<Mask>(mc, seq, w, 0, kM), step_next = step_now;
+    [[maybe_unused]] float key_sums[2] = {0.f, 0.f};
     load_swizzled_tile<kN, Dqk, kThreadCount>(sK, a.k, seq.batch, seq.k_begin + j0, w.keys, w.hk);
     load_swizzled_tile<kN, Dv, kThreadCount>(sV, a.v, seq.batch, seq.k_begin + j0, w.keys, w.hk);
-    load_step(0, 0);
+    load_step(kHasTerms<Mask> ? step_now : 0, 0);
     cp_async_commit();
     float s[kM / 8][4], dp[kM / 8][4];
     std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
+    // FlashTermsMask: the step's scores start from its terms (init_scores) instead of 0.
+    [[maybe_unused]] bool scores_initialized = false;
     // Step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of step i - 1 (its
     // elementwise part done one step earlier) are in flight, and loads step i + 1 into buffer (i + 1) % 3,
     // whose last reader (the update of step i - 2) every thread waited for before this step's barrier.
@@ -137,14 +145,26 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       cp_async_wait<0>();
       wgmma::fence_shared_for_async();
       __syncthreads();
-      if (step + 1 < steps) load_step(step + 1, (step + 1) % kBuffers);
+      if constexpr (kHasTerms<Mask>) {
+        if (step > 0) step_now = step_next;
+        if (step + 1 < steps) step_next = next_dkv_step<Mask>(mc, seq, w, step_now + 1, kM);
+        if (step < steps) {
+          const i64 h = w.head(step_now), t0 = w.tile(step_now) * kM;
+          const int kind = classify_tile(mc.terms, blockIdx.z, h, t0, min(i64{kM}, seq.T - t0), j0, w.keys);
+          // The step's terms into s (free since the last step's P^T went into p_a), which S^T accumulates onto.
+          scores_initialized = tile_needs_terms(mc.terms, kind);
+          if (scores_initialized) init_scores<T, kM, false>(s, mc.terms, seq, blockIdx.z, h, j0 + warp * 16, t0, kind);
+        }
+      }
+      if (step + 1 < steps) load_step(kHasTerms<Mask> ? step_next : step + 1, (step + 1) % kBuffers);
       cp_async_commit();
       wgmma::fence();
     };
     auto issue_step_scores = [&](int step) {  // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
       const int buf = step % kBuffers;
       issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_desc, wgmma::advance(q_desc0, buf * Tile::kQ * 2), v_desc,
-                                           wgmma::advance(do_desc0, buf * Tile::kDO * 2));
+                                           wgmma::advance(do_desc0, buf * Tile::kDO * 2),
+                                           kHasTerms<Mask> && scores_initialized);
     };
     auto issue_update = [&](int step) {  // dV += P^T dO and dK += dS^T Q of step - 1
       const int buf = (step - 1) % kBuffers;
@@ -162,13 +182,17 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       const float* p_scale = sScale + (step % kBuffers) * kM;
       // This thread's visible columns [col_first, col_end) of the step, per key row; the mask is needed only
       // where they do not cover the step (a per-thread choice: the elementwise part has no collectives).
-      const int t0 = static_cast<int>(w.tile(step) * kM);
+      const i64 step_id = kHasTerms<Mask> ? step_now : step;
+      const int t0 = static_cast<int>(w.tile(step_id) * kM);
+      [[maybe_unused]] const i64 h = w.head(step_id);
+
       const int col_first[2] = {q_first[0] - t0, q_first[1] - t0}, col_end[2] = {q_end[0] - t0, q_end[1] - t0};
       const bool full = max(col_first[0], col_first[1]) <= 0 && min(col_end[0], col_end[1]) >= kM;
       with_mask(!full, [&](auto masked) {
 #pragma unroll
         for (int n = 0; n < kM / 8; ++n) {
-          const float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
+          float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
+          if constexpr (kHasTerms<Mask>) l2 = make_float2(finite_lse(l2.x), finite_lse(l2.y));
           const float2 d2 = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
           const float2 g2 = *reinterpret_cast<const float2*>(p_scale + n * 8 + 2 * (lane % 4));
 #pragma unroll
@@ -183,6 +207,15 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
           }
         }
       });
+      if constexpr (kHasTerms<Mask>) {
+        const BiasGradientSink& sink = mc.terms.dbias;
+        if (sink.data != nullptr) {
+          add_bias_gradient<kM>(sink, dp, key_sums, seq, h, j0 + warp * 16, t0);
+          if (sink.key_sums && (step + 1 >= steps || w.head(step_next) != h)) {
+            flush_key_sums(sink, key_sums, seq, h, j0 + warp * 16);
+          }
+        }
+      }
     };
     wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_update, make_ds, [&](int step) {
       wgmma::wait<0>();
@@ -197,6 +230,9 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     });
   }
   store_dkv_rows<true, true>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
+  if constexpr (kHasTerms<Mask>) {
+    if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, dkv_work<Mask>(mc, seq, w, kM));
+  }
 #endif
 }
 
@@ -243,7 +279,8 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     constexpr int kCopiers = Tile::kProducerThreads, kUnroll = Tile::kProducerUnroll;
     unsigned key_tiles = 0, query_tiles = 0;
     for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
-      for (i64 it = w.tile_begin; it < w.tile_end; ++it, ++key_tiles) {
+      const i64 first = next_key_tile_of<Mask>(mc, seq, w, w.tile_begin, kN);
+      for (i64 it = first; it < w.tile_end; it = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN), ++key_tiles) {
         const i64 j0 = it * kN;
         const int stage = kv_ring.slot(key_tiles);
         kv_ring.acquire(key_tiles);
@@ -252,7 +289,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
         wgmma::load_swizzled_tile<kN, Dv, kCopiers, kUnroll>(sV + stage * Tile::kV, a.v, seq.batch,
                                                              seq.k_begin + j0, seq.S - j0, w.hk);
         kv_ring.commit(key_tiles);
-        if (it == w.tile_begin) {  // Q and dO after the first K/V: that stage frees up earlier than Q does
+        if (it == first) {  // Q and dO after the first K/V: that stage frees up earlier than Q does
           q_ring.acquire(query_tiles);
           wgmma::load_swizzled_tile<kM, Dqk, kCopiers, kUnroll>(sQ, a.q, seq.batch, seq.q_begin + w.t0, w.rows, w.h);
           wgmma::load_swizzled_tile<kM, Dv, kCopiers, kUnroll>(sDO, a.d_o, seq.batch, seq.q_begin + w.t0, w.rows,
@@ -282,7 +319,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
 
   for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
     const i64 t0 = w.t0, tile_begin = w.tile_begin;
-    const int steps = static_cast<int>(w.tile_end - w.tile_begin);
+    const int steps = key_tile_count<Mask>(mc, seq, w, kN);
     float acc[Dqk / 8][4];
     zero(acc);
     if (steps > 0) {
@@ -293,13 +330,28 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
       for (int half = 0; half < 2; ++half) {
         row_stats(a, seq, w.h, t0 + warp_row0 + lane / 4 + half * 8, lse2[half], g_delta[half], p_scale[half]);
         g_delta[half] *= p_scale[half];
+        if constexpr (kHasTerms<Mask>) lse2[half] = finite_lse(lse2[half]);
       }
+      // FlashTermsMask: the key tile of the current step (absent tiles are skipped), its kind and whether the
+      // elementwise part adds terms to its scores (init_scores).
+      [[maybe_unused]] i64 key_tile = tile_begin;
+      [[maybe_unused]] int terms_kind = kTileExists;
+      [[maybe_unused]] bool terms_needed = false;
       float s[kN / 8][4], dp[kN / 8][4];
       std::uint32_t ds[kN / 16][4];
       // Step i (key tile tile_begin + i) computes S and dP of its tile while dQ += dS K of the tile before (dS
       // done one step earlier) is in flight, so the dS arithmetic overlaps an MMA; a last step adds the last
       // tile's dS K. A K/V stage is released once that dS K has landed, Q and dO after the last scores.
       auto begin_step = [&](int step) {
+        if constexpr (kHasTerms<Mask>) {
+          if (step < steps) {
+            key_tile = next_key_tile_of<Mask>(mc, seq, w, step == 0 ? tile_begin : key_tile + 1, kN);
+            const i64 j0 = key_tile * kN;
+            const QueryTileTerms tt(mc.terms, seq, w, j0, kN);
+            terms_kind = tt.kind;
+            terms_needed = tt.needs;
+          }
+        }
         if (step == 0) q_ring.wait_full(q_use);
         if (step < steps) kv_ring.wait_full(key_tiles + step);
         wgmma::fence_shared_for_async();
@@ -324,7 +376,12 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
         wgmma::fence_operand(wgmma::flat<kN>(s));
         wgmma::fence_operand(wgmma::flat<kN>(dp));
         if (step == steps - 1) q_ring.release(q_use);
-        const i64 j0 = (tile_begin + step) * kN;
+        const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
+        if constexpr (kHasTerms<Mask>) {
+          if (terms_needed) {
+            init_scores<T, kN, true, true>(s, mc.terms, seq, w.sequence, w.h, t0 + warp_row0, j0, terms_kind);
+          }
+        }
         with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
           int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
           if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
@@ -356,6 +413,15 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
                     w.h, a.accumulate_dq);
   });
   turns.finish();
+  if constexpr (kHasTerms<Mask>) {
+    if (threadIdx.x == Tile::kProducerThreads && mc.terms.work_counter != nullptr) {
+      unsigned long long work = 0;
+      for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
+        work += query_tile_work<Mask>(mc, seq, w, kN);
+      });
+      add_work(mc.terms, work);
+    }
+  }
 #endif
 }
 

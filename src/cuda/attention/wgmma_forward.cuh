@@ -66,13 +66,14 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     constexpr int kCopiers = Tile::kProducerThreads, kUnroll = Tile::kProducerUnroll;
     unsigned key_tiles = 0, query_tiles = 0;
     for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
-      for (i64 it = w.tile_begin; it < w.tile_end; ++it, ++key_tiles) {
+      const i64 first = next_key_tile_of<Mask>(mc, seq, w, w.tile_begin, kN);
+      for (i64 it = first; it < w.tile_end; it = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN), ++key_tiles) {
         const i64 j0 = it * kN;
         k_ring.acquire(key_tiles);
         wgmma::load_swizzled_tile<kN, Dqk, kCopiers, kUnroll>(sK + k_ring.slot(key_tiles) * Tile::kK, a.k, seq.batch,
                                                               seq.k_begin + j0, seq.S - j0, w.hk);
         k_ring.commit(key_tiles);
-        if (it == w.tile_begin) {  // Q after the first K: that K's stage frees up earlier than Q does
+        if (it == first) {  // Q after the first K: that K's stage frees up earlier than Q does
           q_ring.acquire(query_tiles);
           wgmma::load_swizzled_tile<kM, Dqk, kCopiers, kUnroll>(sQ + q_ring.slot(query_tiles) * Tile::kQ, a.q,
                                                                 seq.batch, seq.q_begin + w.t0, w.rows, w.h);
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
 
   for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
     const i64 t0 = w.t0, tile_begin = w.tile_begin;
-    const int steps = static_cast<int>(w.tile_end - w.tile_begin);
+    const int steps = key_tile_count<Mask>(mc, seq, w, kN);
     float acc[Dv / 8][4];
     zero(acc);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -113,10 +114,24 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       float s[kN / 8][4];
       std::uint32_t p[kN / 16][4];
       float correction[2] = {1.f, 1.f};
+      // FlashTermsMask: the key tile of the current step (absent tiles are skipped), its kind and whether the
+      // softmax adds terms to its scores (init_scores).
+      [[maybe_unused]] i64 key_tile = tile_begin;
+      [[maybe_unused]] int terms_kind = kTileExists;
+      [[maybe_unused]] bool terms_needed = false;
       // Step i (key tile tile_begin + i) computes the scores of its tile while O += P V of the tile before
       // (its softmax done one step earlier) is in flight; a last step adds the last tile's P V. A K stage is
       // released once its scores have landed, a V stage once its P V has, Q after the last scores.
       auto begin_step = [&](int step) {
+        if constexpr (kHasTerms<Mask>) {
+          if (step < steps) {
+            key_tile = next_key_tile_of<Mask>(mc, seq, w, step == 0 ? tile_begin : key_tile + 1, kN);
+            const i64 j0 = key_tile * kN;
+            const QueryTileTerms tt(mc.terms, seq, w, j0, kN);
+            terms_kind = tt.kind;
+            terms_needed = tt.needs;
+          }
+        }
         if (step == 0) q_ring.wait_full(q_use);
         if (step < steps) k_ring.wait_full(key_tiles + step);
         if (step > 0) v_ring.wait_full(key_tiles + step - 1);
@@ -128,7 +143,8 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
 #pragma unroll
         for (int k0 = 0; k0 < Dqk; k0 += 16) {
           wgmma::mma_ss<T, kN, 0>(wgmma::flat<kN>(s), wgmma::advance(q_desc, wgmma::operand_offset<kM>(0, k0)),
-                                  wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)), k0 > 0);
+                                  wgmma::advance(k_desc, wgmma::operand_offset<kN>(0, k0)),
+                                  k0 > 0);
         }
         wgmma::commit();
       };
@@ -145,7 +161,12 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
         wgmma::fence_operand(wgmma::flat<kN>(s));
         k_ring.release(key_tiles + step);
         if (step == steps - 1) q_ring.release(q_use);
-        const i64 j0 = (tile_begin + step) * kN;
+        const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
+        if constexpr (kHasTerms<Mask>) {
+          if (terms_needed) {
+            init_scores<T, kN, true, true>(s, mc.terms, seq, w.sequence, w.h, t0 + warp_row0, j0, terms_kind);
+          }
+        }
         with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
           int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
           if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
@@ -168,6 +189,15 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     store_forward_rows<Dv>(acc, m, l, a, seq, t0 + warp_row0, w.h);
   });
   turns.finish();
+  if constexpr (kHasTerms<Mask>) {
+    if (threadIdx.x == Tile::kProducerThreads && mc.terms.work_counter != nullptr) {
+      unsigned long long work = 0;
+      for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
+        work += query_tile_work<Mask>(mc, seq, w, kN);
+      });
+      add_work(mc.terms, work);
+    }
+  }
 #endif
 }
 
