@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import sparseattn
+from sparseattn import _ops
 from attention_check import naive_attention, run_and_compare
 
 pytestmark = pytest.mark.skipif(
@@ -114,11 +115,32 @@ def test_unsupported_on_cuda():
     q = torch.randn(1, 8, 2, 64, dtype=torch.float32, device="cuda")
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="float32"):
         sparseattn.flash_attention(q, q, q)
+    # The C++ API takes the dense tile map on CUDA; FlexAttention's lists raise there (the Python function converts
+    # them: test_flash_lists_on_cuda_are_the_dense_map).
     q = torch.randn(1, 8, 2, 64, dtype=torch.float16, device="cuda")
     counts = torch.ones(1, 1, 1, dtype=torch.int32, device="cuda")
     indices = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device="cuda")
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="block_mask"):
-        sparseattn.flash_attention(q, q, q, kv_num_blocks=counts, kv_indices=indices, block_size=(8, 8))
+        _ops.flash_attention(q, q, q, None, None, None, None, 0, 0, False, -1, -1, None, kv_num_blocks=counts,
+                             kv_indices=indices, block_q=8, block_k=8)
+
+
+def test_flash_lists_on_cuda_are_the_dense_map():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 300, h, 64, dtype=torch.bfloat16, device="cuda", generator=gen) for h in (4, 2, 2))
+    n = -(-300 // 64)
+    counts = torch.randint(0, n + 1, (2, 2, n), dtype=torch.int32, device="cuda", generator=gen)
+    indices = torch.stack([torch.randperm(n, device="cuda", generator=gen) for _ in range(2 * 2 * n)]).view(2, 2, n, n)
+    indices = indices.sort(dim=-1).values.int()
+    o_lists = sparseattn.flash_attention(q, k, v, kv_num_blocks=counts, kv_indices=indices, block_size=(64, 64))
+    slots = torch.arange(n, device="cuda")
+    tiles = torch.zeros(2, 2, n, n, dtype=torch.bool, device="cuda")
+    tiles.scatter_(-1, indices.long(), slots < counts[..., None])
+    o_map = sparseattn.flash_attention(q, k, v, block_mask=tiles, block_size=(64, 64))
+    torch.testing.assert_close(o_lists, o_map, rtol=0, atol=0)
+    o_ref = sparseattn.flash_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), kv_num_blocks=counts.cpu(),
+                                       kv_indices=indices.cpu(), block_size=(64, 64))
+    torch.testing.assert_close(o_lists.float().cpu(), o_ref, rtol=2e-2, atol=2e-2)
 
 
 def test_too_long_sequence_is_a_clear_error():
