@@ -409,18 +409,22 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
     ``causal`` is bottom-right aligned when the key count differs from the query count (as FlashAttention).
     A row with no kept key returns 0 (lse -inf). Differentiable w.r.t. q, k, v, bias (dbias has bias's
-    shape), alpha and delta.
+    shape, summed deterministically over its broadcast dims), alpha and delta. On CUDA, calls of 1 to 16 queries
+    that need no gradient and no optional feature run the split-KV decode kernel (:func:`sparseattn.flash_decode`).
 
     Gated attention (``alpha`` and ``delta``, CPU only for now) makes the logits scale*(q.k + g) with
     g = logsigmoid(alpha_t*delta_s) (or the product). ``gate_threshold`` and ``softmax_threshold`` skip
     (query tile, key tile) pairs of ``threshold_block`` (docs/semantics.md section 8); the result depends on
     the tile sizes.
 
-    Block-sparse masks (CPU only for now) say which (query tile, key tile) pairs of ``block_size`` exist: a
-    dense tile mask ``block_mask``, or FlexAttention's lists (``kv_num_blocks``/``kv_indices``, optionally
+    Block-sparse masks say which (query tile, key tile) pairs of ``block_size`` exist: a dense tile mask
+    ``block_mask`` (bool, or uint8 with 0 absent, 1 exists, 2 exists and full), or FlexAttention's lists (``kv_num_blocks``/``kv_indices``, optionally
     ``full_kv_num_blocks``/``full_kv_indices`` for tiles whose element mask is not read), or a
     ``torch.nn.attention.flex_attention.BlockMask`` as ``block_mask`` (its lists and ``BLOCK_SIZE``; its
-    ``mask_mod`` is not evaluated). Keys of absent tiles are hidden and get no gradient.
+    ``mask_mod`` is not evaluated). Keys of absent tiles are hidden and get no gradient. On CUDA, the lists are
+    turned into the tile map on the device (entries out of range are dropped there, not reported: no host
+    synchronisation), a batched element mask is summarised into tiles so that all-False tiles are skipped, and
+    tiles that hold no kept key are neither loaded nor computed.
 
     Args:
         q: [B, T, Hq, Dqk], or packed [Nq, Hq, Dqk] with cu_seqlens_q.
@@ -430,7 +434,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         window: (left, right): keep keys in [a - left, a + right]; a negative side (-1) is unbounded. Each
             side is an int, or an int32 [Hq] tensor of per-head bounds (-1 unbounded; CPU only for now).
             None is (-1, -1).
-        mask: bool, broadcast as [B|1, Hq|Hkv|1, T|1, S]; True keeps. Packed (CPU only for now): the row
+        mask: bool, broadcast as [B|1, Hq|Hkv|1, T|1, S]; True keeps. Packed: the row
             form [Hm|1, Nq|1, Lk] (column j is key j of the row's own sequence; Lk at least every key count)
             or the key form [Hm|1, Nk] (entry m applies to packed key m for every query of its sequence),
             told apart by rank; Hm is Hq, Hkv or 1.
@@ -448,8 +452,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             running maximum + log(tau_row) (tau_row = tau*(a+1)/S when causal). None is plain attention.
         threshold_block: (block_q, block_k) positive ints, the tiles of both thresholds, aligned to each
             sequence's first query and key.
-        block_mask: a bool tile mask [B|1, Hq|Hkv|1, nQ, nK] (True: the tile exists; B counts sequences when
-            packed), or a FlexAttention BlockMask; needs ``block_size`` unless a BlockMask gives it.
+        block_mask: a tile mask [B|1, Hq|Hkv|1, nQ, nK], bool (True: the tile exists) or uint8 (0 absent, 1
+            exists, 2 full: its element mask is not read); B counts sequences when packed (packed on CUDA:
+            max_seqlen_q and max_seqlen_k are required). Or a FlexAttention BlockMask. Needs ``block_size``
+            unless a BlockMask gives it.
         block_size: (bq, bk) positive ints, the tiles of the block-sparse mask, aligned to each sequence's first
             query and key; None unless a block-sparse mask is given.
         kv_num_blocks: int32 [B|1, Hq|Hkv|1, nQ]: query tile i has the key tiles kv_indices[..., i, :count].
@@ -470,8 +476,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             unknown gate, softmax_threshold outside (0, 1], a non-positive threshold_block; a block-sparse mask
             in two forms, without block_size, of the wrong shape or with bad list contents (out-of-range,
             repeated or descending tiles, a tile both partial and full).
-        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (mask, bias, alpha,
-            delta, the thresholds, block-sparse masks and per-head windows on CUDA included).
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (alpha, delta, the
+            thresholds and per-head windows on CUDA included).
 
     Example:
         >>> import torch, sparseattn
