@@ -14,6 +14,7 @@
 
 #include "sparseattn/error.h"
 #include "sparseattn/flash_decode.h"
+#include "views.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -21,55 +22,11 @@ using namespace nb::literals;
 namespace sparseattn::binding::decode {
 namespace {
 
-using Array = nb::ndarray<>;
-using OptArray = std::optional<Array>;
-
-constexpr const char* kOp = "flash_decode";
-
-DType to_dtype(nb::dlpack::dtype dt, const char* arg) {
-  using Code = nb::dlpack::dtype_code;
-  const auto code = static_cast<Code>(dt.code);
-  if (dt.lanes == 1) {
-    if (code == Code::Float && dt.bits == 16) return DType::float16;
-    if (code == Code::Float && dt.bits == 32) return DType::float32;
-    if (code == Code::Float && dt.bits == 64) return DType::float64;
-    if (code == Code::Bfloat && dt.bits == 16) return DType::bfloat16;
-    if (code == Code::Int && dt.bits == 32) return DType::int32;
-  }
-  const std::string hint =
-      code == Code::Int || code == Code::UInt ? " (cache_seqlens and block_table are int32: convert with .int())" : "";
-  throw Error(ErrorKind::dtype, kOp, arg,
-              "unsupported dtype; expected float16, bfloat16, float32, float64 or int32" + hint);
-}
-
-TensorView view(const Array& a, const char* arg) {
-  if (a.ndim() < 1 || a.ndim() > static_cast<std::size_t>(kMaxRank)) {
-    throw Error(ErrorKind::shape, kOp, arg, "expected 1 to 4 dimensions, got " + std::to_string(a.ndim()));
-  }
-  TensorView t;
-  t.dtype = to_dtype(a.dtype(), arg);
-  switch (a.device_type()) {
-    case nb::device::cpu::value: t.device = DeviceType::cpu; break;
-    case nb::device::cuda::value: t.device = DeviceType::cuda; break;
-    default:
-      throw Error(ErrorKind::device, kOp, arg, "unsupported DLPack device type " + std::to_string(a.device_type()));
-  }
-  t.device_index = a.device_id();
-  t.rank = static_cast<int>(a.ndim());
-  for (int i = 0; i < t.rank; ++i) {
-    t.shape[i] = static_cast<std::int64_t>(a.shape(i));
-    t.stride[i] = a.stride(i);
-  }
-  t.data = a.size() == 0 ? nullptr : a.data();
-  return t;
-}
-
-TensorView view(const OptArray& a, const char* arg) { return a ? view(*a, arg) : TensorView{}; }
-
 FlashDecodeParams params_of(const Array& q, const Array& k_cache, const Array& v_cache, const OptArray& cache_seqlens,
                             const OptArray& block_table, const OptArray& o, const OptArray& lse, bool causal,
                             std::int64_t window_left, std::int64_t window_right, std::optional<double> scale,
                             std::int64_t num_splits) {
+  const OpName name("flash_decode");
   FlashDecodeParams p;
   p.q = view(q, "q");
   p.k_cache = view(k_cache, "k_cache");
@@ -91,6 +48,7 @@ FlashDecodeParams params_of(const Array& q, const Array& k_cache, const Array& v
 
 void bind_flash_decode(nb::module_& m) {
   using namespace sparseattn;
+  using namespace sparseattn::binding;
   using namespace sparseattn::binding::decode;
   m.def(
       "flash_decode",
