@@ -12,8 +12,10 @@ Attention, trainable and usable with ``model.generate()``.
 
 A step with cached keys runs NSA for the new tokens against every key so far (bottom-right aligned), which gives
 the rows the full forward gives for those positions: greedy ``generate()`` equals re-running the full forward on
-the growing sequence. Limits: sequences in a batch have equal lengths (no padding: an attention mask with zeros is
-refused), and the compressed keys are recomputed from the cached keys at every step.
+the growing sequence. Without gradients, a :class:`SparseAttnCache` also keeps the compressed keys and values
+(mean pooling, appended as their blocks complete), so a decode step pools only its new blocks instead of the whole
+cache; any other cache makes NSA pool every cached key at every step. Limits: sequences in a batch have equal
+lengths (no padding: an attention mask with zeros is refused).
 
 Needs the ``transformers`` package (imported when this module is).
 """
@@ -29,7 +31,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ._errors import SparseAttnError, SparseAttnUnsupportedError, make_error
-from .functional import NSAConfig, nsa_attention
+from .functional import NSAConfig, compress_kv, nsa_attention
 
 __all__ = ["NSALlamaConfig", "NSALlamaForCausalLM", "NSAAttention", "SparseAttnCache"]
 
@@ -135,12 +137,19 @@ class NSAAttention(nn.Module):
         v = self.v_proj(hidden_states).view(batch, tokens, self.num_kv_heads, self.head_dim)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        compressed = {}
         if past_key_values is not None:
-            keys, values = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+            # The cache's compressed rows hold no gradient: they serve inference only.
+            pooled = isinstance(past_key_values, SparseAttnCache) and not torch.is_grad_enabled()
+            extra = {"cmp_block": self.nsa.cmp_block, "cmp_stride": self.nsa.cmp_stride} if pooled else None
+            keys, values = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, extra)
             k, v = keys.transpose(1, 2), values.transpose(1, 2)
+            if pooled:
+                k_cmp, v_cmp = past_key_values.layers[self.layer_idx].compressed()
+                compressed = {"k_cmp": k_cmp, "v_cmp": v_cmp}
         gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, tokens, 3, self.num_heads).to(q.dtype)
         g_cmp, g_slc, g_swa = (gates[:, :, i] for i in range(3))
-        o = nsa_attention(q, k, v, g_cmp, g_slc, g_swa, config=self.nsa)
+        o = nsa_attention(q, k, v, g_cmp, g_slc, g_swa, config=self.nsa, **compressed)
         return self.o_proj(o.reshape(batch, tokens, -1)), None
 
 
@@ -183,7 +192,10 @@ class NSALlamaForCausalLM(LlamaForCausalLM):
 
 class SparseAttnCacheLayer(DynamicLayer):
     """One layer of :class:`SparseAttnCache`: keys and values in token-major buffers [B, capacity, Hkv, D] that
-    double when full; ``keys``/``values`` are [B, Hkv, length, D] views of them (transformers' layout)."""
+    double when full; ``keys``/``values`` are [B, Hkv, length, D] views of them (transformers' layout). When an
+    update names NSA's compression (cache_kwargs ``cmp_block`` and ``cmp_stride``), the layer also keeps the
+    mean-pooled compressed rows of the blocks complete so far ([B, rows, Hkv, D], token-major), pooling only the
+    blocks that the update completes."""
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -191,8 +203,46 @@ class SparseAttnCacheLayer(DynamicLayer):
         self._keys = key_states.new_empty(batch, 0, heads, dim)
         self._values = value_states.new_empty(batch, 0, heads, value_states.shape[-1])
         self.length = 0
+        self._k_cmp, self._v_cmp = self._keys, self._values
+        self.cmp_rows = 0
+        self.cmp_shape: Optional[tuple[int, int]] = None  # (cmp_block, cmp_stride) of the compressed rows
         self._views()
         self.is_initialized = True
+
+    def _rows(self, length: int) -> int:
+        block, stride = self.cmp_shape
+        return 0 if length < block else (length - block) // stride + 1
+
+    def _pool(self, cache_kwargs: Optional[dict]) -> None:
+        """Appends the compressed rows of the blocks complete at self.length (all of them when the compression
+        changes or starts late)."""
+        shape = None if not cache_kwargs or "cmp_block" not in cache_kwargs else (
+            int(cache_kwargs["cmp_block"]), int(cache_kwargs["cmp_stride"]))
+        if shape is None:
+            return
+        if shape != self.cmp_shape:
+            self.cmp_shape, self.cmp_rows = shape, 0
+        rows = self._rows(self.length)
+        if rows <= self.cmp_rows:
+            return
+        block, stride = shape
+        start = self.cmp_rows * stride
+        end = (rows - 1) * stride + block
+        k_new, v_new = compress_kv(self._keys[:, start:end], self._values[:, start:end], block=block, stride=stride)
+        if self._k_cmp.shape[1] < rows:
+            capacity = max(rows, 2 * self._k_cmp.shape[1], 16)
+            k_cmp = self._keys.new_empty(self._keys.shape[0], capacity, *self._keys.shape[2:])
+            v_cmp = self._values.new_empty(self._values.shape[0], capacity, *self._values.shape[2:])
+            k_cmp[:, : self.cmp_rows] = self._k_cmp[:, : self.cmp_rows]
+            v_cmp[:, : self.cmp_rows] = self._v_cmp[:, : self.cmp_rows]
+            self._k_cmp, self._v_cmp = k_cmp, v_cmp
+        self._k_cmp[:, self.cmp_rows: rows] = k_new
+        self._v_cmp[:, self.cmp_rows: rows] = v_new
+        self.cmp_rows = rows
+
+    def compressed(self) -> tuple[Tensor, Tensor]:
+        """The compressed keys and values [B, rows, Hkv, D] of the blocks complete in the cache (views)."""
+        return self._k_cmp[:, : self.cmp_rows], self._v_cmp[:, : self.cmp_rows]
 
     def _views(self) -> None:
         self.keys = self._keys[:, : self.length].transpose(1, 2)
@@ -221,6 +271,7 @@ class SparseAttnCacheLayer(DynamicLayer):
         self._values[:, self.length: self.length + new] = value_states.transpose(1, 2)
         self.length += new
         self._views()
+        self._pool(args[0] if args else kwargs.get("cache_kwargs"))
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -231,22 +282,28 @@ class SparseAttnCacheLayer(DynamicLayer):
             return
         keep = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
         self.length = max(0, min(self.length, keep))
+        if self.cmp_shape is not None:
+            self.cmp_rows = min(self.cmp_rows, self._rows(self.length))
         self._views()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             self._keys = self._keys.repeat_interleave(repeats, dim=0)
             self._values = self._values.repeat_interleave(repeats, dim=0)
+            self._k_cmp = self._k_cmp.repeat_interleave(repeats, dim=0)
+            self._v_cmp = self._v_cmp.repeat_interleave(repeats, dim=0)
             self._views()
 
     def batch_select_indices(self, indices: Tensor) -> None:
         if self.is_initialized:
             self._keys, self._values = self._keys[indices], self._values[indices]
+            self._k_cmp, self._v_cmp = self._k_cmp[indices], self._v_cmp[indices]
             self._views()
 
     def reset(self) -> None:
         if self.is_initialized:
             self.length = 0
+            self.cmp_rows = 0
             self._views()
 
 

@@ -6,6 +6,7 @@ from helpers import require_sparseattn
 
 require_sparseattn()
 transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+import sparseattn  # noqa: E402
 from sparseattn import hf  # noqa: E402
 
 
@@ -116,3 +117,35 @@ def test_the_example_runs(capsys):
     finally:
         sys.argv = argv
     assert "generated tokens continue the pattern" in capsys.readouterr().out
+
+
+def test_cache_keeps_the_compressed_rows_of_complete_blocks():
+    cache = hf.SparseAttnCache()
+    chunks = [torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (5, 1, 30, 2, 7)]
+    kwargs = {"cmp_block": 8, "cmp_stride": 4}
+    for chunk in chunks:
+        cache.update(chunk, 2 * chunk, 0, kwargs)
+        layer = cache.layers[0]
+        k_cmp, v_cmp = layer.compressed()
+        keys = layer.keys.transpose(1, 2)
+        expected_k, expected_v = sparseattn.compress_kv(keys, 2 * keys, block=8, stride=4)
+        torch.testing.assert_close(k_cmp, expected_k, rtol=0, atol=0)
+        torch.testing.assert_close(v_cmp, expected_v, rtol=0, atol=0)
+    cache.crop(-6)  # 45 -> 39 tokens: rows of blocks past the new end go
+    assert cache.layers[0].compressed()[0].shape[1] == (39 - 8) // 4 + 1
+
+
+def test_decode_steps_pool_only_their_new_blocks(monkeypatch):
+    model = tiny_model(seed=5)
+    ids = torch.randint(1, 48, (1, 30))
+    pooled = []
+    real = hf.compress_kv
+
+    def counting(k, v, **kwargs):
+        pooled.append(k.shape[1])
+        return real(k, v, **kwargs)
+
+    monkeypatch.setattr(hf, "compress_kv", counting)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                   past_key_values=hf.SparseAttnCache())
+    assert pooled and max(pooled[2:]) <= 8  # after the prefill (one call per layer), a block's 8 tokens at most
