@@ -29,17 +29,7 @@ _CONFIG_FIELDS = (
     _group.Field("window", "the window's left side"),
     _group.Field("window", "the window's right side"),
     _group.Field("scale", "the scale", _group.show_scale),
-    _group.Field("q", "the dtype", _group.SHOW_DTYPE),
-    _group.Field("q", "the device type", _group.SHOW_DEVICE),
-    _group.Field("cu_seqlens", "the number of documents", lambda c: "None" if c < 0 else str(c)),
-    _group.Field("cu_seqlens", "its last entry", lambda c: "None" if c < 0 else str(c)),
-    _group.Field("cu_seqlens", "its contents", None),
-    _group.Field("q", "the batch size B"),
-    _group.Field("q", "the query heads Hq"),
-    _group.Field("k", "the key/value heads Hkv"),
-    _group.Field("q", "the head dim Dqk"),
-    _group.Field("v", "the value head dim Dv"),
-    _group.Field("q", "the shard length"),
+    *_group.TENSOR_FIELDS,
 )
 
 
@@ -162,14 +152,9 @@ def _local_config(q, k, v, causal, window, scale, cu_seqlens, return_lse, layout
 
 def _config_values(config: dict, q: Tensor, k: Tensor, v: Tensor) -> tuple[int, ...]:
     """The configuration vector compared across ranks, one int per _CONFIG_FIELDS entry (the shard length last)."""
-    cu = config["cu"]
-    packed = cu is not None
     return (LAYOUTS.index(config["layout"]), _EXCHANGES.index(config["exchange"]), int(config["causal"]),
             config["window"][0], config["window"][1], _group.scale_code(config["scale"]),
-            _group.stable_code(chk.dtype_name(q.dtype)), _group.stable_code(q.device.type),
-            len(cu) - 1 if packed else -1, cu[-1] if packed else -1,
-            _group.stable_code(repr(cu)) if packed else 0, 0 if packed else q.shape[0], q.shape[-2], k.shape[-2],
-            q.shape[-1], v.shape[-1], q.shape[0 if packed else 1])
+            *_group.tensor_values(q, k, v, config["cu"]))
 
 
 class _ShardedAttention(torch.autograd.Function):

@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import _checks as chk
 from .._errors import SparseAttnError, make_error
 
 # The backends each device type may use. gloo also takes CUDA tensors, by staging them through host memory, which
@@ -135,6 +136,36 @@ class Field:
     argument: str
     what: str
     show: Optional[Callable[[int], str]] = str
+
+
+def _show_count(code: int) -> str:
+    return "None" if code < 0 else str(code)
+
+
+# The tail of every op's configuration vector: the tensors' dtype, device, documents and sizes (the shard length
+# last, the one entry ranks may differ in). tensor_values gives the matching values.
+TENSOR_FIELDS = (
+    Field("q", "the dtype", SHOW_DTYPE),
+    Field("q", "the device type", SHOW_DEVICE),
+    Field("cu_seqlens", "the number of documents", _show_count),
+    Field("cu_seqlens", "its last entry", _show_count),
+    Field("cu_seqlens", "its contents", None),
+    Field("q", "the batch size B"),
+    Field("q", "the query heads Hq"),
+    Field("k", "the key/value heads Hkv"),
+    Field("q", "the head dim Dqk"),
+    Field("v", "the value head dim Dv"),
+    Field("q", "the shard length"),
+)
+
+
+def tensor_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Optional[Sequence[int]]) -> tuple[int, ...]:
+    """The values of TENSOR_FIELDS for this rank (cu: the documents' host cu_seqlens, None when batched)."""
+    packed = cu is not None
+    return (stable_code(chk.dtype_name(q.dtype)), stable_code(q.device.type),
+            len(cu) - 1 if packed else -1, cu[-1] if packed else -1, stable_code(repr(cu)) if packed else 0,
+            0 if packed else q.shape[0], q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1],
+            q.shape[0 if packed else 1])
 
 
 def agree(op: str, group, backends: dict[str, str], fields: Sequence[Field], values: Optional[Sequence[int]],

@@ -51,17 +51,7 @@ _CONFIG_FIELDS = (
     *(_group.Field("config", f"config.{name}") for name in _SIZES),
     _group.Field("config", "config.scale", _group.show_scale),
     _group.Field("g_cmp", "the gates given", _show_gates),
-    _group.Field("q", "the dtype", _group.SHOW_DTYPE),
-    _group.Field("q", "the device type", _group.SHOW_DEVICE),
-    _group.Field("cu_seqlens", "the number of documents", lambda c: "None" if c < 0 else str(c)),
-    _group.Field("cu_seqlens", "its last entry", lambda c: "None" if c < 0 else str(c)),
-    _group.Field("cu_seqlens", "its contents", None),
-    _group.Field("q", "the batch size B"),
-    _group.Field("q", "the query heads Hq"),
-    _group.Field("k", "the key/value heads Hkv"),
-    _group.Field("q", "the head dim Dqk"),
-    _group.Field("v", "the value head dim Dv"),
-    _group.Field("q", "the shard length"),
+    *_group.TENSOR_FIELDS,
 )
 
 
@@ -207,13 +197,8 @@ def _gate_mask(gates) -> int:
 
 def _config_values(local: dict, q: Tensor, k: Tensor, v: Tensor, gates) -> tuple[int, ...]:
     """The configuration vector compared across ranks, one int per _CONFIG_FIELDS entry (the shard length last)."""
-    cu = local["cu"]
-    packed = cu is not None
     return (LAYOUTS.index(local["layout"]), _EXCHANGES.index(local["exchange"]), *local["nsa"][:-1],
-            _group.scale_code(local["nsa"][-1]), _gate_mask(gates), _group.stable_code(chk.dtype_name(q.dtype)),
-            _group.stable_code(q.device.type), len(cu) - 1 if packed else -1, cu[-1] if packed else -1,
-            _group.stable_code(repr(cu)) if packed else 0, 0 if packed else q.shape[0], q.shape[-2], k.shape[-2],
-            q.shape[-1], v.shape[-1], q.shape[0 if packed else 1])
+            _group.scale_code(local["nsa"][-1]), _gate_mask(gates), *_group.tensor_values(q, k, v, local["cu"]))
 
 
 def _chunk_error(q: Tensor, k: Tensor, v: Tensor, gates, local: dict) -> Optional[SparseAttnError]:
