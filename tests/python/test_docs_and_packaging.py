@@ -12,6 +12,7 @@ import pytest
 from helpers import require_sparseattn
 
 sa = require_sparseattn()
+import sparseattn.cache  # noqa: E402
 import sparseattn.compat  # noqa: E402
 import sparseattn.hf  # noqa: E402
 import sparseattn.functional  # noqa: E402
@@ -24,6 +25,7 @@ def public_callables():
     items += [(f"{cls.__name__}.forward", cls.forward) for cls in (sa.NativeSparseAttention,
                                                                     sa.NativeSparseAttentionCore)]
     items += [(f"compat.{name}", getattr(sparseattn.compat, name)) for name in sparseattn.compat.__all__]
+    items += [(f"cache.{name}", getattr(sparseattn.cache, name)) for name in sparseattn.cache.__all__]
     items += [(f"hf.{name}", getattr(sparseattn.hf, name)) for name in sparseattn.hf.__all__]
     return items
 
@@ -52,7 +54,7 @@ def test_docstring_sections(name, obj):
 
 
 @pytest.mark.parametrize("module", [sa, sparseattn.functional, sparseattn.modules, sparseattn.compat,
-                                    sparseattn.hf],
+                                    sparseattn.hf, sparseattn.cache],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     finder = doctest.DocTestFinder(exclude_empty=True)
