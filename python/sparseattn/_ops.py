@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from . import _topk_mask
 
 Tensors = tuple[Tensor, ...]
 
@@ -827,6 +828,8 @@ def create_mask(
     window_left: int,
     window_right: int,
 ) -> Tensor:
+    if bias.is_cuda:  # torch's sorts on the device: the C++ API has no CUDA kernel of create_mask
+        return _topk_mask.create_mask(bias, key_padding_mask, keep, causal, window_left, window_right)
     mask = torch.empty(bias.shape, dtype=torch.bool, device=bias.device)
     _C.create_mask(_arr(bias), _arr(key_padding_mask), mask, keep, causal, window_left, window_right, _stream(bias))
     return mask

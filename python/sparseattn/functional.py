@@ -776,7 +776,8 @@ def create_mask(bias: Tensor, keep: int, *, causal: bool = False, key_padding_ma
     :func:`flash_attention`), its ``key_padding_mask`` entry is True and its bias is not NaN (NaN is never
     kept). Ties go to the lower key index; when at most ``keep`` keys are visible all of them are kept; a row
     with none is all False. Not differentiable: pass the result as ``flash_attention(..., mask=m, bias=bias)``.
-    CPU only today.
+    CUDA tensors are ranked with torch's stable sorts on the device (in chunks of rows); the CPU runs the C++
+    reference. Both give the same mask.
 
     Args:
         bias: [B, H, T, S] in float16, bfloat16, float32 or float64 (H is Hq or Hkv). A broadcast bias such as
@@ -794,7 +795,6 @@ def create_mask(bias: Tensor, keep: int, *, causal: bool = False, key_padding_ma
         SparseAttnTypeError: an argument of the wrong type (``keep=2.0``, ``causal=1``).
         SparseAttnDTypeError: a non-float bias or a non-bool key_padding_mask.
         SparseAttnError: bias not 4-D, key_padding_mask not [B, S], keep < 1 or >= 2**31, mixed devices.
-        SparseAttnUnsupportedError: CUDA tensors (no CUDA kernel yet).
 
     Example:
         >>> import torch, sparseattn
