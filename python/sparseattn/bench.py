@@ -6,6 +6,7 @@ the cuDNN and flash backends), timed in the same process.
     python -m sparseattn.bench --shapes 64/4/128/128 --seqlens 8K 64K --no-stages
     python -m sparseattn.bench --inputs drifting                # q and k with locality (drifting_tokens)
     python -m sparseattn.bench --from-json bench/results/X.json # redo the markdown and plot of a run (no GPU)
+    SPARSEATTN_COMMIT=abc1234 python -m sparseattn.bench        # name the commit (a copy of the tree, a stale .git)
 
 Shapes are Hq/Hkv/Dqk/Dv; batch 1, causal, NSA defaults except --window. Cases run shortest T first (all shapes
 at one T, then the next T); JSON and markdown are rewritten after every case, so an interrupted run keeps what
@@ -550,11 +551,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def git_commit() -> str:
+    """The commit the reports name: SPARSEATTN_COMMIT when set (a copy of the tree whose .git is stale or absent, as on
+    the GPU machines), else git's HEAD, else "unknown"."""
+    if os.environ.get("SPARSEATTN_COMMIT"):
+        return os.environ["SPARSEATTN_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("SPARSEATTN_COMMIT", "unknown")
+        return "unknown"
 
 
 def report_stem(out: str, meta: dict) -> str:

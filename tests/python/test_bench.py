@@ -169,3 +169,10 @@ def test_inputs_mode_is_parsed_and_named_in_the_report_stem():
     meta = {"gpu": "NVIDIA H100", "date": "2026-11-27", "commit": "abc", "inputs": "drifting"}
     assert bench.report_stem("out", meta).endswith("_abc_drifting")
     assert bench.report_stem("out", {**meta, "inputs": "random"}).endswith("_abc")
+
+
+def test_the_commit_can_be_named_for_a_copy_of_the_tree(monkeypatch):
+    monkeypatch.setenv("SPARSEATTN_COMMIT", "abc1234")
+    assert bench.git_commit() == "abc1234"
+    monkeypatch.delenv("SPARSEATTN_COMMIT")
+    assert bench.git_commit() != "abc1234"
