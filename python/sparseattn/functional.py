@@ -19,6 +19,7 @@ import dataclasses
 from typing import Optional, Union
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from . import _C
@@ -683,7 +684,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
                   k_cmp: Optional[Tensor] = None, v_cmp: Optional[Tensor] = None,
                   block_indices: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
                   max_seqlen: Optional[int] = None, cu_seqlens_k: Optional[Tensor] = None,
-                  max_seqlen_k: Optional[int] = None) -> Tensor:
+                  max_seqlen_k: Optional[int] = None, recompute: bool = False) -> Tensor:
     """The whole Native Sparse Attention pipeline in one op.
 
     o = g_cmp*compressed + g_slc*selected + g_swa*sliding-window attention, where a branch whose gate is None
@@ -708,6 +709,11 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
         cu_seqlens_k: int32 [B+1], packed query chunks: the keys' sequences, S_b >= T_b keys each (needs
             cu_seqlens). None: the keys are q's.
         max_seqlen_k: an upper bound of the keys' packed lengths (None or 0: not known).
+        recompute: a bool. False (default): the forward keeps its workspace (the three branch outputs, their
+            log-sum-exps, the selection and the compressed K/V: about 50 KB per token at 64/4 heads, D = 128, bf16)
+            and the output for the backward. True: it keeps nothing beyond the inputs and the backward runs the
+            forward again first (torch.utils.checkpoint; the same deterministic result), one more NSA forward per
+            backward (docs/perf/2026-11-27-nsa-memory-budget.md).
 
     Returns:
         o [B, T, Hq, Dv] (packed [N, Hq, Dv]) in q's dtype.
@@ -742,6 +748,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
     if not isinstance(config, NSAConfig):
         raise chk.type_error(op, "config", "a sparseattn.NSAConfig or None", config)
     config._validate()
+    recompute = chk.bool_arg(op, "recompute", recompute)
     max_seqlen = chk.optional_int_arg(op, "max_seqlen", max_seqlen, minimum=0)
     max_seqlen_k = chk.optional_int_arg(op, "max_seqlen_k", max_seqlen_k, minimum=0)
     chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
@@ -760,11 +767,18 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
     cu_cmp = _cu_seqlens_cmp(cu_seqlens, None, config.cmp_block, config.cmp_stride, cu_seqlens_k)
     if block_indices is not None:
         block_indices = block_indices.detach()
-    o, _workspace = _ops.nsa_attention(
-        q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_cmp, max_seqlen,
-        int(config.cmp_block), int(config.cmp_stride), int(config.sel_block), int(config.num_selected),
-        int(config.num_init), int(config.num_local), int(config.window), chk.scale_arg(op, "scale", config.scale),
-        None if cu_seqlens_k is None else cu_seqlens_k.detach(), max_seqlen_k)
+    args = (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_cmp, max_seqlen,
+            int(config.cmp_block), int(config.cmp_stride), int(config.sel_block), int(config.num_selected),
+            int(config.num_init), int(config.num_local), int(config.window), chk.scale_arg(op, "scale", config.scale),
+            None if cu_seqlens_k is None else cu_seqlens_k.detach(), max_seqlen_k)
+    if recompute and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(_nsa_output, *args, use_reentrant=False)
+    return _nsa_output(*args)
+
+
+def _nsa_output(*args) -> Tensor:
+    """The output of the nsa_attention op (its workspace stays inside the autograd graph)."""
+    o, _workspace = _ops.nsa_attention(*args)
     return o
 
 

@@ -27,14 +27,17 @@ class NativeSparseAttentionCore(nn.Module):
 
     Args:
         config: an :class:`NSAConfig` (None: the defaults).
+        recompute: keep nothing for the backward beyond the inputs and run the forward again there (see
+            :func:`sparseattn.nsa_attention`).
 
     Raises:
-        SparseAttnTypeError: config is neither an NSAConfig nor None.
+        SparseAttnTypeError: config is neither an NSAConfig nor None, recompute not a bool.
     """
 
-    def __init__(self, config: Optional[NSAConfig] = None):
+    def __init__(self, config: Optional[NSAConfig] = None, recompute: bool = False):
         super().__init__()
         self.config = _config_arg("NativeSparseAttentionCore", config)
+        self.recompute = chk.bool_arg("NativeSparseAttentionCore", "recompute", recompute)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = None,
                 g_slc: Optional[Tensor] = None, g_swa: Optional[Tensor] = None, *,
@@ -72,10 +75,11 @@ class NativeSparseAttentionCore(nn.Module):
             True
         """
         return nsa_attention(q, k, v, g_cmp, g_slc, g_swa, config=self.config, cu_seqlens=cu_seqlens,
-                             max_seqlen=max_seqlen, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+                             max_seqlen=max_seqlen, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                             recompute=self.recompute)
 
     def extra_repr(self) -> str:
-        return repr(self.config)
+        return repr(self.config) + (", recompute=True" if self.recompute else "")
 
 
 def _device_arg(op: str, device):
@@ -155,6 +159,8 @@ class NativeSparseAttention(nn.Module):
         rotary: apply the rotary embedding to q and k; rope_theta: its base (finite, positive).
         bias: bias terms in the projections.
         device, dtype: of the parameters (dtype: float16, bfloat16, float32 or float64).
+        recompute: NSA keeps nothing for the backward beyond its inputs and runs again there (see
+            :func:`sparseattn.nsa_attention`).
 
     Raises:
         SparseAttnTypeError: an argument of the wrong type.
@@ -164,7 +170,7 @@ class NativeSparseAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  v_head_dim: Optional[int] = None, config: Optional[NSAConfig] = None, rotary: bool = True,
-                 rope_theta: float = 10000.0, bias: bool = False, device=None, dtype=None):
+                 rope_theta: float = 10000.0, bias: bool = False, device=None, dtype=None, recompute: bool = False):
         super().__init__()
         op = "NativeSparseAttention"
         hidden_size = chk.int_arg(op, "hidden_size", hidden_size, minimum=1)
@@ -203,7 +209,7 @@ class NativeSparseAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.v_head_dim, bias=bias, **factory)
         self.g_proj = nn.Linear(hidden_size, 3 * num_heads, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, hidden_size, bias=bias, **factory)
-        self.core = NativeSparseAttentionCore(config)
+        self.core = NativeSparseAttentionCore(config, recompute)
 
     @property
     def config(self) -> NSAConfig:
