@@ -12,6 +12,7 @@ from ._errors import SparseAttnDTypeError, SparseAttnError, SparseAttnTypeError,
 
 _C._set_error_types(SparseAttnError, SparseAttnDTypeError, SparseAttnUnsupportedError)
 
+from . import functional as _functional  # noqa: E402
 from .functional import (  # noqa: E402
     NSAConfig,
     combine,
@@ -32,7 +33,7 @@ __version__ = _C.__version__
 
 #: The (Dqk, Dv) head-dim pairs with CUDA kernels, e.g. ``((64, 64), (128, 128), (192, 128), (256, 256))``; the CPU
 #: reference takes any head dims.
-CUDA_HEAD_DIMS: tuple[tuple[int, int], ...] = tuple(tuple(pair) for pair in _C.cuda_head_dims())
+CUDA_HEAD_DIMS = _functional.CUDA_HEAD_DIMS
 
 
 def built_with_cuda() -> bool:

@@ -630,6 +630,18 @@ def section_notes(section: str, meta: dict, results: list[dict]) -> list[str]:
     return [""] + lines if lines else []
 
 
+def not_measured_lines(results: list[dict], label: Callable[[dict], str]) -> list[str]:
+    """The report's "Not measured" list: each failed measurement with its reason and the cases it failed in."""
+    failures: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        for key, reason in r.get("errors", {}).items():
+            failures.setdefault((f"{r['section']}: {key}", reason), []).append(label(r))
+    if not failures:
+        return []
+    return ["", "Not measured:", ""] + [f"- `{key}` at {'; '.join(cases)}: {reason}"
+                                        for (key, reason), cases in failures.items()]
+
+
 def markdown(meta: dict, results: list[dict], bars: list[dict]) -> str:
     lines = [f"# sparseattn flash-sparse benchmark: {meta['gpu']}, {meta['date']}, commit {meta['commit']}", "",
              f"dtype {meta['dtype']}, head dim {meta['head_dim']}, device {meta['device']}. Times in ms (median); "
@@ -644,13 +656,7 @@ def markdown(meta: dict, results: list[dict], bars: list[dict]) -> str:
         if rows:
             lines += ["", f"## {number}. {SECTION_TITLES[section]}", ""] + section_table(section, rows)
             lines += section_notes(section, meta, rows)
-    failures: dict[tuple[str, str], list[str]] = {}
-    for r in results:
-        for key, reason in r.get("errors", {}).items():
-            failures.setdefault((f"{r['section']}: {key}", reason), []).append(case_label(r))
-    if failures:
-        lines += ["", "Not measured:", ""]
-        lines += [f"- `{key}` at {'; '.join(cases)}: {reason}" for (key, reason), cases in failures.items()]
+    lines += not_measured_lines(results, case_label)
     return "\n".join(lines) + "\n"
 
 

@@ -89,7 +89,8 @@ import torch
 
 from . import bench
 from .bench import Case, Shape, fmt_ms, fmt_number, ratio, seqlen_label, time_cell
-from .bench_flash import WallClockTimer, decode_sdpa_mask, guarded, heads_first, peak_hbm_bytes_per_s
+from .bench_flash import (WallClockTimer, decode_sdpa_mask, guarded, heads_first, not_measured_lines,
+                          peak_hbm_bytes_per_s)
 from .decode import flash_decode
 from .functional import NSAConfig, compress_kv, nsa_attention
 
@@ -703,13 +704,7 @@ def markdown(meta: dict, results: list[dict], bars: list[dict]) -> str:
         rows = [r for r in results if r["section"] == section]
         if rows:
             lines += ["", f"## {number}. {SECTION_TITLES[section]}", ""] + tables[section](rows)
-    failures: dict[tuple[str, str], list[str]] = {}
-    for r in results:
-        for key, reason in r.get("errors", {}).items():
-            failures.setdefault((f"{r['section']}: {key}", reason), []).append(case_label(r))
-    if failures:
-        lines += ["", "Not measured:", ""]
-        lines += [f"- `{key}` at {'; '.join(cases)}: {reason}" for (key, reason), cases in failures.items()]
+    lines += not_measured_lines(results, case_label)
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,9 @@ from . import _tiles
 from . import decode as _decode
 from ._errors import SparseAttnError, make_error
 
+#: The (Dqk, Dv) head-dim pairs with CUDA kernels (sparseattn.CUDA_HEAD_DIMS), from the binding.
+CUDA_HEAD_DIMS: tuple[tuple[int, int], ...] = tuple(tuple(pair) for pair in _C.cuda_head_dims())
+
 __all__ = [
     "NSAConfig",
     "combine",
@@ -569,7 +572,7 @@ def _decode_shaped(q: Tensor, k: Tensor, v: Tensor, packed: bool, features: tupl
         return False
     if any(feature is not None for feature in features):
         return False
-    if (q.shape[-1], v.shape[-1]) not in _cuda_head_dims():
+    if (q.shape[-1], v.shape[-1]) not in CUDA_HEAD_DIMS:
         return False
     consistent = (k.dim() == 4 and v.dim() == 4 and k.shape[0] == q.shape[0] and k.shape[2] > 0
                   and q.shape[2] % k.shape[2] == 0 and k.shape[3] == q.shape[3] and v.shape[:3] == k.shape[:3]
@@ -580,10 +583,6 @@ def _decode_shaped(q: Tensor, k: Tensor, v: Tensor, packed: bool, features: tupl
 
 
 _DECODE_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _cuda_head_dims() -> tuple:
-    return tuple(tuple(pair) for pair in _C.cuda_head_dims())
 
 
 def _cuda_tile_states(q: Tensor, k: Tensor, mask: Optional[Tensor], block_mask: Optional[Tensor],

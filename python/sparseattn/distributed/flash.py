@@ -18,7 +18,7 @@ from .documents import host_cu_seqlens
 from .exchange import KeyExchange, reduce_to_owners
 from .calls import call_cu_seqlens, call_key_rows, call_views
 from .plan import METHODS, ContextPlan, choose_method, make_plan
-from .sharding import LAYOUTS, check_shard_lengths
+from .sharding import LAYOUTS, agreed_stream_length
 
 _OP = "distributed.flash_attention"
 _EXCHANGES = ("auto",) + METHODS
@@ -104,13 +104,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool
         error = exc
     rows = _group.agree(_OP, group, backends, _CONFIG_FIELDS, values, error, differ_ok=("the shard length",),
                         tensors_device=q.device if isinstance(q, Tensor) else None)
-    lengths = [row[-1] for row in rows]
-    total = sum(lengths)
-    check_shard_lengths(_OP, "q", lengths, total, config["layout"])
     cu = config["cu"]
-    if cu is not None and cu[-1] > total:
-        raise make_error(SparseAttnError, "value", _OP, "cu_seqlens",
-                         f"ends at {cu[-1]}, past the {total} tokens of the packed stream (the ranks' shards)")
+    total = agreed_stream_length(_OP, rows, config["layout"], cu)
     method = choose_method(config["exchange"], config["causal"], config["window"])
     plan = make_plan(total, size, rank, config["layout"], cu, config["causal"], config["window"], method)
     o, lse = _ShardedAttention.apply(q, k, v, plan, group, cu is None, config["causal"], config["scale"])

@@ -32,7 +32,7 @@ from .calls import call_key_rows, call_query_rows, call_views, int32_on
 from .documents import host_cu_seqlens
 from .exchange import KeyExchange, reduce_to_owners
 from .plan import METHODS, AttentionCall, ContextPlan, choose_method, make_plan
-from .sharding import LAYOUTS, check_shard_lengths
+from .sharding import LAYOUTS, agreed_stream_length
 
 _OP = "distributed.nsa_attention"
 _EXCHANGES = ("auto",) + METHODS
@@ -129,13 +129,8 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
         error = exc
     rows = _group.agree(_OP, group, backends, _CONFIG_FIELDS, values, error, differ_ok=("the shard length",),
                         tensors_device=q.device if isinstance(q, Tensor) else None)
-    lengths = [row[-1] for row in rows]
-    total = sum(lengths)
-    check_shard_lengths(_OP, "q", lengths, total, local["layout"])
     cu = local["cu"]
-    if cu is not None and cu[-1] > total:
-        raise make_error(SparseAttnError, "value", _OP, "cu_seqlens",
-                         f"ends at {cu[-1]}, past the {total} tokens of the packed stream (the ranks' shards)")
+    total = agreed_stream_length(_OP, rows, local["layout"], cu)
     plan = make_prefix_plan(total, size, rank, local["layout"], cu, local["exchange"])
     return _ShardedNSA.apply(q, k, v, *gates, plan, group, cu is None, local["nsa"])
 

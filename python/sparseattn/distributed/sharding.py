@@ -257,6 +257,19 @@ def check_shard_lengths(op: str, arg: str, lengths: list[int], total: int, layou
                          f"(cut the sequence with sparseattn.distributed.shard)")
 
 
+def agreed_stream_length(op: str, rows, layout: str, cu: Optional[list[int]]) -> int:
+    """The tokens of the sharded stream from the agreed configuration rows (each rank's shard length last), after
+    checking (identically on every rank) that the shards are `layout`'s and that the documents' cu_seqlens end
+    inside the stream."""
+    lengths = [row[-1] for row in rows]
+    total = sum(lengths)
+    check_shard_lengths(op, "q", lengths, total, layout)
+    if cu is not None and cu[-1] > total:
+        raise make_error(SparseAttnError, "value", op, "cu_seqlens",
+                         f"ends at {cu[-1]}, past the {total} tokens of the packed stream (the ranks' shards)")
+    return total
+
+
 def _token_dim(op: str, x, dim) -> int:
     if not isinstance(x, Tensor):
         raise make_error(SparseAttnTypeError, "type", op, "x", f"expected a torch.Tensor, got {type(x).__name__}")
