@@ -1,6 +1,6 @@
-"""Context-parallel flash_attention on 2 GPUs over NCCL, in bf16/fp16: each rank's shard of the output and of
+"""Context-parallel flash_attention on 2 and 4 GPUs over NCCL (each world size that the machine has), in bf16/fp16: each rank's shard of the output and of
 the q/k/v gradients against float64 (CPU reference), bounded by the single-GPU call's own error (see
-distributed_cases.lowp_violations); bit-identical reruns; bad input raising on both ranks."""
+distributed_cases.lowp_violations); bit-identical reruns; bad input raising on every rank."""
 
 import pytest
 import torch
@@ -13,19 +13,21 @@ import torch.distributed as dist  # noqa: E402
 from distributed_cases import lowp_violations  # noqa: E402
 from distributed_pool import Pool, RankError, values  # noqa: E402
 
-WORLD = 2
+WORLDS = (2, 4)
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA devices"),
+    pytest.mark.skipif(torch.cuda.device_count() < min(WORLDS), reason=f"needs {min(WORLDS)} CUDA devices"),
     pytest.mark.skipif(not sa.built_with_cuda(), reason="needs a CUDA build of sparseattn"),
     pytest.mark.skipif(not dist.is_available() or not dist.is_nccl_available(), reason="needs NCCL"),
 ]
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(WORLD, backend="nccl")
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def pool(request):
+    if torch.cuda.device_count() < request.param:
+        pytest.skip(f"needs {request.param} CUDA devices")
+    p = Pool(request.param, backend="nccl")
     yield p
     if not p.broken:
         p.close()
@@ -58,7 +60,7 @@ def test_matches_single_gpu(pool, kwargs):
     kwargs = dict(kwargs)
     dtype = kwargs.setdefault("dtype", "bfloat16")
     for rank, result in enumerate(values(pool.run("compare", **kwargs))):
-        bad = lowp_violations(result, WORLD, dtype)
+        bad = lowp_violations(result, pool.world_size, dtype)
         assert not bad, f"rank {rank}: {bad}"
         assert result["bit_equal"], f"rank {rank}: two runs differ"
 

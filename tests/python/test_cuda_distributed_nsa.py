@@ -1,6 +1,6 @@
-"""Context-parallel nsa_attention on 2 GPUs over NCCL, in bf16/fp16: each rank's shard of the output and of the
+"""Context-parallel nsa_attention on 2 and 4 GPUs over NCCL (each world size that the machine has), in bf16/fp16: each rank's shard of the output and of the
 gradients of q, k, v and the gates against float64 (CPU reference), bounded by the single-GPU call's own error
-(distributed_cases.lowp_violations); bit-identical reruns; bad input raising on both ranks.
+(distributed_cases.lowp_violations); bit-identical reruns; bad input raising on every rank.
 
 Most cases select every candidate block (num_selected at least the sequence's selection blocks), so that a near-tie
 of selection scores, which bf16 and float64 may break differently, cannot move a block; compression, the window and
@@ -20,11 +20,11 @@ import torch.distributed as dist  # noqa: E402
 from distributed_cases import lowp_violations  # noqa: E402
 from distributed_pool import Pool, RankError, values  # noqa: E402
 
-WORLD = 2
+WORLDS = (2, 4)
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA devices"),
+    pytest.mark.skipif(torch.cuda.device_count() < min(WORLDS), reason=f"needs {min(WORLDS)} CUDA devices"),
     pytest.mark.skipif(not sa.built_with_cuda(), reason="needs a CUDA build of sparseattn"),
     pytest.mark.skipif(not dist.is_available() or not dist.is_nccl_available(), reason="needs NCCL"),
 ]
@@ -32,9 +32,11 @@ pytestmark = [
 SMALL = dict(cmp_block=16, cmp_stride=8, sel_block=32, num_selected=64, num_init=1, num_local=2, window=64)
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(WORLD, backend="nccl")
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def pool(request):
+    if torch.cuda.device_count() < request.param:
+        pytest.skip(f"needs {request.param} CUDA devices")
+    p = Pool(request.param, backend="nccl")
     yield p
     if not p.broken:
         p.close()
@@ -84,7 +86,7 @@ def test_matches_single_gpu(pool, chunk_unsupported, kwargs):
     kwargs = dict(kwargs)
     dtype = kwargs.setdefault("dtype", "bfloat16")
     for rank, result in enumerate(values(pool.run("nsa_compare", **kwargs))):
-        bad = lowp_violations(result, WORLD, dtype)
+        bad = lowp_violations(result, pool.world_size, dtype)
         assert not bad, f"rank {rank}: {bad}; max differences to the single-GPU call: {result['max_diff_single']}"
         assert result["bit_equal"], f"rank {rank}: two runs differ"
 
@@ -110,7 +112,7 @@ def test_ranks_disagree(pool):
 
 
 def test_float32_is_rejected_on_every_rank(pool):
-    """The CUDA pipeline takes bf16/fp16: float32 CUDA tensors stop both ranks before the exchange."""
+    """The CUDA pipeline takes bf16/fp16: float32 CUDA tensors stop every rank before the exchange."""
     results = pool.run("nsa_call", dtype="float32", D=64)
     assert_every_rank_raises(results, "sparseattn.nsa_attention")
     assert all("SparseAttnUnsupportedError" in r.classes for r in results)
