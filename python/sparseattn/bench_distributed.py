@@ -15,7 +15,8 @@ steps after one warm-up step.
 Reported per R: the forward and forward + backward times; tokens per second (R x tokens per GPU / time); the token
 efficiency t_1 / t_R, which is (throughput at R) / (R x throughput at 1) since the sequence grows with R; the work
 efficiency, the same with NSA's FLOPs (bench.nsa_flops: the compressed branch grows with the square of the
-sequence, so R GPUs on an R times longer sequence have more than R times the work of one); the peak memory of a
+sequence, so R GPUs on an R times longer sequence have more than R times the work of one); with --whole, the
+same-length efficiency t_1(R x N) / (R x t_R) against one GPU timed on the whole sequence; the peak memory of a
 rank (the largest over ranks) above its inputs. Each --fit R:T runs one forward + backward step of T tokens over R
 GPUs in its own process group and records whether it ran (an out-of-memory error or a timeout is recorded as such)
 and its peak memory: the longest sequence a configuration holds is the longest fit that ran.
@@ -143,9 +144,10 @@ def worker(args: argparse.Namespace) -> None:
         sys.exit(3)
     mine = torch.tensor([statistics.median(result.get("fwd_ms") or [0.0]), statistics.median(result["fwd_bwd_ms"]),
                          -1.0 if peak is None else peak], dtype=torch.float64)
-    every = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
-        dist.all_gather(every, mine.to(device) if device.type == "cuda" else mine)
+        mine = mine.to(device)
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
         every = [t.cpu() for t in every]
     else:
         every = [mine]
@@ -187,12 +189,14 @@ def run_group(args: argparse.Namespace, ranks: int, tokens: int, repeats: int) -
             return result
         out = done.stdout + done.stderr
         reason = "out of memory" if "out of memory" in out else f"failed (exit {done.returncode})"
-        tail = [line for line in out.strip().splitlines() if line.strip()][-3:]
+        lines = [line.strip() for line in out.splitlines() if line.strip()]
+        tail = ([line for line in lines if "Error" in line] or lines)[-3:]
         return {"ranks": ranks, "tokens": tokens, "error": reason, "log_tail": tail, "wall_s": wall}
 
 
-def summarize(results: list[dict], shape: Shape, config: NSAConfig) -> None:
-    """Adds throughput and efficiencies (against the R = 1 result) to the timed results, in place."""
+def summarize(results: list[dict], shape: Shape, config: NSAConfig, wholes: tuple = ()) -> None:
+    """Adds throughput and efficiencies (against the R = 1 result, and against one GPU on the same sequence where
+    `wholes` has it) to the timed results, in place."""
     one = next((r for r in results if r["ranks"] == 1 and not r["error"]), None)
     for r in results:
         if r["error"]:
@@ -202,6 +206,9 @@ def summarize(results: list[dict], shape: Shape, config: NSAConfig) -> None:
         if one is not None:
             r["token_efficiency"] = r["tokens_per_s"] / (r["ranks"] * one["tokens_per_s"])
             r["work_efficiency"] = r["tflops"] / (r["ranks"] * one["tflops"])
+        whole = next((w for w in wholes if w["tokens"] == r["tokens"] and not w["error"]), None)
+        if whole is not None and r["ranks"] > 1:
+            r["same_length_efficiency"] = whole["fwd_bwd_ms"] / (r["ranks"] * r["fwd_bwd_ms"])
 
 
 def cell(value, digits: int = 1) -> str:
@@ -219,11 +226,12 @@ def markdown(meta: dict, timed: list[dict], fits: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in timed:
         if r["error"]:
-            lines.append(f"| {r['ranks']} | {seqlen_label(r['tokens'])} | {r['error']} | | | | | | |")
+            lines.append(f"| {r['ranks']} | {seqlen_label(r['tokens'])} | {r['error']} | | | | | | | |")
             continue
         lines.append(f"| {r['ranks']} | {seqlen_label(r['tokens'])} | {cell(r['fwd_ms'])} | {cell(r['fwd_bwd_ms'])} "
                      f"| {r['tokens_per_s']:,.0f} | {cell(r['tflops'])} | {cell(r.get('token_efficiency'), 2)} "
-                     f"| {cell(r.get('work_efficiency'), 2)} | {cell(r['peak_gib'])} |")
+                     f"| {cell(r.get('work_efficiency'), 2)} | {cell(r.get('same_length_efficiency'), 2)} "
+                     f"| {cell(r['peak_gib'])} |")
     if fits:
         lines += ["", "Fits (one forward + backward step each):", "",
                   "| ranks | tokens | runs | fwd+bwd ms | peak GiB per rank |", "|---|---|---|---|---|"]
@@ -267,6 +275,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fit", action="append", type=parse_fit, default=[], metavar="R:T",
                         help="also run one step of T tokens over R GPUs (repeatable)")
+    parser.add_argument("--whole", action="store_true",
+                        help="also time one GPU on each R > 1 sequence (R x tokens per GPU): the same-length "
+                             "efficiency t_1(R x N) / (R x t_R)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--case-timeout-s", type=int, default=600, help="limit of each process group")
     parser.add_argument("--out", default="bench/results")
@@ -301,10 +312,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         timed.append(run_group(args, ranks, ranks * args.tokens_per_gpu, args.repeats))
         print(f"[{time.monotonic() - started:.0f} s] {ranks} x {seqlen_label(args.tokens_per_gpu)}: {timed[-1]}",
               flush=True)
+    wholes = []
+    if args.whole:
+        for ranks in gpus:
+            if ranks > 1:
+                wholes.append(run_group(args, 1, ranks * args.tokens_per_gpu, args.repeats))
+                print(f"[{time.monotonic() - started:.0f} s] 1 x {seqlen_label(ranks * args.tokens_per_gpu)}: "
+                      f"{wholes[-1]}", flush=True)
     for ranks, tokens in args.fit:
         fits.append(run_group(args, ranks, tokens, 0))
         print(f"[{time.monotonic() - started:.0f} s] fit {ranks}:{seqlen_label(tokens)}: {fits[-1]}", flush=True)
-    summarize(timed, shape, config)
+    summarize(timed, shape, config, wholes)
     gpu = next((r["gpu"] for r in timed + fits if r.get("gpu")), args.device)
     meta = {"gpu": gpu, "max_ranks": max(gpus + [r for r, _ in args.fit]), "date": datetime.date.today().isoformat(),
             "commit": git_commit(), "torch": torch.__version__, "dtype": args.dtype, "shape": args.shape,
@@ -314,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     stem = os.path.join(args.out, f"{gpu.replace(' ', '_')}_{meta['date']}_{meta['commit']}_distributed")
     os.makedirs(args.out, exist_ok=True)
     with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "timed": timed, "fits": fits}, f, indent=1)
+        json.dump({"meta": meta, "timed": timed, "whole": wholes, "fits": fits}, f, indent=1)
     text = markdown(meta, timed, fits)
     with open(stem + ".md", "w") as f:
         f.write(text)

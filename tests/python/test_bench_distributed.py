@@ -20,7 +20,7 @@ SHAPE = bd.Shape.parse("4/1/32/32")
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_smoke_run_on_cpu(tmp_path, capsys):
     bd.main(["--device", "cpu", "--dtype", "float32", "--gpus", "1", "2", "--tokens-per-gpu", "200", "--heads", "4/1",
-             "--dim", "32", "--config", SMALL, "--repeats", "1", "--out", str(tmp_path)])
+             "--dim", "32", "--config", SMALL, "--repeats", "1", "--whole", "--out", str(tmp_path)])
     (json_path,) = tmp_path.glob("cpu_*_distributed.json")
     saved = json.loads(json_path.read_text())
     timed = saved["timed"]
@@ -29,9 +29,12 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["peak_gib"] is None
     assert timed[0]["token_efficiency"] == pytest.approx(1.0)
     assert timed[1]["token_efficiency"] == pytest.approx(timed[0]["fwd_bwd_ms"] / timed[1]["fwd_bwd_ms"])
+    (whole,) = saved["whole"]
+    assert (whole["ranks"], whole["tokens"], whole["error"]) == (1, 400, None)
+    assert timed[1]["same_length_efficiency"] == pytest.approx(whole["fwd_bwd_ms"] / (2 * timed[1]["fwd_bwd_ms"]))
     assert saved["meta"]["config"]["num_selected"] == 4 and saved["meta"]["shape"] == "4/1/32/32"
     text = json_path.with_suffix(".md").read_text()
-    assert "| 2 | 400 |" in text and "token efficiency" in text
+    assert "| 2 | 400 |" in text and "same-length efficiency" in text
     assert "wrote" in capsys.readouterr().out
 
 
