@@ -239,6 +239,11 @@ class NSAPagedKVCache(PagedKVCache):
         As PagedKVCache, plus ``config`` (NSAConfig: cmp_block, cmp_stride and the rest of :meth:`nsa_decode`'s
         config) and ``max_seqs`` (live sequences at once, default 8).
 
+    Raises:
+        SparseAttnError: what PagedKVCache raises; a max_seqs that is not positive; add_sequence when every
+            compressed slot is taken.
+        SparseAttnTypeError: a config that is not an NSAConfig.
+
     Example:
         >>> import torch, sparseattn
         >>> from sparseattn.cache import NSAPagedKVCache

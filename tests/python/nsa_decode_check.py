@@ -19,7 +19,7 @@ def paged_case(lengths, Tq, Hq, Hkv, Dqk, Dv, page_size, cfg, dtype, generator, 
     opts = dict(dtype=torch.float64, generator=generator)
     max_pages = max(-(-L // page_size) for L in lengths) + 1
     shared_pages = shared_prefix // page_size
-    own = [-(-L // page_size) - shared_pages for L in lengths]
+    own = [max(-(-L // page_size) - shared_pages, 0) for L in lengths]
     num_pages = shared_pages + sum(own) + spare_pages
     order = torch.randperm(num_pages, generator=generator).tolist()
     k_pages = torch.randn(num_pages, page_size, Hkv, Dqk, **opts) * scale
