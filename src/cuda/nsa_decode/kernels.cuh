@@ -379,6 +379,20 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   }
   __syncthreads();
 
+  // The weight of split p's pooled scores of head h: exp(lse_{p,h} - lse_h), in shared memory where they fit.
+  __shared__ float split_weight[kSplitWeights];
+  const bool weights_shared = used * a.group <= kSplitWeights;
+  const auto weight_of = [&](int p, int h) {
+    const float lse = lse_of_head[h], split_lse = a.cmp_lse[p * rows_q + head_row0 + h];
+    return lse == -INFINITY || split_lse == -INFINITY ? 0.f : expf(split_lse - lse);
+  };
+  if (weights_shared) {
+    for (int i = threadIdx.x; i < used * a.group; i += kSelectThreads) {
+      split_weight[i] = weight_of(i / a.group, i % a.group);
+    }
+  }
+  __syncthreads();
+
   const int candidates = pos >= 0 ? pos / a.sel_block + 1 : 0;
   float* const scores = a.scores + a.list_of(b, t, kv_head) * a.max_blocks;
   const i64 span_blocks = i64{a.split_rows} * a.cmp_stride / a.sel_block;  // blocks per split
@@ -388,14 +402,12 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
     const i64 j_hi = min(i64{visible} - 1, (block_end - 1) / a.cmp_stride);
     float score = 0.f;
     if (j_lo <= j_hi) {
-      for (i64 p = j_lo / a.split_rows; p <= j_hi / a.split_rows; ++p) {
+      for (int p = static_cast<int>(j_lo / a.split_rows); p <= static_cast<int>(j_hi / a.split_rows); ++p) {
         const i64 local = blk - p * span_blocks;
+        const float* const partial = a.cmp_score + (p * rows_q + head_row0) * a.score_span + local;
         for (int h = 0; h < a.group; ++h) {
-          const float lse = lse_of_head[h];
-          const i64 row = p * rows_q + head_row0 + h;
-          const float split_lse = a.cmp_lse[row];
-          if (lse == -INFINITY || split_lse == -INFINITY) continue;
-          score += expf(split_lse - lse) * a.cmp_score[row * a.score_span + local];
+          const float w = weights_shared ? split_weight[p * a.group + h] : weight_of(p, h);
+          score += w * partial[h * a.score_span];
         }
       }
     }

@@ -17,6 +17,8 @@ inline constexpr int kTileKeys = 64;    // keys per pipeline stage: four 16-key 
 inline constexpr int kChunkKeys = 16;   // the unit of a page lookup and of a key mask interval
 inline constexpr int kChunks = kTileKeys / kChunkKeys;
 inline constexpr int kSelectThreads = 256;
+// Split weights of the select kernel kept in shared memory (splits x group); more are recomputed where used.
+inline constexpr int kSplitWeights = 4096;
 // The compressed split's logits stay in shared memory for the pooling (16 rows x split_rows floats).
 inline constexpr std::int64_t kMaxSplitRows = 512;
 inline constexpr std::int64_t kMaxTilesPerPiece = 8;
