@@ -564,25 +564,35 @@ __global__ void __launch_bounds__(kThreads) nsa_decode_sparse_kernel(NsaDecodeAr
                      piece * rows_q + a.row_of(b, t, kv_head * a.group));
 }
 
-// o of one row from `count` partials at partial_o[p * rows_q * Dv + row * Dv] in order p = 0 .. count - 1, for
-// column c (every thread of the CTA computes the same weights).
+// o of one row from `count` partials at partial_o[p * rows_q * Dv + row * Dv], p = first .. first + count - 1 in
+// order, for column c: M = max lse_p, o = sum_p exp(lse_p - M) o_p / sum_p exp(lse_p - M). The lse values and
+// weights go through shared memory (up to kMergeShared partials; beyond, each thread reads them itself), and
+// every thread forms M and the sum in the same order, so all agree.
 template <int Dv>
 __device__ __forceinline__ float merge_partials(const float* partial_o, const float* partial_lse, i64 rows_q, i64 row,
-                                                int first, int count, int c) {
+                                                int first, int count, int c, float* staged_lse) {
+  const bool shared = count <= kMergeShared;
+  if (shared) {
+    __syncthreads();  // the previous branch's staged lse values are read
+    for (int p = c; p < count; p += Dv) staged_lse[p] = partial_lse[(first + p) * rows_q + row];
+    __syncthreads();
+  }
+  const auto lse_at = [&](int p) { return shared ? staged_lse[p] : partial_lse[(first + p) * rows_q + row]; };
   float row_max = -INFINITY;
-  for (int p = first; p < first + count; ++p) row_max = fmaxf(row_max, partial_lse[p * rows_q + row]);
+  for (int p = 0; p < count; ++p) row_max = fmaxf(row_max, lse_at(p));
   if (row_max == -INFINITY) return 0.f;
   float sum = 0.f, out = 0.f;
-  for (int p = first; p < first + count; ++p) {
-    const float w = expf(partial_lse[p * rows_q + row] - row_max);
+  for (int p = 0; p < count; ++p) {
+    const float w = expf(lse_at(p) - row_max);
     sum += w;
-    out += w * partial_o[(p * rows_q + row) * Dv + c];
+    out += w * partial_o[((first + p) * rows_q + row) * Dv + c];
   }
   return out / sum;
 }
 
 template <class T, int Dv>
 __global__ void __launch_bounds__(Dv) nsa_decode_combine_kernel(NsaDecodeArgs<T> a) {
+  __shared__ float staged_lse[kMergeShared];
   const i64 row = blockIdx.x;  // (b, t, h)
   const int h = static_cast<int>(row % a.q_heads);
   const int t = static_cast<int>(row / a.q_heads % a.q_len);
@@ -593,15 +603,16 @@ __global__ void __launch_bounds__(Dv) nsa_decode_combine_kernel(NsaDecodeArgs<T>
   if (a.has_cmp) {
     const int pos = a.length(b) - a.q_len + t;
     const int used = (a.visible_cmp(pos) + a.split_rows - 1) / a.split_rows;
-    out += to_float(a.gate[0].at(b, t, h)) * merge_partials<Dv>(a.cmp_o, a.cmp_lse, rows_q, row, 0, used, c);
+    out += to_float(a.gate[0].at(b, t, h)) *
+           merge_partials<Dv>(a.cmp_o, a.cmp_lse, rows_q, row, 0, used, c, staged_lse);
   }
   if (a.has_sel) {
     out += to_float(a.gate[1].at(b, t, h)) *
-           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, 0, a.sel_pieces, c);
+           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, 0, a.sel_pieces, c, staged_lse);
   }
   if (a.has_swa) {
     out += to_float(a.gate[2].at(b, t, h)) *
-           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, a.sel_pieces, a.swa_pieces, c);
+           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, a.sel_pieces, a.swa_pieces, c, staged_lse);
   }
   a.o.row(b, t, h)[c] = from_float<T>(out);
 }
