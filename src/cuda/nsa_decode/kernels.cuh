@@ -565,8 +565,8 @@ __global__ void __launch_bounds__(kThreads) nsa_decode_sparse_kernel(NsaDecodeAr
 }
 
 // o of one row from `count` partials at partial_o[p * rows_q * Dv + row * Dv], p = first .. first + count - 1 in
-// order, for column c: M = max lse_p, o = sum_p exp(lse_p - M) o_p / sum_p exp(lse_p - M). The lse values and
-// weights go through shared memory (up to kMergeShared partials; beyond, each thread reads them itself), and
+// order, for column c: M = max lse_p, o = sum_p exp(lse_p - M) o_p / sum_p exp(lse_p - M). The lse values go
+// through shared memory (up to kMergeShared partials; beyond, each thread reads them itself), and
 // every thread forms M and the sum in the same order, so all agree.
 template <int Dv>
 __device__ __forceinline__ float merge_partials(const float* partial_o, const float* partial_lse, i64 rows_q, i64 row,
