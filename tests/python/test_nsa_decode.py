@@ -115,3 +115,15 @@ def test_bad_inputs_raise_before_any_work():
         _bad(case, q=torch.zeros(2, 17, 4, 8))()
     with pytest.raises(sparseattn.SparseAttnTypeError, match=r"nsa_decode.*config"):
         _bad(case, config="defaults")()
+
+
+def test_custom_op_fake_impl_and_compile():
+    g = torch.Generator().manual_seed(13)
+    case = paged_case([40, 70], 2, 4, 2, 8, 8, 16, SMALL, torch.float32, g)
+    args = (case["q"], case["k_pages"], case["v_pages"], case["block_table"], case["cache_seqlens"], case["k_cmp"],
+            case["v_cmp"], *case["gates"], SMALL.cmp_block, SMALL.cmp_stride, SMALL.sel_block, SMALL.num_selected,
+            SMALL.num_init, SMALL.num_local, SMALL.window, None, 0, True)
+    torch.library.opcheck(torch.ops.sparseattn.nsa_decode.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda *a: call(case, SMALL), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(), call(case, SMALL), rtol=0, atol=0)
