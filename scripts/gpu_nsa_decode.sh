@@ -20,10 +20,10 @@ echo "build: $(( $(date +%s) - start )) s"
 echo "tests: rc $? at $(( $(date +%s) - start )) s"; tail -25 "$out/tests.log"
 cd /tmp
 timeout "${BENCH1_S:-100}" python3 -m sparseattn.bench_inference --sections decode --decode-batches 1 \
-  --decode-contexts 8K 32K 64K 128K --out "$out" --time-budget-s $(( ${BENCH1_S:-100} - 30 )) >"$out/bench_b1.log" 2>&1
+  --decode-contexts 8K 32K 64K 128K --out "$out/b1" --time-budget-s $(( ${BENCH1_S:-100} - 30 )) >"$out/bench_b1.log" 2>&1
 echo "bench B=1: rc $? at $(( $(date +%s) - start )) s"
 timeout "${BENCH2_S:-80}" python3 -m sparseattn.bench_inference --sections decode --decode-batches 64 \
-  --decode-contexts 32K --out "$out" --time-budget-s $(( ${BENCH2_S:-80} - 30 )) >"$out/bench_b64.log" 2>&1
+  --decode-contexts 32K --out "$out/b64" --time-budget-s $(( ${BENCH2_S:-80} - 30 )) >"$out/bench_b64.log" 2>&1
 echo "bench B=64: rc $? at $(( $(date +%s) - start )) s"
 grep -h '^bar ' "$out/bench_b1.log" "$out/bench_b64.log" | grep -v 'no case'
-grep -h 'NSA decode, paged\|flash_decode, paged' "$out"/*_inference.md | head -20
+grep -h 'NSA decode, paged\|flash_decode, paged' "$out"/b1/*_inference.md "$out"/b64/*_inference.md | head -20
