@@ -61,7 +61,7 @@ class TileWindow {
   static constexpr int kPerLane = kTileWindowPerLane;
   static constexpr int kWindow = 32 * kPerLane;
 
-  // The first present candidate in [it, end), or end. classify(first, end, kinds) returns this lane's kinds of
+  // The first present candidate in [it, end), or end. classify(first, end) returns this lane's kinds of
   // candidates first + kPerLane lane + i in bits [2 i, 2 i + 2) (absent at or past end).
   template <class Classify>
   __device__ __forceinline__ i64 next(i64 it, i64 end, Classify&& classify) {
