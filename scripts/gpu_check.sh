@@ -26,9 +26,11 @@ index="${part%/*}" parts="${part#*/}"
 mapfile -t files < <(ls tests/python/test_*.py | sort | awk -v i="$index" -v n="$parts" '(NR - 1) % n == i - 1')
 echo "part $part: ${#files[@]} test files"
 # The "big" tests need most of the GPU's memory, so they run one at a time after the parallel run.
-python3 -m pytest "${files[@]}" -q -n 8 -p no:cacheprovider -m "not big" --junitxml="$out/pytest.xml" "$@" 2>&1 |
-  tee "$out/pytest.log" | tail -25 || status=1
-[[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+# -v: one line per test as it finishes, so that a run cut short by the call's time limit still names its failures.
+python3 -m pytest "${files[@]}" -v -n 8 -p no:cacheprovider -m "not big" --junitxml="$out/pytest.xml" "$@" \
+  >"$out/pytest.log" 2>&1 || status=1
+grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/pytest.log" | tail -40
+grep -E "\] (FAILED|ERROR) " "$out/pytest.log" | head -40
 python3 -m pytest "${files[@]}" -q -p no:cacheprovider -m big --junitxml="$out/pytest-big.xml" "$@" 2>&1 |
   tee "$out/pytest-big.log" | tail -10 || status=1
 [[ ${PIPESTATUS[0]} -eq 0 || ${PIPESTATUS[0]} -eq 5 ]] || status=1  # 5: -k selected none of them
