@@ -14,7 +14,10 @@ A step with cached keys runs NSA for the new tokens against every key so far (bo
 the rows the full forward gives for those positions: greedy ``generate()`` equals re-running the full forward on
 the growing sequence. Without gradients, a :class:`SparseAttnCache` also keeps the compressed keys and values
 (mean pooling, appended as their blocks complete), so a decode step pools only its new blocks instead of the whole
-cache; any other cache makes NSA pool every cached key at every step. Limits: sequences in a batch have equal
+cache, and a step of 1 to 16 new tokens runs :func:`sparseattn.nsa_decode` over the cache's buffer seen as pages
+of 64 keys (the NSA decode kernels on CUDA; where they do not take the shapes, e.g. a group above 16 query heads
+per KV head, the layer falls back to :func:`sparseattn.nsa_attention` for good); any other cache makes NSA pool
+every cached key at every step. Limits: sequences in a batch have equal
 lengths (no padding: an attention mask with zeros is refused).
 
 Needs the ``transformers`` package (imported when this module is).
@@ -32,6 +35,13 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ._errors import SparseAttnError, SparseAttnUnsupportedError, make_error
 from .functional import NSAConfig, compress_kv, nsa_attention
+from .nsa_decode import nsa_decode
+
+# A SparseAttnCacheLayer's token-major buffer [B, capacity, Hkv, D] is seen by nsa_decode as pages of this many keys
+# (capacity a multiple of it): a multiple of 16, as the CUDA decode kernels need.
+DECODE_PAGE_SIZE = 64
+# The most new tokens per sequence that nsa_decode takes in one step.
+DECODE_MAX_QUERIES = 16
 
 __all__ = ["NSALlamaConfig", "NSALlamaForCausalLM", "NSAAttention", "SparseAttnCache"]
 
@@ -108,6 +118,7 @@ class NSAAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.g_proj = nn.Linear(config.hidden_size, 3 * self.num_heads, bias=True)
+        self.decode_unsupported: Optional[str] = None  # why nsa_decode refused this layer's steps, once it has
 
     def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
                 attention_mask: Optional[Tensor] = None, past_key_values: Optional[Cache] = None,
@@ -149,7 +160,14 @@ class NSAAttention(nn.Module):
                 compressed = {"k_cmp": k_cmp, "v_cmp": v_cmp}
         gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, tokens, 3, self.num_heads).to(q.dtype)
         g_cmp, g_slc, g_swa = (gates[:, :, i] for i in range(3))
-        o = nsa_attention(q, k, v, g_cmp, g_slc, g_swa, config=self.nsa, **compressed)
+        o = None
+        if compressed and tokens <= DECODE_MAX_QUERIES and self.decode_unsupported is None:
+            try:
+                o = past_key_values.layers[self.layer_idx].nsa_decode(q, g_cmp, g_slc, g_swa, self.nsa)
+            except SparseAttnUnsupportedError as error:  # raised before any launch: take the general path
+                self.decode_unsupported = str(error)
+        if o is None:
+            o = nsa_attention(q, k, v, g_cmp, g_slc, g_swa, config=self.nsa, **compressed)
         return self.o_proj(o.reshape(batch, tokens, -1)), None
 
 
@@ -244,6 +262,19 @@ class SparseAttnCacheLayer(DynamicLayer):
         """The compressed keys and values [B, rows, Hkv, D] of the blocks complete in the cache (views)."""
         return self._k_cmp[:, : self.cmp_rows], self._v_cmp[:, : self.cmp_rows]
 
+    def nsa_decode(self, q: Tensor, g_cmp: Tensor, g_slc: Tensor, g_swa: Tensor, config: NSAConfig) -> Tensor:
+        """:func:`sparseattn.nsa_decode` of the new queries q [B, Tq, Hq, D] (their keys already appended) over this
+        layer's keys, seen as pages of DECODE_PAGE_SIZE keys (sequence b's pages in order), and its compressed
+        rows (needs an update that named the compression). No copy of the cache, no host synchronisation."""
+        batch, capacity = self._keys.shape[:2]
+        pages = capacity // DECODE_PAGE_SIZE
+        k_pages = self._keys.view(batch * pages, DECODE_PAGE_SIZE, *self._keys.shape[2:])
+        v_pages = self._values.view(batch * pages, DECODE_PAGE_SIZE, *self._values.shape[2:])
+        block_table = torch.arange(batch * pages, dtype=torch.int32, device=q.device).view(batch, pages)
+        lengths = torch.full((batch,), self.length, dtype=torch.int32, device=q.device)
+        return nsa_decode(q, k_pages, v_pages, block_table=block_table, cache_seqlens=lengths, k_cmp=self._k_cmp,
+                          v_cmp=self._v_cmp, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, config=config)
+
     def _views(self) -> None:
         self.keys = self._keys[:, : self.length].transpose(1, 2)
         self.values = self._values[:, : self.length].transpose(1, 2)
@@ -252,7 +283,7 @@ class SparseAttnCacheLayer(DynamicLayer):
         capacity = self._keys.shape[1]
         if length <= capacity:
             return
-        capacity = max(length, 2 * capacity, 256)
+        capacity = -(-max(length, 2 * capacity, 256) // DECODE_PAGE_SIZE) * DECODE_PAGE_SIZE
         keys = self._keys.new_empty(self._keys.shape[0], capacity, *self._keys.shape[2:])
         values = self._values.new_empty(self._values.shape[0], capacity, *self._values.shape[2:])
         keys[:, : self.length] = self._keys[:, : self.length]

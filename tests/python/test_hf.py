@@ -149,3 +149,48 @@ def test_decode_steps_pool_only_their_new_blocks(monkeypatch):
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                    past_key_values=hf.SparseAttnCache())
     assert pooled and max(pooled[2:]) <= 8  # after the prefill (one call per layer), a block's 8 tokens at most
+
+
+def greedy_reference(model, ids, new_tokens):
+    sequence = ids
+    for _ in range(new_tokens):
+        next_token = model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        sequence = torch.cat([sequence, next_token], dim=1)
+    return sequence
+
+
+def test_decode_steps_run_nsa_decode_over_the_cache_pages(monkeypatch):
+    """Each step of 1 new token runs sparseattn.nsa_decode over the cache's buffer seen as pages (the prefill runs
+    nsa_attention); the tokens equal the full forward's."""
+    model = tiny_model(seed=6)
+    ids = torch.randint(1, 48, (2, 25))
+    calls = []
+    real = hf.nsa_decode
+
+    def recording(q, k_pages, v_pages, **kwargs):
+        calls.append((q.shape[1], k_pages.shape[1], int(kwargs["cache_seqlens"][0]), kwargs["block_table"].shape))
+        return real(q, k_pages, v_pages, **kwargs)
+
+    monkeypatch.setattr(hf, "nsa_decode", recording)
+    generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, do_sample=False,
+                               past_key_values=hf.SparseAttnCache())
+    assert torch.equal(generated, greedy_reference(model, ids, 9))
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 8 * layers  # the 8 steps after the prefill, every layer
+    assert all(tq == 1 and page == hf.DECODE_PAGE_SIZE for tq, page, _, _ in calls)
+    assert [length for _, _, length, _ in calls[::layers]] == list(range(26, 34))
+    assert all(layer.self_attn.decode_unsupported is None for layer in model.model.layers)
+
+
+def test_a_layer_that_nsa_decode_refuses_falls_back_to_nsa_attention(monkeypatch):
+    model = tiny_model(seed=7)
+    ids = torch.randint(1, 48, (1, 20))
+
+    def refusing(*args, **kwargs):
+        raise hf.SparseAttnUnsupportedError("sparseattn.nsa_decode: argument 'q': not taken here")
+
+    monkeypatch.setattr(hf, "nsa_decode", refusing)
+    generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                               past_key_values=hf.SparseAttnCache())
+    assert torch.equal(generated, greedy_reference(model, ids, 6))
+    assert all("not taken here" in layer.self_attn.decode_unsupported for layer in model.model.layers)
