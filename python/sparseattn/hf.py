@@ -267,6 +267,9 @@ class SparseAttnCacheLayer(DynamicLayer):
         layer's keys, seen as pages of DECODE_PAGE_SIZE keys (sequence b's pages in order), and its compressed
         rows (needs an update that named the compression). No copy of the cache, no host synchronisation."""
         batch, capacity = self._keys.shape[:2]
+        if capacity % DECODE_PAGE_SIZE or not (self._keys.is_contiguous() and self._values.is_contiguous()):
+            raise make_error(SparseAttnUnsupportedError, "unsupported", "SparseAttnCache", "keys",
+                             f"a buffer of {capacity} tokens is not whole contiguous pages of {DECODE_PAGE_SIZE}")
         pages = capacity // DECODE_PAGE_SIZE
         k_pages = self._keys.view(batch * pages, DECODE_PAGE_SIZE, *self._keys.shape[2:])
         v_pages = self._values.view(batch * pages, DECODE_PAGE_SIZE, *self._values.shape[2:])

@@ -194,3 +194,16 @@ def test_a_layer_that_nsa_decode_refuses_falls_back_to_nsa_attention(monkeypatch
                                past_key_values=hf.SparseAttnCache())
     assert torch.equal(generated, greedy_reference(model, ids, 6))
     assert all("not taken here" in layer.self_attn.decode_unsupported for layer in model.model.layers)
+
+
+def test_a_cache_buffer_that_is_not_whole_pages_is_refused_before_decoding():
+    cache = hf.SparseAttnCache()
+    cache.update(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8), 0, {"cmp_block": 8, "cmp_stride": 4})
+    layer = cache.layers[0]
+    assert layer._keys.shape[1] % hf.DECODE_PAGE_SIZE == 0
+    layer._keys = layer._keys[:, :100]  # as a caller's own buffer might be
+    g = torch.rand(1, 1, 4)
+    with pytest.raises(hf.SparseAttnUnsupportedError, match="whole contiguous pages"):
+        layer.nsa_decode(torch.randn(1, 1, 4, 8), g, g, g, sparseattn.NSAConfig(cmp_block=8, cmp_stride=4,
+                                                                               sel_block=8, num_selected=2,
+                                                                               num_local=1, window=8))
