@@ -18,7 +18,7 @@ from torch import Tensor
 from . import _checks as chk
 from ._errors import SparseAttnError, make_error
 from .decode import flash_decode
-from .functional import NSAConfig
+from .functional import NSAConfig, nsa_attention
 from .nsa_decode import nsa_decode
 
 __all__ = ["NSAPagedKVCache", "PagedKVCache"]
@@ -343,3 +343,36 @@ class NSAPagedKVCache(PagedKVCache):
                           cache_seqlens=self.seqlens(seqs), k_cmp=k_cmp, v_cmp=v_cmp, g_cmp=g_cmp, g_slc=g_slc,
                           g_swa=g_swa, config=self.config, num_splits=num_splits,
                           return_block_indices=return_block_indices)
+
+    def prefill(self, q: Tensor, seq: int, *, g_cmp: Optional[Tensor] = None, g_slc: Optional[Tensor] = None,
+                g_swa: Optional[Tensor] = None) -> Tensor:
+        """NSA for a chunk of ``seq``'s new tokens against everything the sequence holds (prefill, chunked prefill):
+        q [1, T, Hq, D] are the queries of its last T tokens, already appended (:meth:`append` wrote their keys,
+        values and the compressed rows they complete). The sequence's keys and values are gathered from their pages
+        into contiguous copies ([1, L, Hkv, D], :meth:`gather`) and its compressed rows are passed as they are, so
+        the result is :func:`sparseattn.nsa_attention`'s query chunk: the rows the full forward gives at those
+        positions (the same compressed blocks, selection, window and gates). Any T from 1 to the sequence's length;
+        for steps of 1 to 16 tokens :meth:`nsa_decode` reads the pages in place instead. Differentiable as
+        nsa_attention is, with respect to q and the gates (the cache's tensors are leaves).
+
+        Args:
+            q: [1, T, Hq, D] in the cache's dtype and device.
+            seq: a live sequence of this cache holding at least T tokens.
+            g_cmp, g_slc, g_swa: [1, T, Hq] gates; a branch whose gate is None is skipped (at least one).
+
+        Returns:
+            o [1, T, Hq, Dv].
+
+        Raises:
+            SparseAttnError: an unknown sequence, a q that is not one sequence of at most the sequence's length
+                tokens, and what nsa_attention raises.
+        """
+        self._check_ids([seq])
+        chk.tensor_arg(_OP, "q", q)
+        if q.dim() != 4 or q.shape[0] != 1 or not 1 <= q.shape[1] <= self._lengths[seq]:
+            raise _error("q", f"expected [1, T, Hq, D] with 1 <= T <= {self._lengths[seq]} (the sequence's tokens), "
+                              f"got {list(q.shape)}", "shape")
+        keys, values = self.gather(seq)
+        rows, slot = self.compressed_rows(seq), self._slot[seq]
+        return nsa_attention(q, keys[None], values[None], g_cmp, g_slc, g_swa, config=self.config,
+                             k_cmp=self.k_cmp[slot: slot + 1, :rows], v_cmp=self.v_cmp[slot: slot + 1, :rows])

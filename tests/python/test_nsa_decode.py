@@ -127,3 +127,31 @@ def test_custom_op_fake_impl_and_compile():
                           test_utils=("test_schema", "test_faketensor"))
     compiled = torch.compile(lambda *a: call(case, SMALL), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(), call(case, SMALL), rtol=0, atol=0)
+
+
+def test_chunked_prefill_over_the_paged_cache_gives_the_full_forward_rows():
+    """NSAPagedKVCache.prefill: chunks of 23, 1, 40 and 17 tokens appended then attended, on a sequence and on a
+    fork that shares its prefix pages (a partial one included), give the rows of nsa_attention over the whole
+    sequence."""
+    g = torch.Generator().manual_seed(11)
+    Hq, Hkv, D, L = 4, 2, 8, 81
+    cache = NSAPagedKVCache(num_pages=24, page_size=16, num_kv_heads=Hkv, head_dim=D, max_pages_per_seq=8,
+                            config=SMALL, dtype=torch.float64)
+    q, k, v = (torch.randn(1, L, h, D, dtype=torch.float64, generator=g) for h in (Hq, Hkv, Hkv))
+    gates = [torch.rand(1, L, Hq, dtype=torch.float64, generator=g) for _ in range(3)]
+    full = sparseattn.nsa_attention(q, k, v, *gates, config=SMALL)
+    seq = cache.add_sequence()
+
+    def chunk(s, a, b):
+        cache.append([s], k[:, a:b], v[:, a:b])
+        o = cache.prefill(q[:, a:b], s, g_cmp=gates[0][:, a:b], g_slc=gates[1][:, a:b], g_swa=gates[2][:, a:b])
+        torch.testing.assert_close(o, full[:, a:b], rtol=1e-12, atol=1e-12)
+
+    chunk(seq, 0, 23)
+    chunk(seq, 23, 24)
+    child = cache.fork(seq)  # shares page 0 and the partial page 1, copied when the first of them writes to it
+    for s in (seq, child):
+        chunk(s, 24, 64)
+        chunk(s, 64, 81)
+    with pytest.raises(sparseattn.SparseAttnError, match="1 <= T <= 81"):
+        cache.prefill(q[:, :0], seq, g_swa=gates[2][:, :0])
