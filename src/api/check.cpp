@@ -235,6 +235,25 @@ void Check::buffer(const void* data, std::size_t bytes, std::size_t needed, cons
 
 DType lse_dtype(DType input) { return input == DType::float64 ? DType::float64 : DType::float32; }
 
+std::int32_t int32_at(const TensorView& t, std::initializer_list<std::int64_t> index) {
+  std::int64_t offset = 0;
+  int d = 0;
+  for (std::int64_t i : index) offset += i * t.stride[d++];
+  return static_cast<const std::int32_t*>(t.data)[offset];
+}
+
+void check_block_table_pages(const Check& check, const TensorView& block_table, std::int64_t b, std::int64_t length,
+                             std::int64_t page_size, std::int64_t num_pages) {
+  const std::int64_t used = (length + page_size - 1) / page_size;
+  for (std::int64_t j = 0; j < used; ++j) {
+    const std::int64_t page = int32_at(block_table, {b, j});
+    check.require(page >= 0 && page < num_pages, ErrorKind::value, "block_table",
+                  "entry [" + std::to_string(b) + ", " + std::to_string(j) + "] is " + std::to_string(page) +
+                      ", outside the " + std::to_string(num_pages) + " pages of k_cache (sequence " +
+                      std::to_string(b) + " reads its first " + std::to_string(used) + " entries)");
+  }
+}
+
 double resolve_scale(const Check& check, const std::optional<double>& scale, std::int64_t dim) {
   if (!scale) return softmax_scale(scale, dim);
   check.require(std::isfinite(*scale) && *scale > 0, ErrorKind::config, "scale",

@@ -80,6 +80,14 @@ class Check {
 // float32 for 16- and 32-bit inputs, float64 for float64 inputs.
 DType lse_dtype(DType input);
 
+// Element `index` (row-major over t's shape) of a CPU int32 tensor of any strides.
+std::int32_t int32_at(const TensorView& t, std::initializer_list<std::int64_t> index);
+
+// A paged cache's block table on the CPU: the entries that sequence b's `length` keys use (the first
+// ceil(length / page_size) of row b) name pages in [0, num_pages).
+void check_block_table_pages(const Check& check, const TensorView& block_table, std::int64_t b, std::int64_t length,
+                             std::int64_t page_size, std::int64_t num_pages);
+
 // 1/sqrt(dim) unless the caller chose a scale (which must be finite and positive).
 double resolve_scale(const Check& check, const std::optional<double>& scale, std::int64_t dim);
 

@@ -20,6 +20,8 @@ namespace sparseattn {
 
 namespace {
 
+using detail::int32_at;
+
 struct FlashShapes {
   detail::TokenLayout layout_q, layout_k;
   std::int64_t q_heads = 0, kv_heads = 0, dim_qk = 0, dim_v = 0;
@@ -113,14 +115,6 @@ void check_gates(const detail::Check& check, const FlashGateOptions& gates, cons
                 "must be positive, got " + std::to_string(gates.threshold_block_q));
   check.require(gates.threshold_block_k > 0, ErrorKind::config, "threshold_block_k",
                 "must be positive, got " + std::to_string(gates.threshold_block_k));
-}
-
-// Element `index` (row-major over t's shape) of a CPU int32 tensor of any strides.
-std::int32_t int32_at(const TensorView& t, std::initializer_list<std::int64_t> index) {
-  std::int64_t offset = 0;
-  int d = 0;
-  for (std::int64_t i : index) offset += i * t.stride[d++];
-  return static_cast<const std::int32_t*>(t.data)[offset];
 }
 
 // Each sequence's (query count, key count): from the batched shapes, or from cu_seqlens (CPU only; empty on

@@ -23,11 +23,6 @@ struct DecodeShapes {
   std::int64_t capacity = 0;  // keys a sequence can hold: S, or max_pages * page_size
 };
 
-// Element i (any stride) of a CPU int32 tensor of rank 1, or (i, j) of rank 2.
-std::int32_t int32_at(const TensorView& t, std::int64_t i, std::int64_t j = 0) {
-  return static_cast<const std::int32_t*>(t.data)[i * t.stride[0] + (t.rank > 1 ? j * t.stride[1] : 0)];
-}
-
 // Shapes, dtypes, devices and options; on the CPU also the contents of cache_seqlens and block_table.
 DecodeShapes check_decode(const detail::Check& check, const FlashDecodeParams& p) {
   const TensorView& q = p.q;
@@ -99,20 +94,12 @@ DecodeShapes check_decode(const detail::Check& check, const FlashDecodeParams& p
 
   if (q.device != DeviceType::cpu) return s;
   for (std::int64_t b = 0; b < s.batch; ++b) {
-    const std::int64_t length = p.cache_seqlens.present() ? int32_at(p.cache_seqlens, b) : s.capacity;
+    const std::int64_t length = p.cache_seqlens.present() ? detail::int32_at(p.cache_seqlens, {b}) : s.capacity;
     check.require(length >= 0 && length <= s.capacity, ErrorKind::value, "cache_seqlens",
                   "entry " + std::to_string(b) + " is " + std::to_string(length) + ", outside [0, " +
                       std::to_string(s.capacity) + "] (the keys a sequence's cache holds: " +
                       (s.paged ? "max_pages x page_size" : "S") + ")");
-    if (!s.paged) continue;
-    const std::int64_t used = (length + s.page_size - 1) / s.page_size;
-    for (std::int64_t j = 0; j < used; ++j) {
-      const std::int64_t page = int32_at(p.block_table, b, j);
-      check.require(page >= 0 && page < s.num_pages, ErrorKind::value, "block_table",
-                    "entry [" + std::to_string(b) + ", " + std::to_string(j) + "] is " + std::to_string(page) +
-                        ", outside the " + std::to_string(s.num_pages) + " pages of k_cache (sequence " +
-                        std::to_string(b) + " reads its first " + std::to_string(used) + " entries)");
-    }
+    if (s.paged) detail::check_block_table_pages(check, p.block_table, b, length, s.page_size, s.num_pages);
   }
   return s;
 }

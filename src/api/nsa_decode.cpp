@@ -32,10 +32,6 @@ struct NsaDecodeShapes {
   bool compressed = false;  // the compressed attention runs: g_cmp, or selection (g_slc) needs its probabilities
 };
 
-std::int32_t int32_at(const TensorView& t, std::int64_t i, std::int64_t j = 0) {
-  return static_cast<const std::int32_t*>(t.data)[i * t.stride[0] + (t.rank > 1 ? j * t.stride[1] : 0)];
-}
-
 NsaDecodeShapes check_nsa_decode(const detail::Check& check, const NsaDecodeParams& p) {
   NsaDecodeShapes s;
   const TensorView& q = p.q;
@@ -122,19 +118,12 @@ NsaDecodeShapes check_nsa_decode(const detail::Check& check, const NsaDecodePara
 
   if (q.device != DeviceType::cpu) return s;
   for (std::int64_t b = 0; b < s.batch; ++b) {
-    const std::int64_t length = int32_at(p.cache_seqlens, b);
+    const std::int64_t length = detail::int32_at(p.cache_seqlens, {b});
     check.require(length >= s.q_len && length <= s.capacity, ErrorKind::value, "cache_seqlens",
                   "entry " + std::to_string(b) + " is " + std::to_string(length) + ", outside [Tq, capacity] = [" +
                       std::to_string(s.q_len) + ", " + std::to_string(s.capacity) +
                       "] (the new queries are among the cached keys; capacity = max_pages x page_size)");
-    const std::int64_t used = (length + s.page_size - 1) / s.page_size;
-    for (std::int64_t j = 0; j < used; ++j) {
-      const std::int64_t page = int32_at(p.block_table, b, j);
-      check.require(page >= 0 && page < s.num_pages, ErrorKind::value, "block_table",
-                    "entry [" + std::to_string(b) + ", " + std::to_string(j) + "] is " + std::to_string(page) +
-                        ", outside the " + std::to_string(s.num_pages) + " pages of k_cache (sequence " +
-                        std::to_string(b) + " reads its first " + std::to_string(used) + " entries)");
-    }
+    detail::check_block_table_pages(check, p.block_table, b, length, s.page_size, s.num_pages);
     if (s.compressed) {
       const std::int64_t rows = num_compressed_blocks(length, c.cmp_block, c.cmp_stride);
       check.require(rows <= s.max_cmp, ErrorKind::value, "k_cmp",
@@ -212,10 +201,10 @@ void nsa_decode_cpu(const NsaDecodeParams& p, const NsaDecodeShapes& s) {
   const std::size_t elem = element_size(p.q.dtype);
   std::vector<unsigned char> k_buf, v_buf, kc_buf, vc_buf, workspace, scratch, o_cmp, lse_cmp, select_ws;
   for (std::int64_t b = 0; b < s.batch; ++b) {
-    const std::int64_t length = int32_at(p.cache_seqlens, b);
+    const std::int64_t length = detail::int32_at(p.cache_seqlens, {b});
     const auto paged_row = [&](const TensorView& cache) {
       return [&, b](std::int64_t key) {
-        const std::int64_t page = int32_at(p.block_table, b, key / s.page_size);
+        const std::int64_t page = detail::int32_at(p.block_table, {b, key / s.page_size});
         return static_cast<const unsigned char*>(cache.data) +
                static_cast<std::size_t>(page * cache.stride[0] + (key % s.page_size) * cache.stride[1]) * elem;
       };
