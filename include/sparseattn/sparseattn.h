@@ -10,6 +10,7 @@
 #include "sparseattn/flash_decode.h"
 #include "sparseattn/head_dims.h"
 #include "sparseattn/nsa_attention.h"
+#include "sparseattn/nsa_decode.h"
 #include "sparseattn/select_blocks.h"
 #include "sparseattn/selected_attention.h"
 #include "sparseattn/sequences.h"

@@ -27,6 +27,7 @@ from .functional import (  # noqa: E402
 )
 from .modules import NativeSparseAttention, NativeSparseAttentionCore  # noqa: E402
 from .decode import flash_decode  # noqa: E402
+from .nsa_decode import nsa_decode  # noqa: E402
 from . import compat, distributed  # noqa: E402,F401
 
 __version__ = _C.__version__
@@ -75,6 +76,7 @@ __all__ = [
     "flash_attention",
     "flash_decode",
     "nsa_attention",
+    "nsa_decode",
     "select_blocks",
     "selected_attention",
 ]

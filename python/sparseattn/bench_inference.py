@@ -23,11 +23,16 @@ Heads --heads (64/4), head dim --head-dim (128) for q, k and v, dtype --dtype (b
               sdpa_cudnn      torch SDPA with the cuDNN backend, and sdpa_flash with the flash backend, on
               sdpa_flash      [B, H, S, D] views, enable_gqa=True (no mask for Tq = 1, else a bool bottom-right
                               mask); "fastest SDPA" is the faster of the two that ran.
+              nsa_decode      sparseattn.nsa_decode over the same K/V seen as pages of 64 keys (block table
+                              [B, S/64], each sequence its own pages) with k_cmp, v_cmp = compress_kv(k, v) as the
+                              compressed cache: the paged NSA decode kernels. Same rows as nsa.
+              flash_decode_paged  flash_decode over those pages: our dense decode over the same paged cache.
             Each method is timed eagerly (bench.py's timer) and as the replay of a CUDA graph captured once per
             shape (warm-up on a side stream, then torch.cuda.graph); a failed capture is recorded with its reason
             and the eager time stands. Reported: ms per step, tokens/s = B * Tq / step time, time / flash_decode
             time, time / fastest SDPA time, and for the dense methods the K/V bytes read per second.
-            Bars (graph times, Tq = 1; checked for nsa, and shown for nsa_cmp_given as a variant):
+            Bars (graph times, Tq = 1; checked for nsa and for nsa_decode against flash_decode_paged, and shown
+            for nsa_cmp_given as a variant):
               at 128K, B = 1: NSA step <= 0.12 ms, and NSA time / flash_decode time <= 0.25;
               at 32K, B = 64: NSA tokens/s / flash_decode tokens/s >= 5.
   prefill   Chunked prefill: C new tokens (--prefill-chunk 8K) against a cache of S keys (--prefill-context 128K:
@@ -93,12 +98,16 @@ from .bench_flash import (WallClockTimer, decode_sdpa_mask, guarded, heads_first
                           peak_hbm_bytes_per_s)
 from .decode import flash_decode
 from .functional import NSAConfig, compress_kv, nsa_attention
+from .nsa_decode import nsa_decode
 
 SECTIONS = ("decode", "prefill", "generate")
 SECTION_TITLES = {"decode": "Decode step against a KV cache", "prefill": "Chunked prefill",
                   "generate": "model.generate() of a ~1B Llama"}
-DECODE_METHODS = ("nsa", "nsa_cmp_given", "flash_decode", "sdpa_cudnn", "sdpa_flash")
-DENSE_DECODE_METHODS = ("flash_decode", "sdpa_cudnn", "sdpa_flash")
+DECODE_METHODS = ("nsa", "nsa_cmp_given", "flash_decode", "sdpa_cudnn", "sdpa_flash", "nsa_decode",
+                  "flash_decode_paged")
+DENSE_DECODE_METHODS = ("flash_decode", "sdpa_cudnn", "sdpa_flash", "flash_decode_paged")
+#: The page size of the paged decode methods (the dense cache's memory seen as pages, no copy).
+DECODE_PAGE_SIZE = 64
 SDPA_METHODS = ("sdpa_cudnn", "sdpa_flash")
 MODES = ("graph", "eager")
 PREFILL_METHODS = ("chunk", "full", "chunked")
@@ -109,6 +118,8 @@ METHOD_LABELS = {
     "flash_decode": "sparseattn flash_decode",
     "sdpa_cudnn": "SDPA cuDNN",
     "sdpa_flash": "SDPA flash",
+    "nsa_decode": "NSA decode, paged (nsa_decode)",
+    "flash_decode_paged": "sparseattn flash_decode, paged",
     "chunk": "one chunk",
     "full": "full forward",
     "chunked": "all chunks in order",
@@ -160,7 +171,7 @@ class Bar:
                          for field, value in self.at)
 
 
-def decode_bars(method: str, variant: bool) -> tuple:
+def decode_bars(method: str, variant: bool, dense: str = "flash_decode") -> tuple:
     label = METHOD_LABELS[method]
     at_128k, at_32k = (("context", 131072), ("batch", 1), ("queries", 1)), (("context", 32768), ("batch", 64),
                                                                              ("queries", 1))
@@ -168,14 +179,15 @@ def decode_bars(method: str, variant: bool) -> tuple:
     return (
         Bar("decode", f"decode: {label} step from a CUDA graph at 128K, B=1 <= 0.12 ms", ("times_ms", graph),
             at_128k, 0.12, False, (graph,), variant),
-        Bar("decode", f"decode: {label} / flash_decode time (graphs) at 128K, B=1 <= 0.25",
-            ("time_vs_flash_decode", graph), at_128k, 0.25, False, (graph, "flash_decode_graph"), variant),
-        Bar("decode", f"decode: {label} tokens/s / flash_decode tokens/s (graphs) at 32K, B=64 >= 5",
-            ("speedup_vs_flash_decode", graph), at_32k, 5.0, True, (graph, "flash_decode_graph"), variant),
+        Bar("decode", f"decode: {label} / {dense} time (graphs) at 128K, B=1 <= 0.25",
+            (f"time_vs_{dense}", graph), at_128k, 0.25, False, (graph, f"{dense}_graph"), variant),
+        Bar("decode", f"decode: {label} tokens/s / {dense} tokens/s (graphs) at 32K, B=64 >= 5",
+            (f"speedup_vs_{dense}", graph), at_32k, 5.0, True, (graph, f"{dense}_graph"), variant),
     )
 
 
-BARS = (decode_bars("nsa", False) + decode_bars("nsa_cmp_given", True) + (
+BARS = (decode_bars("nsa", False) + decode_bars("nsa_cmp_given", True)
+        + decode_bars("nsa_decode", False, "flash_decode_paged") + (
     Bar("prefill", "prefill: chunk tokens/s / full-forward tokens/s >= 0.9", ("tokens_per_s_vs_full", "chunk"), (),
         0.9, True, ("chunk", "full")),
     Bar("generate", "generate: NSA decode tokens/s / SDPA decode tokens/s at a 64K prompt >= 3",
@@ -260,6 +272,7 @@ def summarize(result: dict, element_bytes: int) -> dict:
                               * (shape["dim_qk"] + shape["dim_v"]) * element_bytes)
         result["tokens_per_s"], result["time_vs_flash_decode"], result["speedup_vs_flash_decode"] = {}, {}, {}
         result["time_vs_sdpa_best"], result["kv_bytes_per_s"], result["sdpa_best"] = {}, {}, {}
+        result["time_vs_flash_decode_paged"], result["speedup_vs_flash_decode_paged"] = {}, {}
         for mode in MODES:
             ran = [(times[f"{m}_{mode}"], m) for m in SDPA_METHODS if times.get(f"{m}_{mode}") is not None]
             best = min(ran)[1] if ran else None
@@ -271,6 +284,9 @@ def summarize(result: dict, element_bytes: int) -> dict:
                 result["tokens_per_s"][key] = None if ms is None else tokens / (ms * 1e-3)
                 result["time_vs_flash_decode"][key] = ratio(ms, dense_ms)
                 result["speedup_vs_flash_decode"][key] = ratio(dense_ms, ms)
+                paged_ms = times.get(f"flash_decode_paged_{mode}")
+                result["time_vs_flash_decode_paged"][key] = ratio(ms, paged_ms)
+                result["speedup_vs_flash_decode_paged"][key] = ratio(paged_ms, ms)
                 result["time_vs_sdpa_best"][key] = ratio(ms, times.get(f"{best}_{mode}") if best else None)
                 if method in DENSE_DECODE_METHODS:
                     result["kv_bytes_per_s"][key] = None if ms is None else result["kv_bytes"] / (ms * 1e-3)
@@ -387,11 +403,36 @@ def random_gates(batch: int, tokens: int, heads: int, device: str, dtype: torch.
 # ------------------------------------------------------------------------------------------------ sections
 
 
+def paged_view(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense cache [B, S, Hkv, D] seen as pages [B*S/P, P, Hkv, D] of DECODE_PAGE_SIZE keys (the same memory;
+    a copy padded to whole pages where P does not divide S) and the block table int32 [B, ceil(S/P)] that gives
+    each sequence its own pages in order."""
+    batch, context = k.shape[:2]
+    pages = -(-context // DECODE_PAGE_SIZE)
+
+    def as_pages(t: torch.Tensor) -> torch.Tensor:
+        if context % DECODE_PAGE_SIZE:
+            padded = t.new_zeros(batch, pages * DECODE_PAGE_SIZE, *t.shape[2:])
+            padded[:, :context] = t
+            t = padded
+        return t.view(batch * pages, DECODE_PAGE_SIZE, *t.shape[2:])
+
+    table = torch.arange(batch * pages, dtype=torch.int32, device=k.device).view(batch, pages)
+    return as_pages(k), as_pages(v), table
+
+
 def decode_steps(q, k, v, gates, k_cmp, v_cmp, config: NSAConfig) -> dict[str, Callable[[], object]]:
-    """The step of every decode method on the same q, K/V cache and gates (k_cmp, v_cmp: compress_kv(k, v))."""
+    """The step of every decode method on the same q, K/V cache and gates (k_cmp, v_cmp: compress_kv(k, v)); the
+    paged methods read the same K/V memory as pages (paged_view)."""
     batch, context = k.shape[:2]
     cache_seqlens = torch.full((batch,), context, dtype=torch.int32, device=q.device)
+    k_pages, v_pages, table = paged_view(k, v)
     return {
+        "nsa_decode": lambda: nsa_decode(q, k_pages, v_pages, block_table=table, cache_seqlens=cache_seqlens,
+                                         k_cmp=k_cmp, v_cmp=v_cmp, g_cmp=gates[0], g_slc=gates[1], g_swa=gates[2],
+                                         config=config),
+        "flash_decode_paged": lambda: flash_decode(q, k_pages, v_pages, cache_seqlens=cache_seqlens,
+                                                   block_table=table, causal=True),
         "nsa": lambda: nsa_attention(q, k, v, *gates, config=config),
         "nsa_cmp_given": lambda: nsa_attention(q, k, v, *gates, config=config, k_cmp=k_cmp, v_cmp=v_cmp),
         "flash_decode": lambda: flash_decode(q, k, v, cache_seqlens=cache_seqlens, causal=True),
@@ -418,10 +459,12 @@ def run_decode(case: Case, args, config: NSAConfig, device: str) -> None:
     except (RuntimeError, ValueError) as error:
         k_cmp = v_cmp = None
         for mode in MODES:
-            case.fail(f"nsa_cmp_given_{mode}", "skipped: compress_kv failed: " + bench.failure_reason(error, []))
+            for method in ("nsa_cmp_given", "nsa_decode"):
+                case.fail(f"{method}_{mode}", "skipped: compress_kv failed: " + bench.failure_reason(error, []))
     steps = decode_steps(q, k, v, gates, k_cmp, v_cmp, config)
-    for method in DECODE_METHODS:
-        if k_cmp is None and method == "nsa_cmp_given":
+    # The paged methods first: under a time budget they are the ones the bars of nsa_decode need.
+    for method in sorted(DECODE_METHODS, key=lambda m: m not in ("nsa_decode", "flash_decode_paged")):
+        if k_cmp is None and method in ("nsa_cmp_given", "nsa_decode"):
             continue
         measure_step(case, method, steps[method], device)
 

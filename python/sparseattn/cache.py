@@ -18,8 +18,10 @@ from torch import Tensor
 from . import _checks as chk
 from ._errors import SparseAttnError, make_error
 from .decode import flash_decode
+from .functional import NSAConfig
+from .nsa_decode import nsa_decode
 
-__all__ = ["PagedKVCache"]
+__all__ = ["NSAPagedKVCache", "PagedKVCache"]
 
 _OP = "PagedKVCache"
 
@@ -222,3 +224,122 @@ class PagedKVCache:
         self._refs[old] -= 1
         self._refs[page] = 1
         self._pages[seq][-1] = page
+
+
+class NSAPagedKVCache(PagedKVCache):
+    """A :class:`PagedKVCache` that also keeps each sequence's compressed rows for NSA decode.
+
+    Compressed row ``j`` of a sequence is the mean of its keys (and values) ``[j*d, j*d + l)``; it is appended by
+    :meth:`append` as soon as the sequence holds ``j*d + l`` tokens and never recomputed (docs/semantics.md section
+    11, "The compressed rows of a cache"). The rows live in ``k_cmp``/``v_cmp`` [max_seqs, max_cmp, Hkv, D], one
+    slot per live sequence; :meth:`nsa_decode` passes the slots of its sequences (a view when they are consecutive
+    slots in order, else a gathered copy).
+
+    Args:
+        As PagedKVCache, plus ``config`` (NSAConfig: cmp_block, cmp_stride and the rest of :meth:`nsa_decode`'s
+        config) and ``max_seqs`` (live sequences at once, default 8).
+
+    Raises:
+        SparseAttnError: what PagedKVCache raises; a max_seqs that is not positive; add_sequence when every
+            compressed slot is taken.
+        SparseAttnTypeError: a config that is not an NSAConfig.
+
+    Example:
+        >>> import torch, sparseattn
+        >>> from sparseattn.cache import NSAPagedKVCache
+        >>> cfg = sparseattn.NSAConfig(cmp_block=4, cmp_stride=2, sel_block=16, num_selected=2, window=8)
+        >>> cache = NSAPagedKVCache(num_pages=8, page_size=16, num_kv_heads=1, head_dim=8, max_pages_per_seq=4,
+        ...                         config=cfg)
+        >>> a = cache.add_sequence()
+        >>> cache.append([a], torch.randn(1, 7, 1, 8), torch.randn(1, 7, 1, 8))
+        >>> cache.compressed_rows(a)                     # rows of tokens 0..3 and 2..5
+        2
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *, max_pages_per_seq: int,
+                 config: Optional[NSAConfig] = None, max_seqs: int = 8, v_head_dim: Optional[int] = None,
+                 dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"):
+        super().__init__(num_pages, page_size, num_kv_heads, head_dim, max_pages_per_seq=max_pages_per_seq,
+                         v_head_dim=v_head_dim, dtype=dtype, device=device)
+        self.config = NSAConfig() if config is None else config
+        if not isinstance(self.config, NSAConfig):
+            raise chk.type_error(_OP, "config", "a sparseattn.NSAConfig", config)
+        chk.int_arg(_OP, "max_seqs", max_seqs, minimum=1)
+        self.max_cmp = self._rows(max_pages_per_seq * page_size)
+        shape = (max_seqs, max(self.max_cmp, 1), num_kv_heads)
+        self.k_cmp = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+        self.v_cmp = torch.zeros(*shape, self.v_pages.shape[-1], dtype=dtype, device=device)
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self._slot: dict[int, int] = {}
+
+    def _rows(self, length: int) -> int:
+        l, d = self.config.cmp_block, self.config.cmp_stride
+        return 0 if length < l else (length - l) // d + 1
+
+    def compressed_rows(self, seq: int) -> int:
+        """Compressed rows ``seq`` holds: rows(length)."""
+        return self._rows(self.length(seq))
+
+    def slot(self, seq: int) -> int:
+        """The row of ``k_cmp``/``v_cmp`` that holds ``seq``'s compressed rows."""
+        self._check_ids([seq])
+        return self._slot[seq]
+
+    def add_sequence(self) -> int:
+        if not self._free_slots:
+            raise _error("max_seqs", f"all {len(self._slot)} compressed slots are taken")
+        seq = super().add_sequence()
+        self._slot[seq] = self._free_slots.pop()
+        return seq
+
+    def fork(self, seq: int) -> int:
+        child = super().fork(seq)
+        rows = self.compressed_rows(seq)
+        src, dst = self._slot[seq], self._slot[child]
+        self.k_cmp[dst, :rows].copy_(self.k_cmp[src, :rows])
+        self.v_cmp[dst, :rows].copy_(self.v_cmp[src, :rows])
+        return child
+
+    def free(self, seq: int) -> None:
+        super().free(seq)
+        self._free_slots.append(self._slot.pop(seq))
+
+    def append(self, seqs: Sequence[int], k: Tensor, v: Tensor) -> None:
+        """As :meth:`PagedKVCache.append`, then the compressed rows whose blocks the new tokens complete."""
+        before = {seq: self.length(seq) for seq in seqs}
+        super().append(seqs, k, v)
+        l, d = self.config.cmp_block, self.config.cmp_stride
+        for seq in seqs:
+            first, last = self._rows(before[seq]), self._rows(self._lengths[seq])
+            if last == first:
+                continue
+            pages = torch.tensor(self._pages[seq], dtype=torch.long)
+            tokens = torch.arange(first, last)[:, None] * d + torch.arange(l)[None, :]  # [rows, l]
+            slots = (pages[tokens // self.page_size] * self.page_size + tokens % self.page_size).to(self.k_pages.device)
+            flat_k = self.k_pages.view(-1, *self.k_pages.shape[2:])
+            flat_v = self.v_pages.view(-1, *self.v_pages.shape[2:])
+            slot = self._slot[seq]
+            acc = torch.float64 if self.k_cmp.dtype == torch.float64 else torch.float32  # as compress_kv
+            self.k_cmp[slot, first:last] = flat_k[slots].to(acc).mean(1).to(self.k_cmp.dtype)
+            self.v_cmp[slot, first:last] = flat_v[slots].to(acc).mean(1).to(self.v_cmp.dtype)
+
+    def compressed(self, seqs: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """k_cmp, v_cmp [len(seqs), max_cmp, Hkv, D] of the sequences: a view when their slots are consecutive and
+        in order, else a copy."""
+        self._check_ids(seqs)
+        slots = [self._slot[seq] for seq in seqs]
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return self.k_cmp[slots[0]: slots[0] + len(slots)], self.v_cmp[slots[0]: slots[0] + len(slots)]
+        index = torch.tensor(slots, dtype=torch.long, device=self.k_cmp.device)
+        return self.k_cmp[index], self.v_cmp[index]
+
+    def nsa_decode(self, q: Tensor, seqs: Sequence[int], *, g_cmp: Optional[Tensor] = None,
+                   g_slc: Optional[Tensor] = None, g_swa: Optional[Tensor] = None, num_splits: int = 0,
+                   return_block_indices: bool = False):
+        """:func:`sparseattn.nsa_decode` of q [len(seqs), Tq, Hq, D] (the sequences' last Tq tokens, already
+        appended) against the sequences' pages and compressed rows, with this cache's config."""
+        k_cmp, v_cmp = self.compressed(seqs)
+        return nsa_decode(q, self.k_pages, self.v_pages, block_table=self.block_table(seqs),
+                          cache_seqlens=self.seqlens(seqs), k_cmp=k_cmp, v_cmp=v_cmp, g_cmp=g_cmp, g_slc=g_slc,
+                          g_swa=g_swa, config=self.config, num_splits=num_splits,
+                          return_block_indices=return_block_indices)

@@ -681,4 +681,5 @@ NB_MODULE(_C, m) {
       "bias"_a, "key_padding_mask"_a.none(), "mask"_a, "keep"_a, "causal"_a, "window_left"_a, "window_right"_a,
       "stream"_a);
   { void bind_flash_decode(nb::module_&); bind_flash_decode(m); }  // src/binding/flash_decode.cpp
+  { void bind_nsa_decode(nb::module_&); bind_nsa_decode(m); }  // src/binding/nsa_decode.cpp
 }

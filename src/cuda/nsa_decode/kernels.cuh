@@ -1,0 +1,620 @@
+// The kernels of nsa_decode on CUDA (bf16/fp16 in, fp32 accumulate), four launches per call:
+//
+//  1. nsa_decode_compressed_kernel: a CTA per (compressed split, KV head, query, sequence). Its 16 rows are the
+//     group's query heads (G <= 16, padded), which share the query position a; it attends to the visible
+//     compressed rows of its split on mma.sync m16n8k16 (Q K^T and P V), each of the 4 warps taking one 16-row
+//     chunk of every 64-row tile, and writes the split's partial o (normalised) and lse per head. It keeps the
+//     split's scaled logits in shared memory and, with the split's final max and sum, pools the split-local
+//     probabilities onto the selection blocks the split covers (overlap(j, b) / d weights): partial scores.
+//  2. nsa_decode_select_kernel: a CTA per (KV head, query, sequence). The global lse of each head from the splits'
+//     lse (fixed split order), then block b's score S[b] = sum over the splits p touching b and the heads h of
+//     exp(lse_{p,h} - lse_h) * partial score (p, h, b): the same sum as semantics.md section 4's, regrouped. Then
+//     the forced blocks and n - forced rounds of an arg-max over the other candidates in the order (score
+//     descending, index ascending): the reference's tie rule, deterministic. The list is sorted and padded with -1.
+//  3. nsa_decode_sparse_kernel: a CTA per (piece, KV head, query, sequence): the selected blocks' keys (16-key
+//     chunks of the listed blocks, looked up in the block table) or the window's keys [a - w + 1, a] (16-key
+//     chunks from the aligned chunk holding a - w + 1), the same tile loop as 1; partial o and lse per head.
+//  4. nsa_decode_combine_kernel: a CTA of Dv threads per output row: each branch's partials merged in order
+//     (M = max lse, weights exp(lse_p - M)), then o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa.
+// Every partial is written by exactly one CTA and merged in a fixed order: the result is bit-identical run to run.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/nsa_decode/plan.h"
+#include "cuda/primitives/common.cuh"
+#include "cuda/primitives/mma.cuh"
+#include "cuda/primitives/softmax.cuh"
+#include "cuda/primitives/swizzled_tile.cuh"
+
+namespace sparseattn::cuda::nsa_dec {
+
+using i64 = std::int64_t;
+
+template <class T>
+struct PagedCache {
+  const T* data;  // [num_pages, page_size, Hkv, D]
+  i64 page_stride, row_stride, head_stride;
+};
+
+template <class T>
+struct NsaDecodeArgs {
+  Tokens<const T> q;           // [B, Tq, Hq, Dqk]
+  PagedCache<T> k, v;
+  Tokens<const T> k_cmp, v_cmp;  // [B, max_cmp, Hkv, D]
+  const std::int32_t* block_table;
+  i64 table_batch_stride, table_page_stride;
+  const std::int32_t* cache_seqlens;
+  i64 seqlens_stride;
+  PerHead<const T> gate[3];    // [B, Tq, Hq]; data null where the branch is absent
+  Tokens<T> o;                 // [B, Tq, Hq, Dv]
+  std::int32_t* indices_out;   // optional [B, Tq, Hkv, n]
+  i64 indices_out_stride[4];
+  // Workspace slices (plan.h).
+  float* cmp_o;      // [P, B*Tq*Hq, Dv]
+  float* cmp_lse;    // [P, B*Tq*Hq]
+  float* cmp_score;  // [P, B*Tq*Hq, score_span]
+  float* scores;     // [B*Tq*Hkv, max_blocks]
+  std::int32_t* indices;  // [B*Tq*Hkv, n]
+  float* piece_o;    // [pieces, B*Tq*Hq, Dv]
+  float* piece_lse;  // [pieces, B*Tq*Hq]
+  int batch, q_len, q_heads, kv_heads, group;
+  int page_size, num_pages, capacity, max_cmp;
+  int cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window;
+  int split_rows, cmp_splits, score_span, max_blocks;
+  int sel_chunks, swa_chunks, tiles_per_piece, sel_pieces, swa_pieces;
+  bool has_cmp, has_sel, has_swa;
+  float scale_log2;  // softmax scale * log2(e)
+
+  // The sequence's key count, clamped to [Tq, capacity] (trusted device data, semantics in nsa_decode.h).
+  __device__ __forceinline__ int length(int b) const {
+    return min(max(__ldg(cache_seqlens + b * seqlens_stride), q_len), capacity);
+  }
+  // Compressed rows visible to the query at position a: blocks with j * d + l - 1 <= a, at most max_cmp.
+  __device__ __forceinline__ int visible_cmp(int a) const {
+    return a + 1 >= cmp_block ? min((a + 1 - cmp_block) / cmp_stride + 1, max_cmp) : 0;
+  }
+  // Row index of (b, t, h) in the [B*Tq*Hq] partial arrays.
+  __device__ __forceinline__ i64 row_of(int b, int t, int h) const { return (i64{b} * q_len + t) * q_heads + h; }
+  __device__ __forceinline__ i64 list_of(int b, int t, int kv_head) const {
+    return (i64{b} * q_len + t) * kv_heads + kv_head;
+  }
+};
+
+// A 16-key chunk of a tile: K and V rows (rows `rows` .. 15 zero-filled) and the keys a row keeps, [lo, hi]
+// (chunk-relative; empty when lo > hi).
+template <class T>
+struct ChunkRef {
+  const T* k;
+  const T* v;
+  i64 k_stride, v_stride;
+  int rows, lo, hi;
+};
+
+template <int Dqk, int Dv>
+struct AttendTile {
+  static constexpr int kKElements = kTileKeys * Dqk, kVElements = kTileKeys * Dv;
+  static constexpr int kStageElements = kKElements + kVElements;
+  static constexpr int kAccPitch = Dv + 8;
+  static constexpr bool kQInRegisters = Dqk <= 128;
+  static constexpr std::size_t kSmemBytes = attend_smem_bytes(Dqk, Dv);  // the compressed kernel's logits follow
+};
+
+// The merged softmax state of a CTA's 16 rows after the tile loop: per row the max (log2 domain) and the sum.
+struct RowState {
+  float max[kRows];
+  float sum[kRows];
+};
+
+// The tile loop shared by the compressed and the sparse kernels. chunk(tile, c) gives chunk c of tile `tile`;
+// the group's rows of q are loaded for query t; the result is left in shared memory: the four warps'
+// accumulators, maxima and sums (epilogue layout), merged by merge_rows. With kLogits, each key's scaled logit
+// (-inf where masked) goes to logits[row * logit_pitch + tile * 64 + key].
+template <class T, int Dqk, int Dv, bool kLogits, class Chunk>
+__device__ __forceinline__ void attend_tiles(const NsaDecodeArgs<T>& a, int b, int t, int kv_head, int tiles,
+                                             Chunk&& chunk, unsigned char* smem, float* logits, int logit_pitch) {
+  using Tile = AttendTile<Dqk, Dv>;
+  T* const sQ = reinterpret_cast<T*>(smem);
+  T* const sPipe = sQ + kRows * Dqk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  const SmemTile<T, kRows, Dqk> q_tile{sQ};
+  load_rows<T, kRows, Dqk, kThreads>(
+      q_tile, [&](int r) -> const T* { return r < a.group ? a.q.row(b, t, kv_head * a.group + r) : nullptr; },
+      a.q.data);
+
+  const auto issue = [&](int tile, int slot) {
+    T* const k_stage = sPipe + slot * Tile::kStageElements;
+    T* const v_stage = k_stage + Tile::kKElements;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const ChunkRef<T> ref = chunk(tile, c);
+      load_strided_rows<T, kChunkKeys, Dqk, kThreads>(SmemTile<T, kChunkKeys, Dqk>{k_stage + c * kChunkKeys * Dqk},
+                                                      ref.rows > 0 ? ref.k : a.k.data, ref.k_stride, ref.rows,
+                                                      a.k.data);
+      load_strided_rows<T, kChunkKeys, Dv, kThreads>(SmemTile<T, kChunkKeys, Dv>{v_stage + c * kChunkKeys * Dv},
+                                                     ref.rows > 0 ? ref.v : a.v.data, ref.v_stride, ref.rows,
+                                                     a.v.data);
+    }
+  };
+
+  float acc[Dv / 8][4];
+#pragma unroll
+  for (int n = 0; n < Dv / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  if (tiles > 0) issue(0, 0);
+  cp_async_commit();  // group 0: Q and tile 0
+  std::uint32_t q_frag[Tile::kQInRegisters ? Dqk / 16 : 1][4];
+  for (int it = 0; it < tiles; ++it) {
+    if (it + 1 < tiles) issue(it + 1, (it + 1) % 2);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // tile `it` (and Q) landed for every thread
+    if constexpr (Tile::kQInRegisters) {
+      if (it == 0) {
+#pragma unroll
+        for (int kk = 0; kk < Dqk / 16; ++kk) load_a(q_frag[kk], q_tile, 0, kk * 16);
+      }
+    }
+    const int slot = it % 2;
+    const SmemTile<T, kTileKeys, Dqk> k_tile{sPipe + slot * Tile::kStageElements};
+    const SmemTile<T, kTileKeys, Dv> v_tile{sPipe + slot * Tile::kStageElements + Tile::kKElements};
+    const ChunkRef<T> ref = chunk(it, warp);
+
+    float s[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < Dqk / 16; ++kk) {
+      std::uint32_t qa[4];
+      if constexpr (Tile::kQInRegisters) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qa[i] = q_frag[kk][i];
+      } else {
+        load_a(qa, q_tile, 0, kk * 16);
+      }
+      std::uint32_t kb[4];
+      load_b_rows(kb, k_tile, warp * kChunkKeys, kk * 16);
+      mma_pair<T>(s[0], s[1], qa, kb);
+    }
+    if constexpr (kLogits) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = lane / 4 + (i / 2) * 8, col = n * 8 + 2 * (lane % 4) + (i % 2);
+          const bool keep = col >= ref.lo && col <= ref.hi;
+          logits[row * logit_pitch + it * kTileKeys + warp * kChunkKeys + col] =
+              keep ? s[n][i] * a.scale_log2 : -INFINITY;
+        }
+      }
+    }
+    const bool masked = !(ref.lo == 0 && ref.hi == kChunkKeys - 1);
+    float correction[2];
+    const int col_lo[2] = {ref.lo, ref.lo}, col_hi[2] = {ref.hi, ref.hi};
+    with_mask(masked, [&](auto mask) {
+      softmax_probabilities<kChunkKeys, decltype(mask)::value>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
+    });
+    rescale_rows<Dv>(acc, correction);
+    const std::uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
+                                 pack2<T>(s[1][2], s[1][3])};
+#pragma unroll
+    for (int np = 0; np < Dv / 16; ++np) {
+      std::uint32_t vb[4];
+      load_b_cols(vb, v_tile, warp * kChunkKeys, np * 16);
+      mma_pair<T>(acc[2 * np], acc[2 * np + 1], pa, vb);
+    }
+    __syncthreads();  // every warp is done with this slot before tile it + 2 is issued into it
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Epilogue layout: sAcc [warp][row][kAccPitch], then sMax [warp][row], sSum [warp][row].
+  float* const sAcc = reinterpret_cast<float*>(sPipe);
+  float* const sMax = sAcc + kWarps * kRows * Tile::kAccPitch;
+  float* const sSum = sMax + kWarps * kRows;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] = quad_sum(l[half]);
+    const int r = warp * kRows + lane / 4 + half * 8;
+#pragma unroll
+    for (int n = 0; n < Dv / 8; ++n) {
+      *reinterpret_cast<float2*>(sAcc + r * Tile::kAccPitch + n * 8 + 2 * (lane % 4)) =
+          make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
+    }
+    if (lane % 4 == 0) {
+      sMax[r] = m[half];
+      sSum[r] = l[half];
+    }
+  }
+  __syncthreads();
+}
+
+// The CTA's row states from the epilogue's per-warp maxima and sums (warp order), into `state` (shared).
+template <int Dv>
+__device__ __forceinline__ void merge_rows(const unsigned char* smem, int dqk, RowState& state) {
+  const float* sAcc = reinterpret_cast<const float*>(smem + 2 * kRows * dqk);
+  const float* sMax = sAcc + kWarps * kRows * (Dv + 8);
+  const float* sSum = sMax + kWarps * kRows;
+  if (threadIdx.x < kRows) {
+    const int r = threadIdx.x;
+    float row_max = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) row_max = fmaxf(row_max, sMax[w * kRows + r]);
+    float sum = 0.f;
+    if (row_max != -INFINITY) {
+      for (int w = 0; w < kWarps; ++w) sum += sSum[w * kRows + r] * exp2f(sMax[w * kRows + r] - row_max);
+    }
+    state.max[r] = row_max;
+    state.sum[r] = sum;
+  }
+  __syncthreads();
+}
+
+// Writes the CTA's rows (the group's heads of query t) as normalised partial o [row][Dv] and lse (natural log).
+template <int Dv>
+__device__ __forceinline__ void write_partials(const unsigned char* smem, int dqk, const RowState& state, int group,
+                                               float* partial_o, float* partial_lse, i64 row0) {
+  const float* sAcc = reinterpret_cast<const float*>(smem + 2 * kRows * dqk);
+  const float* sMax = sAcc + kWarps * kRows * (Dv + 8);
+  for (int item = threadIdx.x; item < group * Dv; item += kThreads) {
+    const int r = item / Dv, c = item % Dv;
+    const float row_max = state.max[r], sum = state.sum[r];
+    float out = 0.f;
+    if (sum > 0.f) {
+      for (int w = 0; w < kWarps; ++w) {
+        out += sAcc[(w * kRows + r) * (Dv + 8) + c] * exp2f(sMax[w * kRows + r] - row_max);
+      }
+      out /= sum;
+    }
+    if (partial_o != nullptr) partial_o[(row0 + r) * Dv + c] = out;
+  }
+  for (int r = threadIdx.x; r < group; r += kThreads) {
+    partial_lse[row0 + r] = state.sum[r] > 0.f ? (state.max[r] + log2f(state.sum[r])) * kLn2 : -INFINITY;
+  }
+}
+
+template <class T, int Dqk, int Dv>
+__global__ void __launch_bounds__(kThreads) nsa_decode_compressed_kernel(NsaDecodeArgs<T> a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ RowState state;
+  i64 block = blockIdx.x;
+  const int split = static_cast<int>(block % a.cmp_splits);
+  block /= a.cmp_splits;
+  const int kv_head = static_cast<int>(block % a.kv_heads);
+  block /= a.kv_heads;
+  const int t = static_cast<int>(block % a.q_len);
+  const int b = static_cast<int>(block / a.q_len);
+
+  const int pos = a.length(b) - a.q_len + t;
+  const int visible = a.visible_cmp(pos);
+  const int row_begin = split * a.split_rows;
+  const int row_end = min(row_begin + a.split_rows, visible);
+  if (row_begin >= row_end) return;  // the consumers read splits [0, ceil(visible / split_rows)) only
+  const int tiles = (row_end - row_begin + kTileKeys - 1) / kTileKeys;
+  float* const logits = reinterpret_cast<float*>(smem + AttendTile<Dqk, Dv>::kSmemBytes);
+
+  const auto chunk = [&](int tile, int c) {
+    const int first = row_begin + tile * kTileKeys + c * kChunkKeys;
+    ChunkRef<T> ref;
+    ref.rows = min(max(row_end - first, 0), kChunkKeys);
+    ref.k = a.k_cmp.row(b, first, kv_head);
+    ref.v = a.v_cmp.row(b, first, kv_head);
+    ref.k_stride = a.k_cmp.row_stride;
+    ref.v_stride = a.v_cmp.row_stride;
+    ref.lo = 0;
+    ref.hi = ref.rows - 1;
+    return ref;
+  };
+  attend_tiles<T, Dqk, Dv, true>(a, b, t, kv_head, tiles, chunk, smem, logits, a.split_rows);
+  merge_rows<Dv>(smem, Dqk, state);
+  const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
+  const i64 row0 = split * rows_q + a.row_of(b, t, kv_head * a.group);
+  write_partials<Dv>(smem, Dqk, state, a.group, a.has_cmp ? a.cmp_o : nullptr, a.cmp_lse, row0);
+  if (!a.has_sel) return;
+
+  // Pooled split-local probabilities: score(r, block) = sum_j overlap(j, block) / d * 2^(logit - max) / sum.
+  const int first_block = static_cast<int>(i64{row_begin} * a.cmp_stride / a.sel_block);
+  for (int item = threadIdx.x; item < a.group * a.score_span; item += kThreads) {
+    const int r = item / a.score_span, local = item % a.score_span;
+    const i64 block_begin = i64{first_block + local} * a.sel_block, block_end = block_begin + a.sel_block;
+    // Rows j overlapping the block: j * d < block_end and j * d + l > block_begin.
+    const i64 j_lo = max(i64{row_begin}, block_begin - a.cmp_block >= 0
+                                             ? (block_begin - a.cmp_block) / a.cmp_stride + 1
+                                             : i64{0});
+    const i64 j_hi = min(i64{row_end} - 1, (block_end - 1) / a.cmp_stride);
+    float score = 0.f;
+    if (state.sum[r] > 0.f) {
+      for (i64 j = j_lo; j <= j_hi; ++j) {
+        const i64 start = j * a.cmp_stride;
+        const i64 overlap = min(start + a.cmp_block, block_end) - max(start, block_begin);
+        const float p = exp2f(logits[r * a.split_rows + (j - row_begin)] - state.max[r]);
+        score += static_cast<float>(overlap) * p;
+      }
+      score /= state.sum[r] * static_cast<float>(a.cmp_stride);
+    }
+    a.cmp_score[(row0 + r) * a.score_span + local] = score;
+  }
+}
+
+// The arg-max order of selection: a higher score first, then the lower block index.
+__device__ __forceinline__ bool ranks_before(float s, int i, float s_other, int i_other) {
+  return s > s_other || (s == s_other && i < i_other);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDecodeArgs<T> a) {
+  __shared__ float lse_of_head[kRows];
+  __shared__ float warp_score[kSelectThreads / 32];
+  __shared__ int warp_index[kSelectThreads / 32];
+  __shared__ int chosen[64];
+  __shared__ float round_score;
+  __shared__ int round_index;
+  i64 block = blockIdx.x;
+  const int kv_head = static_cast<int>(block % a.kv_heads);
+  block /= a.kv_heads;
+  const int t = static_cast<int>(block % a.q_len);
+  const int b = static_cast<int>(block / a.q_len);
+  const int pos = a.length(b) - a.q_len + t;
+  const int visible = a.visible_cmp(pos);
+  const int used = (visible + a.split_rows - 1) / a.split_rows;
+  const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
+  const i64 head_row0 = a.row_of(b, t, kv_head * a.group);
+
+  if (threadIdx.x < a.group) {
+    float row_max = -INFINITY;
+    for (int p = 0; p < used; ++p) row_max = fmaxf(row_max, a.cmp_lse[p * rows_q + head_row0 + threadIdx.x]);
+    float lse = -INFINITY;
+    if (row_max != -INFINITY) {
+      float sum = 0.f;
+      for (int p = 0; p < used; ++p) sum += expf(a.cmp_lse[p * rows_q + head_row0 + threadIdx.x] - row_max);
+      lse = row_max + logf(sum);
+    }
+    lse_of_head[threadIdx.x] = lse;
+  }
+  __syncthreads();
+
+  // The weight of split p's pooled scores of head h: exp(lse_{p,h} - lse_h), in shared memory where they fit.
+  __shared__ float split_weight[kSplitWeights];
+  const bool weights_shared = used * a.group <= kSplitWeights;
+  const auto weight_of = [&](int p, int h) {
+    const float lse = lse_of_head[h], split_lse = a.cmp_lse[p * rows_q + head_row0 + h];
+    return lse == -INFINITY || split_lse == -INFINITY ? 0.f : expf(split_lse - lse);
+  };
+  if (weights_shared) {
+    for (int i = threadIdx.x; i < used * a.group; i += kSelectThreads) {
+      split_weight[i] = weight_of(i / a.group, i % a.group);
+    }
+  }
+  __syncthreads();
+
+  const int candidates = pos >= 0 ? pos / a.sel_block + 1 : 0;
+  float* const scores = a.scores + a.list_of(b, t, kv_head) * a.max_blocks;
+  const i64 span_blocks = i64{a.split_rows} * a.cmp_stride / a.sel_block;  // blocks per split
+  for (int blk = threadIdx.x; blk < candidates; blk += kSelectThreads) {
+    const i64 block_begin = i64{blk} * a.sel_block, block_end = block_begin + a.sel_block;
+    const i64 j_lo = block_begin - a.cmp_block >= 0 ? (block_begin - a.cmp_block) / a.cmp_stride + 1 : 0;
+    const i64 j_hi = min(i64{visible} - 1, (block_end - 1) / a.cmp_stride);
+    float score = 0.f;
+    if (j_lo <= j_hi) {
+      for (int p = static_cast<int>(j_lo / a.split_rows); p <= static_cast<int>(j_hi / a.split_rows); ++p) {
+        const i64 local = blk - p * span_blocks;
+        const float* const partial = a.cmp_score + (p * rows_q + head_row0) * a.score_span + local;
+        for (int h = 0; h < a.group; ++h) {
+          const float w = weights_shared ? split_weight[p * a.group + h] : weight_of(p, h);
+          score += w * partial[h * a.score_span];
+        }
+      }
+    }
+    scores[blk] = score;
+  }
+
+  // Forced blocks: the initial ones and the local ones ending at the query's block.
+  const int last = candidates - 1;
+  const int init_end = min(a.num_init, candidates);
+  const int local_begin = max(init_end, last - a.num_local + 1);
+  const int forced = init_end + max(candidates - local_begin, 0);
+  const int take = min(a.num_selected, candidates);
+  const int rounds = max(take - forced, 0);
+  __syncthreads();  // the scores are written
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float previous_score = INFINITY;
+  int previous_index = -1;
+  for (int round = 0; round < rounds; ++round) {
+    float best_score = -INFINITY;
+    int best_index = INT_MAX;
+    for (int blk = init_end + threadIdx.x; blk < local_begin; blk += kSelectThreads) {
+      const float s = scores[blk];
+      if (!ranks_before(previous_score, previous_index, s, blk)) continue;  // taken in an earlier round
+      if (best_index == INT_MAX || ranks_before(s, blk, best_score, best_index)) {
+        best_score = s;
+        best_index = blk;
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float s = __shfl_xor_sync(0xffffffffu, best_score, offset);
+      const int i = __shfl_xor_sync(0xffffffffu, best_index, offset);
+      if (i != INT_MAX && (best_index == INT_MAX || ranks_before(s, i, best_score, best_index))) {
+        best_score = s;
+        best_index = i;
+      }
+    }
+    if (lane == 0) {
+      warp_score[warp] = best_score;
+      warp_index[warp] = best_index;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float s = warp_score[0];
+      int i = warp_index[0];
+      for (int w = 1; w < kSelectThreads / 32; ++w) {
+        if (warp_index[w] != INT_MAX && (i == INT_MAX || ranks_before(warp_score[w], warp_index[w], s, i))) {
+          s = warp_score[w];
+          i = warp_index[w];
+        }
+      }
+      round_score = s;
+      round_index = i;
+      chosen[round] = i;
+    }
+    __syncthreads();
+    previous_score = round_score;
+    previous_index = round_index;
+    __syncthreads();  // round_score is read by all before the next round overwrites it
+  }
+
+  if (threadIdx.x == 0) {
+    // The list: forced and chosen blocks, ascending, then -1.
+    int list[64];
+    int count = 0;
+    for (int blk = 0; blk < init_end; ++blk) list[count++] = blk;
+    for (int blk = local_begin; blk < candidates; ++blk) list[count++] = blk;
+    for (int r = 0; r < rounds; ++r) list[count++] = chosen[r];
+    for (int i = 1; i < count; ++i) {
+      const int x = list[i];
+      int j = i - 1;
+      while (j >= 0 && list[j] > x) {
+        list[j + 1] = list[j];
+        --j;
+      }
+      list[j + 1] = x;
+    }
+    std::int32_t* const out = a.indices + a.list_of(b, t, kv_head) * a.num_selected;
+    for (int i = 0; i < a.num_selected; ++i) {
+      const int value = i < count ? list[i] : -1;
+      out[i] = value;
+      if (a.indices_out != nullptr) {
+        a.indices_out[b * a.indices_out_stride[0] + t * a.indices_out_stride[1] + kv_head * a.indices_out_stride[2] +
+                      i * a.indices_out_stride[3]] = value;
+      }
+    }
+  }
+}
+
+template <class T, int Dqk, int Dv>
+__global__ void __launch_bounds__(kThreads) nsa_decode_sparse_kernel(NsaDecodeArgs<T> a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ RowState state;
+  const int pieces = a.sel_pieces + a.swa_pieces;
+  i64 block = blockIdx.x;
+  const int piece = static_cast<int>(block % pieces);
+  block /= pieces;
+  const int kv_head = static_cast<int>(block % a.kv_heads);
+  block /= a.kv_heads;
+  const int t = static_cast<int>(block % a.q_len);
+  const int b = static_cast<int>(block / a.q_len);
+
+  const int length = a.length(b);
+  const int pos = length - a.q_len + t;
+  const bool selected = piece < a.sel_pieces;
+  const int local_piece = selected ? piece : piece - a.sel_pieces;
+  const int chunk_begin = local_piece * a.tiles_per_piece * kChunks;
+  const int chunk_end = min(chunk_begin + a.tiles_per_piece * kChunks, selected ? a.sel_chunks : a.swa_chunks);
+  const int tiles = (chunk_end - chunk_begin + kChunks - 1) / kChunks;
+  const std::int32_t* const list = a.indices + a.list_of(b, t, kv_head) * a.num_selected;
+  const int chunks_per_block = a.sel_block / kChunkKeys;
+  const int window_first = max(pos - a.window + 1, 0);
+  const std::int32_t* const table = a.block_table + b * a.table_batch_stride;
+
+  const auto chunk = [&](int tile, int c) {
+    const int index = chunk_begin + tile * kChunks + c;
+    ChunkRef<T> ref;
+    ref.rows = 0;
+    ref.lo = 1;
+    ref.hi = 0;
+    ref.k = a.k.data;
+    ref.v = a.v.data;
+    ref.k_stride = a.k.row_stride;
+    ref.v_stride = a.v.row_stride;
+    if (index >= chunk_end || pos < 0) return ref;
+    i64 start;
+    if (selected) {
+      const int blk = list[index / chunks_per_block];
+      if (blk < 0) return ref;
+      start = i64{blk} * a.sel_block + (index % chunks_per_block) * kChunkKeys;
+      ref.lo = 0;
+    } else {
+      start = i64{window_first / kChunkKeys + index} * kChunkKeys;
+      ref.lo = static_cast<int>(max(i64{window_first} - start, i64{0}));
+    }
+    if (start > pos) {
+      ref.lo = 1;
+      return ref;
+    }
+    ref.hi = static_cast<int>(min(i64{pos} - start, i64{kChunkKeys - 1}));
+    ref.rows = ref.hi + 1;
+    const int entry = static_cast<int>(start / a.page_size);
+    const int page = min(max(__ldg(table + entry * a.table_page_stride), 0), a.num_pages - 1);
+    const i64 row = start % a.page_size;
+    ref.k = a.k.data + page * a.k.page_stride + row * a.k.row_stride + kv_head * a.k.head_stride;
+    ref.v = a.v.data + page * a.v.page_stride + row * a.v.row_stride + kv_head * a.v.head_stride;
+    return ref;
+  };
+  attend_tiles<T, Dqk, Dv, false>(a, b, t, kv_head, tiles, chunk, smem, nullptr, 0);
+  merge_rows<Dv>(smem, Dqk, state);
+  const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
+  write_partials<Dv>(smem, Dqk, state, a.group, a.piece_o, a.piece_lse,
+                     piece * rows_q + a.row_of(b, t, kv_head * a.group));
+}
+
+// o of one row from `count` partials at partial_o[p * rows_q * Dv + row * Dv], p = first .. first + count - 1 in
+// order, for column c: M = max lse_p, o = sum_p exp(lse_p - M) o_p / sum_p exp(lse_p - M). The lse values go
+// through shared memory (up to kMergeShared partials; beyond, each thread reads them itself), and
+// every thread forms M and the sum in the same order, so all agree.
+template <int Dv>
+__device__ __forceinline__ float merge_partials(const float* partial_o, const float* partial_lse, i64 rows_q, i64 row,
+                                                int first, int count, int c, float* staged_lse) {
+  const bool shared = count <= kMergeShared;
+  if (shared) {
+    __syncthreads();  // the previous branch's staged lse values are read
+    for (int p = c; p < count; p += Dv) staged_lse[p] = partial_lse[(first + p) * rows_q + row];
+    __syncthreads();
+  }
+  const auto lse_at = [&](int p) { return shared ? staged_lse[p] : partial_lse[(first + p) * rows_q + row]; };
+  float row_max = -INFINITY;
+  for (int p = 0; p < count; ++p) row_max = fmaxf(row_max, lse_at(p));
+  if (row_max == -INFINITY) return 0.f;
+  float sum = 0.f, out = 0.f;
+  for (int p = 0; p < count; ++p) {
+    const float w = expf(lse_at(p) - row_max);
+    sum += w;
+    out += w * partial_o[((first + p) * rows_q + row) * Dv + c];
+  }
+  return out / sum;
+}
+
+template <class T, int Dv>
+__global__ void __launch_bounds__(Dv) nsa_decode_combine_kernel(NsaDecodeArgs<T> a) {
+  __shared__ float staged_lse[kMergeShared];
+  const i64 row = blockIdx.x;  // (b, t, h)
+  const int h = static_cast<int>(row % a.q_heads);
+  const int t = static_cast<int>(row / a.q_heads % a.q_len);
+  const int b = static_cast<int>(row / (i64{a.q_heads} * a.q_len));
+  const int c = threadIdx.x;
+  const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
+  float out = 0.f;
+  if (a.has_cmp) {
+    const int pos = a.length(b) - a.q_len + t;
+    const int used = (a.visible_cmp(pos) + a.split_rows - 1) / a.split_rows;
+    out += to_float(a.gate[0].at(b, t, h)) *
+           merge_partials<Dv>(a.cmp_o, a.cmp_lse, rows_q, row, 0, used, c, staged_lse);
+  }
+  if (a.has_sel) {
+    out += to_float(a.gate[1].at(b, t, h)) *
+           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, 0, a.sel_pieces, c, staged_lse);
+  }
+  if (a.has_swa) {
+    out += to_float(a.gate[2].at(b, t, h)) *
+           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, a.sel_pieces, a.swa_pieces, c, staged_lse);
+  }
+  a.o.row(b, t, h)[c] = from_float<T>(out);
+}
+
+}  // namespace sparseattn::cuda::nsa_dec
