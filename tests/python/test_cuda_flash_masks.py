@@ -333,6 +333,64 @@ def test_work_counts_odd_blocks_skip(attention_mma):
     assert fwd.item() == 0 and bwd.item() == 0
 
 
+def sparse_causal_map(heads, n_q, n_k, density, seed):
+    """bool [1, heads, n_q, n_k]: the first key tile (every causal row keeps a key), the diagonal tiles and random
+    others."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.rand(1, heads, n_q, n_k, generator=g) < density
+    blocks |= torch.eye(n_q, n_k, dtype=torch.bool)
+    blocks[..., 0] = True
+    return blocks.cuda()
+
+
+def element_mask(blocks, bq, bk, T, S):
+    """The element mask [1, H, T, S] of a tile map [1, H, nQ, nK]."""
+    rows = torch.arange(T, device=blocks.device) // bq
+    cols = torch.arange(S, device=blocks.device) // bk
+    return blocks[:, :, rows][..., cols]
+
+
+@pytest.mark.parametrize("block", [(128, 128), (96, 160)], ids=lambda b: f"bq{b[0]}bk{b[1]}")
+def test_block_mask_long_sequence(attention_mma, block):
+    """More key tiles per query tile and more dK/dV steps per CTA than one window of the map walk holds
+    (tile_walk.cuh): forward, lse and gradients against SDPA (float32, the map as an element mask), and with
+    128 x 128 tiles (multiples of every kernel tile) the exact work counts."""
+    bq, bk = block
+    B, T, Hq, Hkv, D, dtype = 1, 17000, 4, 2, 128, torch.bfloat16
+    q = torch.randn(B, T, Hq, D, dtype=dtype, device="cuda")
+    k = torch.randn(B, T, Hkv, D, dtype=dtype, device="cuda")
+    v = torch.randn(B, T, Hkv, D, dtype=dtype, device="cuda")
+    d_o = torch.randn(B, T, Hq, D, dtype=dtype, device="cuda")
+    blocks = sparse_causal_map(Hkv, -(-T // bq), -(-T // bk), 0.05, 7)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = ops_flash(*leaves, None, None, True, blocks, block)
+    grads = torch.autograd.grad(o, leaves, d_o)
+
+    keep = element_mask(blocks, bq, bk, T, T).repeat_interleave(Hq // Hkv, dim=1)
+    keep &= torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
+    ref_leaves = [x.float().transpose(1, 2).repeat_interleave(Hq // x.shape[2], dim=1).requires_grad_()
+                  for x in (q, k, v)]
+    o_ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, attn_mask=keep)
+    ref_grads = torch.autograd.grad(o_ref, ref_leaves, d_o.float().transpose(1, 2))
+    check_close("o", o, o_ref.transpose(1, 2), dtype, 4)
+    with torch.no_grad():
+        lse_ref = torch.stack([torch.logsumexp((ref_leaves[0][0, h] @ ref_leaves[1][0, h].T / D ** 0.5)
+                                               .masked_fill(~keep[0, h], float("-inf")), dim=-1)
+                               for h in range(Hq)])[None]
+    check_lse(lse, lse_ref)
+    check_close("dq", grads[0], ref_grads[0].transpose(1, 2), dtype, 8)
+    for name, g, r in (("dk", grads[1], ref_grads[1]), ("dv", grads[2], ref_grads[2])):
+        r = r.unflatten(1, (Hkv, Hq // Hkv)).sum(2)  # the group's query heads
+        check_close(name, g, r.transpose(1, 2), dtype, 8)
+    if block == (128, 128):
+        # Without the causal rule (which skips kernel tiles above the diagonal, by kernel tile sizes) every kernel
+        # tile of a present map tile is computed in full.
+        expected = expected_work(blocks, [T], [T], bq, bk, Hq)
+        fwd, bwd = _ops.flash_attention_work(q, k, v, block_mask=blocks, block_q=bq, block_k=bk, d_o=d_o)
+        assert fwd.item() == expected
+        assert bwd.item() == 2 * expected
+
+
 def test_lists_are_unsupported_on_cuda():
     q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, device="cuda")
     counts = torch.ones(1, 2, 1, dtype=torch.int32, device="cuda")

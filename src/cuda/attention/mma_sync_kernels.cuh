@@ -31,6 +31,7 @@
 
 #include "cuda/attention/masking_policy.cuh"
 #include "cuda/attention/score_terms.cuh"
+#include "cuda/attention/tile_walk.cuh"
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/mma.cuh"
 #include "cuda/primitives/sequences.cuh"
@@ -314,61 +315,82 @@ __device__ __forceinline__ void for_each_query_tile(const AttnArgs<T>& a, const 
   }
 }
 
-// The first key tile at or after `it` (below w.tile_end) that a query tile computes: with a tile map (FlashTermsMask)
-// the absent ones are skipped; the other policies compute every tile of [tile_begin, tile_end).
-template <class Mask, class Seq>
-__device__ __forceinline__ i64 next_key_tile_of(const typename Mask::Config& mc, const Seq& seq, const QueryWork& w,
-                                                i64 it, int kN) {
-  if constexpr (kHasTerms<Mask>) {
-    return next_key_tile(mc.terms, w.sequence, w.h, w.t0, w.rows, seq.S, it, w.tile_end, kN);
-  } else {
+// The key tiles a query tile computes, in order, walked by one warp (every lane together): with a tile map
+// (FlashTermsMask) the present ones of [tile_begin, tile_end) with their kinds, a window of them classified at a
+// time (tile_walk.cuh); the other policies compute every tile of the range, of kind exists.
+template <class Mask>
+class KeyTileWalk {
+ public:
+  // The first key tile at or after `it` (below w.tile_end) that the query tile computes, or w.tile_end.
+  template <class Seq>
+  __device__ __forceinline__ i64 next(const typename Mask::Config& mc, const Seq& seq, const QueryWork& w, i64 it,
+                                      int kN) {
+    if constexpr (kHasTerms<Mask>) {
+      if (mc.terms.tiles.states != nullptr) {
+        return window_.next(it, w.tile_end, [&](i64 first, i64 end) {
+          return classify_key_tiles(mc.terms, seq, w, kN, first, end);
+        });
+      }
+    }
     return it;
   }
-}
-
-// The key tiles a query tile computes (next_key_tile_of from tile_begin on).
-template <class Mask, class Seq>
-__device__ __forceinline__ int key_tile_count(const typename Mask::Config& mc, const Seq& seq, const QueryWork& w,
-                                              int kN) {
-  if constexpr (kHasTerms<Mask>) {
-    return count_key_tiles(mc.terms, w.sequence, w.h, w.t0, w.rows, seq.S, w.tile_begin, w.tile_end, kN);
-  } else {
+  // How many key tiles the query tile computes.
+  template <class Seq>
+  __device__ __forceinline__ int count(const typename Mask::Config& mc, const Seq& seq, const QueryWork& w, int kN) {
+    if constexpr (kHasTerms<Mask>) {
+      if (mc.terms.tiles.states != nullptr) {
+        return window_.count(w.tile_begin, w.tile_end, [&](i64 first, i64 end) {
+          return classify_key_tiles(mc.terms, seq, w, kN, first, end);
+        });
+      }
+    }
     return static_cast<int>(w.tile_end - w.tile_begin);
   }
-}
+  // The kind (tile_walk.cuh) of key tile `it`, as the last next() returned it.
+  __device__ __forceinline__ int kind(const typename Mask::Config& mc, i64 it) const {
+    if constexpr (kHasTerms<Mask>) {
+      if (mc.terms.tiles.states != nullptr) return window_.kind(it);
+    }
+    return kTileExists;
+  }
 
-// FlashTermsMask in a query-row kernel (forward, dQ): the kind of the kernel tile of queries [t0, t0 + rows) x keys
-// [j0, j0 + kN) and whether its scores start from the terms (init_scores) rather than 0.
+ private:
+  TileWindow window_;
+};
+
+// FlashTermsMask in a query-row kernel (forward, dQ): the kind of a kernel tile (KeyTileWalk::kind) and whether
+// its scores start from the terms (init_scores) rather than 0.
 struct QueryTileTerms {
   int kind;
   bool needs;
-  template <class Seq>
-  __device__ __forceinline__ QueryTileTerms(const ScoreTerms& terms, const Seq& seq, const QueryWork& w, i64 j0,
-                                            int kN) {
-    kind = classify_tile(terms, w.sequence, w.h, w.t0, w.rows, j0, min(i64{kN}, seq.S - j0));
+  __device__ __forceinline__ QueryTileTerms(const ScoreTerms& terms, int tile_kind) {
+    kind = tile_kind;
     needs = tile_needs_terms(terms, kind);
   }
 };
 
-// FlashTermsMask's work counter: the query x key elements of the kernel tiles a query tile computes.
+// FlashTermsMask's work counter: the query x key elements of the kernel tiles a query tile computes (one warp,
+// every lane together).
 template <class Mask, class Seq>
 __device__ __forceinline__ unsigned long long query_tile_work(const typename Mask::Config& mc, const Seq& seq,
                                                               const QueryWork& w, int kN) {
   unsigned long long work = 0;
-  for (i64 it = next_key_tile_of<Mask>(mc, seq, w, w.tile_begin, kN); it < w.tile_end;
-       it = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN)) {
+  KeyTileWalk<Mask> walk;
+  for (i64 it = walk.next(mc, seq, w, w.tile_begin, kN); it < w.tile_end; it = walk.next(mc, seq, w, it + 1, kN)) {
     work += static_cast<unsigned long long>(w.rows * min(i64{kN}, seq.S - it * kN));
   }
   return work;
 }
 
 // The mma.sync query-row kernels' scores of a warp's kMT row tiles (rows row0 + 16 mt) against keys [j0, j0 + kN)
-// before S = Q K^T accumulates onto them: 0, or with FlashTermsMask the terms (init_scores).
+// (a kernel tile of this kind) before S = Q K^T accumulates onto them: 0, or with FlashTermsMask the terms
+// (init_scores).
 template <class T, int kN, int kMT, class Mask, class Seq>
 __device__ __forceinline__ void init_query_scores(float (&s)[kMT][kN / 8][4], const typename Mask::Config& mc,
-                                                  const Seq& seq, const QueryWork& w, i64 row0, i64 j0) {
+                                                  const Seq& seq, const QueryWork& w, i64 row0, i64 j0,
+                                                  [[maybe_unused]] int kind) {
   if constexpr (kHasTerms<Mask>) {
-    const QueryTileTerms tt(mc.terms, seq, w, j0, kN);
+    const QueryTileTerms tt(mc.terms, kind);
     if (tt.needs) {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) init_scores<T, kN, true>(s[mt], mc.terms, seq, w.sequence, w.h, row0 + 16 * mt, j0, tt.kind);
@@ -408,48 +430,57 @@ struct DkvWork {
   }
 };
 
-// The first dK/dV step at or after `step` that the CTA computes: with a tile map (FlashTermsMask) the (query head,
-// query tile) pairs whose kernel tile of kM queries is absent are skipped.
-template <class Mask, class Seq>
-__device__ __forceinline__ i64 next_dkv_step(const typename Mask::Config& mc, const Seq& seq, const DkvWork& w,
-                                             i64 step, int kM) {
-  if constexpr (kHasTerms<Mask>) {
-    if (mc.terms.tiles.states == nullptr) return step;
-    for (; step < w.steps; ++step) {
-      const i64 t0 = w.tile(step) * kM;
-      if (classify_tile(mc.terms, blockIdx.z, w.head(step), t0, min(i64{kM}, seq.T - t0), w.j0, w.keys) !=
-          kTileAbsent) {
-        break;
+// The (query head, query tile) steps a dK/dV CTA computes, in order, walked by one warp (every lane together):
+// with a tile map (FlashTermsMask) the steps whose kernel tile of kM queries is not absent, with their kinds
+// (tile_walk.cuh); the other policies compute every step, of kind exists.
+template <class Mask>
+class DkvStepWalk {
+ public:
+  // The first step at or after `step` that the CTA computes, or w.steps.
+  template <class Seq>
+  __device__ __forceinline__ i64 next(const typename Mask::Config& mc, const Seq& seq, const DkvWork& w, i64 step,
+                                      int kM) {
+    if constexpr (kHasTerms<Mask>) {
+      if (mc.terms.tiles.states != nullptr) {
+        return window_.next(step, w.steps, [&](i64 first, i64 end) {
+          return classify_dkv_steps(mc.terms, seq, w, kM, blockIdx.z, first, end);
+        });
       }
     }
+    return step;
   }
-  return step;
-}
-
-// The steps next_dkv_step visits.
-template <class Mask, class Seq>
-__device__ __forceinline__ int dkv_step_count(const typename Mask::Config& mc, const Seq& seq, const DkvWork& w,
-                                              int kM) {
-  if constexpr (kHasTerms<Mask>) {
-    if (mc.terms.tiles.states != nullptr) {
-      int count = 0;
-      for (i64 step = next_dkv_step<Mask>(mc, seq, w, 0, kM); step < w.steps;
-           step = next_dkv_step<Mask>(mc, seq, w, step + 1, kM)) {
-        ++count;
+  // How many steps the CTA computes.
+  template <class Seq>
+  __device__ __forceinline__ int count(const typename Mask::Config& mc, const Seq& seq, const DkvWork& w, int kM) {
+    if constexpr (kHasTerms<Mask>) {
+      if (mc.terms.tiles.states != nullptr) {
+        return window_.count(0, w.steps, [&](i64 first, i64 end) {
+          return classify_dkv_steps(mc.terms, seq, w, kM, blockIdx.z, first, end);
+        });
       }
-      return count;
     }
+    return static_cast<int>(w.steps);
   }
-  return static_cast<int>(w.steps);
-}
+  // The kind (tile_walk.cuh) of step `step`, as the last next() returned it.
+  __device__ __forceinline__ int kind(const typename Mask::Config& mc, i64 step) const {
+    if constexpr (kHasTerms<Mask>) {
+      if (mc.terms.tiles.states != nullptr) return window_.kind(step);
+    }
+    return kTileExists;
+  }
 
-// FlashTermsMask's work counter: the query x key elements of the steps a dK/dV CTA computes.
+ private:
+  TileWindow window_;
+};
+
+// FlashTermsMask's work counter: the query x key elements of the steps a dK/dV CTA computes (one warp, every lane
+// together).
 template <class Mask, class Seq>
 __device__ __forceinline__ unsigned long long dkv_work(const typename Mask::Config& mc, const Seq& seq,
                                                        const DkvWork& w, int kM) {
   unsigned long long work = 0;
-  for (i64 step = next_dkv_step<Mask>(mc, seq, w, 0, kM); step < w.steps;
-       step = next_dkv_step<Mask>(mc, seq, w, step + 1, kM)) {
+  DkvStepWalk<Mask> walk;
+  for (i64 step = walk.next(mc, seq, w, 0, kM); step < w.steps; step = walk.next(mc, seq, w, step + 1, kM)) {
     const i64 t0 = w.tile(step) * kM;
     work += static_cast<unsigned long long>(min(i64{kM}, seq.T - t0) * w.keys);
   }
@@ -457,12 +488,12 @@ __device__ __forceinline__ unsigned long long dkv_work(const typename Mask::Conf
 }
 
 // The dK/dV kernels' transposed scores S^T of a warp's 16 keys (from key0) against the query tile [t0, t0 + kM) of
-// head h, before S^T = K Q^T accumulates onto them: 0, or with FlashTermsMask the terms (init_scores).
+// head h (a kernel tile of this kind), before S^T = K Q^T accumulates onto them: 0, or with FlashTermsMask the
+// terms (init_scores).
 template <class T, int kM, class Mask, class Seq>
 __device__ __forceinline__ void init_key_scores(float (&s)[kM / 8][4], const typename Mask::Config& mc,
-                                                const Seq& seq, const DkvWork& w, i64 h, i64 t0, i64 key0) {
+                                                const Seq& seq, i64 h, i64 t0, i64 key0, [[maybe_unused]] int kind) {
   if constexpr (kHasTerms<Mask>) {
-    const int kind = classify_tile(mc.terms, blockIdx.z, h, t0, min(i64{kM}, seq.T - t0), w.j0, w.keys);
     if (tile_needs_terms(mc.terms, kind)) {
       init_scores<T, kM, false>(s, mc.terms, seq, blockIdx.z, h, key0, t0, kind);
       return;
@@ -571,14 +602,16 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
     l[mt][0] = l[mt][1] = 0.f;
   }
 
-  const i64 first = next_key_tile_of<Mask>(mc, seq, w, tile_begin, kN);
+  KeyTileWalk<Mask> walk;
+  const i64 first = walk.next(mc, seq, w, tile_begin, kN);
   if (first < tile_end) {
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
     load_kv_tiles<kN, Dqk, Dv>(sK, sV, a, seq, first * kN, hk);
     cp_async_commit();
     int computed = 0;
     for (i64 it = first; it < tile_end; ++computed) {
-      const i64 next = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN);
+      const int kind = walk.kind(mc, it);  // before next() moves the window on
+      const i64 next = walk.next(mc, seq, w, it + 1, kN);
       const int buf = (kHasTerms<Mask> ? computed : static_cast<int>(it - tile_begin)) & 1;
       advance_pipeline(next < tile_end, [&] {
         load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, next * kN, hk);
@@ -590,7 +623,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
       it = next;
 
       float s[kMT][kN / 8][4];
-      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0);
+      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0, kind);
       gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
 
       const bool full = tile_full(mask, t0, kM, j0, kN);
@@ -613,7 +646,10 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) store_forward_rows<Dv>(acc[mt], m[mt], l[mt], a, seq, t0 + warp_row0 + 16 * mt, h);
   if constexpr (kHasTerms<Mask>) {
-    if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, query_tile_work<Mask>(mc, seq, w, kN));
+    if (threadIdx.x < 32 && mc.terms.work_counter != nullptr) {
+      const unsigned long long work = query_tile_work<Mask>(mc, seq, w, kN);
+      if (threadIdx.x == 0) add_work(mc.terms, work);
+    }
   }
 }
 
@@ -650,7 +686,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   float acc[kMT][Dqk / 8][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) zero(acc[mt]);
-  const i64 first = next_key_tile_of<Mask>(mc, seq, w, tile_begin, kN);
+  KeyTileWalk<Mask> walk;
+  const i64 first = walk.next(mc, seq, w, tile_begin, kN);
   if (first < tile_end) {
     float lse2[kMT][2], delta[kMT][2], p_scale[kMT][2];
 #pragma unroll
@@ -669,7 +706,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
     cp_async_commit();
     int computed = 0;
     for (i64 it = first; it < tile_end; ++computed) {
-      const i64 next = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN);
+      const int kind = walk.kind(mc, it);  // before next() moves the window on
+      const i64 next = walk.next(mc, seq, w, it + 1, kN);
       const int buf = (kHasTerms<Mask> ? computed : static_cast<int>(it - tile_begin)) & 1;
       advance_pipeline(next < tile_end, [&] {
         load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, next * kN, hk);
@@ -681,7 +719,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
       it = next;
 
       float s[kMT][kN / 8][4], dp[kMT][kN / 8][4];
-      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0);
+      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0, kind);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) zero(dp[mt]);
       gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
@@ -713,7 +751,10 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
                     a.accumulate_dq);
   }
   if constexpr (kHasTerms<Mask>) {
-    if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, query_tile_work<Mask>(mc, seq, w, kN));
+    if (threadIdx.x < 32 && mc.terms.work_counter != nullptr) {
+      const unsigned long long work = query_tile_work<Mask>(mc, seq, w, kN);
+      if (threadIdx.x == 0) add_work(mc.terms, work);
+    }
   }
 }
 
@@ -781,7 +822,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   };
 
   [[maybe_unused]] float key_sums[2] = {0.f, 0.f};  // FlashTermsMask: the bias gradient of a shared bias row
-  const i64 first = next_dkv_step<Mask>(mc, seq, w, 0, kM);
+  DkvStepWalk<Mask> walk;
+  const i64 first = walk.next(mc, seq, w, 0, kM);
   if (first < w.steps) {
     load_tile<kN, Dqk>(sK, a.k, seq.batch, seq.k_begin + j0, w.keys, w.hk);
     load_tile<kN, Dv>(sV, a.v, seq.batch, seq.k_begin + j0, w.keys, w.hk);
@@ -789,7 +831,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
     cp_async_commit();
     int computed = 0;
     for (i64 step = first; step < w.steps; ++computed) {
-      const i64 next = next_dkv_step<Mask>(mc, seq, w, step + 1, kM);
+      [[maybe_unused]] const int kind = walk.kind(mc, step);  // before next() moves the window on
+      const i64 next = walk.next(mc, seq, w, step + 1, kM);
       const int buf = (kHasTerms<Mask> ? computed : static_cast<int>(step)) & 1;
       advance_pipeline(next < w.steps, [&] { load_step(next, buf ^ 1); });
       __syncthreads();
@@ -803,7 +846,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
       // S^T (keys x queries) = K Q^T; this warp's 16 keys.
       float s[kM / 8][4];
       [[maybe_unused]] const i64 h = w.head(step);
-      init_key_scores<T, kM, Mask>(s, mc, seq, w, h, t0, j0 + warp * 16);
+      init_key_scores<T, kM, Mask>(s, mc, seq, h, t0, j0 + warp * 16, kind);
       gemm_ss_nk<T, kM, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sK, warp * 16, q_tile);
       const bool full = tile_full(mask, t0, kM, j0, kN);
 #pragma unroll
@@ -846,7 +889,10 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   }
   store_dkv_rows<kDoDK, kDoDV>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
   if constexpr (kHasTerms<Mask> && kDoDK) {
-    if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, dkv_work<Mask>(mc, seq, w, kM));
+    if (threadIdx.x < 32 && mc.terms.work_counter != nullptr) {
+      const unsigned long long work = dkv_work<Mask>(mc, seq, w, kM);
+      if (threadIdx.x == 0) add_work(mc.terms, work);
+    }
   }
 }
 

@@ -3,7 +3,7 @@
 // policies (FlashMask, CompressedMask) compile to the kernels they are without them.
 //
 // Kernels see the terms through two things:
-//  - Tile kinds (classify_tile): a kernel tile of queries [t0, t0 + rows) x keys [j0, j0 + keys) is absent (every
+//  - Tile kinds (tile_walk.cuh): a kernel tile of queries [t0, t0 + rows) x keys [j0, j0 + keys) is absent (every
 //    block tile it overlaps is absent: no loads, no MMAs), exists (every overlapped block tile exists and is
 //    partial: the element mask is read), full (every one is full: the element mask is not read) or mixed (the
 //    tile state is looked up per element). Without a tile map every kernel tile exists.
@@ -104,28 +104,6 @@ inline constexpr bool kHasTerms = std::is_same_v<Mask, FlashTermsMask>;
 
 enum TileKind : int { kTileAbsent = 0, kTileExists = 1, kTileFull = 2, kTileMixed = 3 };
 
-// The kind of the kernel tile of queries [t0, t0 + rows) x keys [j0, j0 + keys) of (sequence, query head h).
-__device__ __forceinline__ int classify_tile(const ScoreTerms& terms, i64 sequence, i64 h, i64 t0, i64 rows, i64 j0,
-                                             i64 keys) {
-  if (rows <= 0 || keys <= 0) return kTileAbsent;
-  const TileMap& m = terms.tiles;
-  if (m.states == nullptr) return kTileExists;
-  const i64 r0 = t0 / m.block_q, r1 = (t0 + rows - 1) / m.block_q;
-  const i64 c0 = j0 / m.block_k, c1 = (j0 + keys - 1) / m.block_k;
-  bool any = false, all_full = true, all_partial = true;
-  for (i64 r = r0; r <= r1; ++r) {
-    const std::uint8_t* row = m.row(sequence, h, r);
-    for (i64 c = c0; c <= c1; ++c) {
-      const std::uint8_t state = TileMap::at(row, c, m.key_tiles);
-      any = any || state != 0;
-      all_full = all_full && state == 2;
-      all_partial = all_partial && state != 0 && state != 2;
-    }
-  }
-  if (!any) return kTileAbsent;
-  return all_full ? kTileFull : all_partial ? kTileExists : kTileMixed;
-}
-
 // Whether a tile of this kind needs the per-element kept bits (the element mask or the tile states).
 __device__ __forceinline__ bool tile_needs_keep(const ScoreTerms& terms, int kind) {
   return kind == kTileMixed || (kind == kTileExists && terms.mask.data != nullptr);
@@ -133,29 +111,6 @@ __device__ __forceinline__ bool tile_needs_keep(const ScoreTerms& terms, int kin
 // Whether a tile of this kind reads anything per element.
 __device__ __forceinline__ bool tile_needs_terms(const ScoreTerms& terms, int kind) {
   return terms.bias.data != nullptr || tile_needs_keep(terms, kind);
-}
-
-// The first key tile in [it, end) of kN keys that is not absent for queries [t0, t0 + rows) of (sequence, head h).
-__device__ __forceinline__ i64 next_key_tile(const ScoreTerms& terms, i64 sequence, i64 h, i64 t0, i64 rows, i64 S,
-                                             i64 it, i64 end, int kN) {
-  if (terms.tiles.states == nullptr) return it;
-  for (; it < end; ++it) {
-    const i64 j0 = it * kN;
-    if (classify_tile(terms, sequence, h, t0, rows, j0, min(i64{kN}, S - j0)) != kTileAbsent) break;
-  }
-  return it;
-}
-
-// How many key tiles of [it, end) next_key_tile visits.
-__device__ __forceinline__ int count_key_tiles(const ScoreTerms& terms, i64 sequence, i64 h, i64 t0, i64 rows, i64 S,
-                                               i64 it, i64 end, int kN) {
-  if (terms.tiles.states == nullptr) return static_cast<int>(end - it);
-  int count = 0;
-  for (it = next_key_tile(terms, sequence, h, t0, rows, S, it, end, kN); it < end;
-       it = next_key_tile(terms, sequence, h, t0, rows, S, it + 1, end, kN)) {
-    ++count;
-  }
-  return count;
 }
 
 __device__ __forceinline__ void add_work(const ScoreTerms& terms, unsigned long long work) {
@@ -178,7 +133,7 @@ __device__ __forceinline__ float bias_value(std::uint32_t bits) {
 // adds them to the q.k that s holds (elements past the sequence keep theirs). Element (n, i)
 // is row row0 + lane / 4 + 8 (i / 2), column col0 + 8 n + 2 (lane % 4) + i % 2. kQueryRows: rows are queries and
 // columns keys (forward, dQ); otherwise rows are keys and columns queries (dK/dV). kind: the tile's
-// (classify_tile). Terms shared by every query row (rows_shared) in a tile that is not mixed are read once per
+// (tile_walk.cuh). Terms shared by every query row (rows_shared) in a tile that is not mixed are read once per
 // key.
 template <class T, int kCols, bool kQueryRows, bool kAdd = false, class Seq>
 __device__ __forceinline__ void init_scores(float (&s)[kCols / 8][4], const ScoreTerms& terms, const Seq& seq,

@@ -125,10 +125,11 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   };
 
   // With a tile map (FlashTermsMask) the CTA computes the present steps only: logical step i is step_now, the
-  // (head, query tile) step of the CTA's i-th present one (next_dkv_step), and step_next the one after.
-  const int steps = dkv_step_count<Mask>(mc, seq, w, kM);
+  // (head, query tile) step of the CTA's i-th present one (DkvStepWalk), and step_next the one after.
+  DkvStepWalk<Mask> walk;
+  const int steps = walk.count(mc, seq, w, kM);
   if (steps > 0) {
-    [[maybe_unused]] i64 step_now = next_dkv_step<Mask>(mc, seq, w, 0, kM), step_next = step_now;
+    [[maybe_unused]] i64 step_now = walk.next(mc, seq, w, 0, kM), step_next = step_now;
     [[maybe_unused]] float key_sums[2] = {0.f, 0.f};
     load_swizzled_tile<kN, Dqk, kThreadCount>(sK, a.k, seq.batch, seq.k_begin + j0, w.keys, w.hk);
     load_swizzled_tile<kN, Dv, kThreadCount>(sV, a.v, seq.batch, seq.k_begin + j0, w.keys, w.hk);
@@ -147,10 +148,10 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       __syncthreads();
       if constexpr (kHasTerms<Mask>) {
         if (step > 0) step_now = step_next;
-        if (step + 1 < steps) step_next = next_dkv_step<Mask>(mc, seq, w, step_now + 1, kM);
+        const int kind = step < steps ? walk.kind(mc, step_now) : kTileAbsent;  // before next() moves the window
+        if (step + 1 < steps) step_next = walk.next(mc, seq, w, step_now + 1, kM);
         if (step < steps) {
           const i64 h = w.head(step_now), t0 = w.tile(step_now) * kM;
-          const int kind = classify_tile(mc.terms, blockIdx.z, h, t0, min(i64{kM}, seq.T - t0), j0, w.keys);
           // The step's terms into s (free since the last step's P^T went into p_a), which S^T accumulates onto.
           scores_initialized = tile_needs_terms(mc.terms, kind);
           if (scores_initialized) init_scores<T, kM, false>(s, mc.terms, seq, blockIdx.z, h, j0 + warp * 16, t0, kind);
@@ -231,7 +232,10 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   }
   store_dkv_rows<true, true>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
   if constexpr (kHasTerms<Mask>) {
-    if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, dkv_work<Mask>(mc, seq, w, kM));
+    if (threadIdx.x < 32 && mc.terms.work_counter != nullptr) {
+      const unsigned long long work = dkv_work<Mask>(mc, seq, w, kM);
+      if (threadIdx.x == 0) add_work(mc.terms, work);
+    }
   }
 #endif
 }
@@ -279,8 +283,9 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     constexpr int kCopiers = Tile::kProducerThreads, kUnroll = Tile::kProducerUnroll;
     unsigned key_tiles = 0, query_tiles = 0;
     for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
-      const i64 first = next_key_tile_of<Mask>(mc, seq, w, w.tile_begin, kN);
-      for (i64 it = first; it < w.tile_end; it = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN), ++key_tiles) {
+      KeyTileWalk<Mask> walk;
+      const i64 first = walk.next(mc, seq, w, w.tile_begin, kN);
+      for (i64 it = first; it < w.tile_end; it = walk.next(mc, seq, w, it + 1, kN), ++key_tiles) {
         const i64 j0 = it * kN;
         const int stage = kv_ring.slot(key_tiles);
         kv_ring.acquire(key_tiles);
@@ -319,7 +324,8 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
 
   for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
     const i64 t0 = w.t0, tile_begin = w.tile_begin;
-    const int steps = key_tile_count<Mask>(mc, seq, w, kN);
+    KeyTileWalk<Mask> walk;
+    const int steps = walk.count(mc, seq, w, kN);
     float acc[Dqk / 8][4];
     zero(acc);
     if (steps > 0) {
@@ -345,9 +351,8 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
       auto begin_step = [&](int step) {
         if constexpr (kHasTerms<Mask>) {
           if (step < steps) {
-            key_tile = next_key_tile_of<Mask>(mc, seq, w, step == 0 ? tile_begin : key_tile + 1, kN);
-            const i64 j0 = key_tile * kN;
-            const QueryTileTerms tt(mc.terms, seq, w, j0, kN);
+            key_tile = walk.next(mc, seq, w, step == 0 ? tile_begin : key_tile + 1, kN);
+            const QueryTileTerms tt(mc.terms, walk.kind(mc, key_tile));
             terms_kind = tt.kind;
             terms_needed = tt.needs;
           }
@@ -414,12 +419,12 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
   });
   turns.finish();
   if constexpr (kHasTerms<Mask>) {
-    if (threadIdx.x == Tile::kProducerThreads && mc.terms.work_counter != nullptr) {
+    if (threadIdx.x / 32 == Tile::kProducerThreads / 32 && mc.terms.work_counter != nullptr) {  // one warp
       unsigned long long work = 0;
       for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
         work += query_tile_work<Mask>(mc, seq, w, kN);
       });
-      add_work(mc.terms, work);
+      if (threadIdx.x == Tile::kProducerThreads) add_work(mc.terms, work);
     }
   }
 #endif

@@ -66,8 +66,9 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     constexpr int kCopiers = Tile::kProducerThreads, kUnroll = Tile::kProducerUnroll;
     unsigned key_tiles = 0, query_tiles = 0;
     for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
-      const i64 first = next_key_tile_of<Mask>(mc, seq, w, w.tile_begin, kN);
-      for (i64 it = first; it < w.tile_end; it = next_key_tile_of<Mask>(mc, seq, w, it + 1, kN), ++key_tiles) {
+      KeyTileWalk<Mask> walk;
+      const i64 first = walk.next(mc, seq, w, w.tile_begin, kN);
+      for (i64 it = first; it < w.tile_end; it = walk.next(mc, seq, w, it + 1, kN), ++key_tiles) {
         const i64 j0 = it * kN;
         k_ring.acquire(key_tiles);
         wgmma::load_swizzled_tile<kN, Dqk, kCopiers, kUnroll>(sK + k_ring.slot(key_tiles) * Tile::kK, a.k, seq.batch,
@@ -104,7 +105,8 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
 
   for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
     const i64 t0 = w.t0, tile_begin = w.tile_begin;
-    const int steps = key_tile_count<Mask>(mc, seq, w, kN);
+    KeyTileWalk<Mask> walk;
+    const int steps = walk.count(mc, seq, w, kN);
     float acc[Dv / 8][4];
     zero(acc);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -125,9 +127,8 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       auto begin_step = [&](int step) {
         if constexpr (kHasTerms<Mask>) {
           if (step < steps) {
-            key_tile = next_key_tile_of<Mask>(mc, seq, w, step == 0 ? tile_begin : key_tile + 1, kN);
-            const i64 j0 = key_tile * kN;
-            const QueryTileTerms tt(mc.terms, seq, w, j0, kN);
+            key_tile = walk.next(mc, seq, w, step == 0 ? tile_begin : key_tile + 1, kN);
+            const QueryTileTerms tt(mc.terms, walk.kind(mc, key_tile));
             terms_kind = tt.kind;
             terms_needed = tt.needs;
           }
@@ -190,12 +191,12 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   });
   turns.finish();
   if constexpr (kHasTerms<Mask>) {
-    if (threadIdx.x == Tile::kProducerThreads && mc.terms.work_counter != nullptr) {
+    if (threadIdx.x / 32 == Tile::kProducerThreads / 32 && mc.terms.work_counter != nullptr) {  // one warp
       unsigned long long work = 0;
       for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
         work += query_tile_work<Mask>(mc, seq, w, kN);
       });
-      add_work(mc.terms, work);
+      if (threadIdx.x == Tile::kProducerThreads) add_work(mc.terms, work);
     }
   }
 #endif
