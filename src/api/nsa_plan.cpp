@@ -75,6 +75,12 @@ class Validator {
 };
 
 
+std::string strides_string(const TensorView& t) {
+  std::string text = "[";
+  for (int i = 0; i < t.rank; ++i) text += (i > 0 ? ", " : "") + std::to_string(t.stride[i]);
+  return text + "]";
+}
+
 }  // namespace
 
 NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents) {
@@ -161,6 +167,18 @@ NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents
   if (plan.user_cmp || plan.run_compressed_attention || params.cu_seqlens_cmp.present()) {
     valid.compressed_layout(key_layout, plan.keys.seqs, params.cu_seqlens_cmp, plan.cmp_rows, config.cmp_block,
                             config.cmp_stride);
+  }
+  plan.recompute = params.recompute;
+  check.require(plan.recompute == NsaRecompute::none || plan.recompute == NsaRecompute::branches, ErrorKind::config,
+                "recompute", "expected NsaRecompute::none or NsaRecompute::branches, got " +
+                                 std::to_string(static_cast<int>(plan.recompute)));
+  if (plan.recompute == NsaRecompute::branches && !layout.packed) {
+    for (int i = 0; i < kNumBranches; ++i) {
+      if (plan.branch[i]) plan.output_in_o = i;
+    }
+    check.require(params.o.is_contiguous(), ErrorKind::shape, "o",
+                  "must be contiguous with recompute=branches (a branch writes its output there before combine), "
+                  "got strides " + strides_string(params.o));
   }
   if (indices.present() && read_contents && indices.device == DeviceType::cpu) {
     check.index_contents(indices, "block_indices", layout, params.seqs, key_layout, plan.keys.seqs,
