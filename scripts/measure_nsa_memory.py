@@ -2,8 +2,8 @@
 memory bars: T = 1M on one H200, half of today's peak at 512K, recomputation at most 15% of the fwd+bwd time at
 256K).
 
-    python scripts/measure_nsa_memory.py [--seqlens 256K 512K] [--modes none branches full] [--reps 3]
-                                         [--shape 64/4/128/128] [--out DIR]
+    python scripts/measure_nsa_memory.py [--seqlens 256K 512K] [--modes none branches selected_and_window full]
+                                         [--reps 3] [--shape 64/4/128/128] [--out DIR]
 
 Batch 1, bf16, NSA defaults, random inputs. Per (T, mode), in one process, inputs allocated once:
   - peak: the most allocated during the forward and torch.autograd.grad of q, k, v and the gates, above what was
@@ -114,7 +114,8 @@ def markdown(meta: dict, rows: list) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", nargs="+", type=parse_seqlen, default=[262144, 524288])
-    parser.add_argument("--modes", nargs="+", choices=("none", "branches", "full"), default=["none", "branches"])
+    parser.add_argument("--modes", nargs="+", choices=("none", "branches", "selected_and_window", "full"),
+                        default=["none", "branches", "selected_and_window"])
     parser.add_argument("--shape", type=Shape.parse, default=Shape.parse("64/4/128/128"))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=".")

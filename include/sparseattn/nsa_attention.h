@@ -34,8 +34,10 @@ struct NsaConfig {
 //    contiguous, and combine turns it into the result in place), and the backward recomputes each branch's
 //    output with the same kernel into one scratch buffer just before that branch's backward: one branch output
 //    is live at a time. Outputs and gradients are bit-identical to `none` (deterministic kernels, same order).
+//  - selected_and_window: as `branches` for the selected and sliding-window outputs; the compressed branch's output
+//    (whose forward costs the most to run again at long T) is kept (about 17.6 KB per token).
 // The backward must get the mode its forward ran with (the workspace layout depends on it).
-enum class NsaRecompute { none, branches };
+enum class NsaRecompute { none, branches, selected_and_window };
 
 // Branch order of `gates` (and of combine's arrays): compressed, selected, sliding window.
 // A branch whose gate is absent is skipped (compressed attention still runs when selection needs it).

@@ -700,7 +700,7 @@ def nsa_attention(
 ) -> tuple[Tensor, Tensor]:
     """Returns (o, workspace); the uint8 workspace holds what the backward reads: with recompute "none" the branch
     outputs too, with "branches" only their log-sum-exps, the selection and the pooled compressed K/V (the backward
-    recomputes the outputs; pass it the same mode)."""
+    recomputes the outputs; pass it the same mode), with "selected_and_window" also the compressed output."""
     config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
     packed = cu_seqlens is not None
     keys = (cu_seqlens_k, max_seqlen_k, recompute)

@@ -718,6 +718,9 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
               buffer (one branch output live at a time), and the forward holds the branch outputs in scratch only
               while it runs. Costs the three branch forwards once more per backward. Batched layout: the output
               is written in place by the last branch, so nothing else changes for the caller.
+            - ``"selected_and_window"``: as ``"branches"`` for the selected and sliding-window outputs; the
+              compressed branch's output, whose forward costs the most to run again at long T, is kept (about
+              17.6 KB per token).
             - ``"full"`` or True: nothing beyond the inputs; the backward runs the whole forward again first
               (torch.utils.checkpoint), then the backward of ``"none"``: the least kept between forward and
               backward (many layers), the highest cost (one more NSA forward), and the backward's peak of ``"none"``.
@@ -782,21 +785,21 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
             None if cu_seqlens_k is None else cu_seqlens_k.detach(), max_seqlen_k)
     if recompute == "full" and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(_nsa_output, *args, use_reentrant=False)
-    return _nsa_output(*args, "branches" if recompute == "branches" else "none")
+    return _nsa_output(*args, "none" if recompute == "full" else recompute)
 
 
-RECOMPUTE_MODES = ("none", "branches", "full")
+RECOMPUTE_MODES = ("none", "branches", "selected_and_window", "full")
 
 
 def recompute_arg(op: str, value) -> str:
     """The recompute mode of nsa_attention: one of RECOMPUTE_MODES (False: "none", True: "full")."""
     if isinstance(value, bool):
         return "full" if value else "none"
+    names = ", ".join(repr(mode) for mode in RECOMPUTE_MODES)
     if not isinstance(value, str):
-        raise chk.type_error(op, "recompute", "a bool or one of 'none', 'branches', 'full'", value)
+        raise chk.type_error(op, "recompute", f"a bool or one of {names}", value)
     if value not in RECOMPUTE_MODES:
-        raise make_error(SparseAttnError, "config", op, "recompute",
-                         f"expected 'none', 'branches' or 'full' (or a bool), got {value!r}")
+        raise make_error(SparseAttnError, "config", op, "recompute", f"expected one of {names} (or a bool), got {value!r}")
     return value
 
 

@@ -28,8 +28,8 @@ class NativeSparseAttentionCore(nn.Module):
     Args:
         config: an :class:`NSAConfig` (None: the defaults).
         recompute: what the forward keeps for the backward: "none" (or False), "branches" (recompute the branch
-            outputs in the backward) or "full" (or True: run the whole forward again there); see
-            :func:`sparseattn.nsa_attention`. Stored as the mode's name.
+            outputs in the backward), "selected_and_window" (those two only) or "full" (or True: run the whole
+            forward again there); see :func:`sparseattn.nsa_attention`. Stored as the mode's name.
 
     Raises:
         SparseAttnTypeError: config is neither an NSAConfig nor None, recompute neither a bool nor a string.
@@ -161,8 +161,8 @@ class NativeSparseAttention(nn.Module):
         rotary: apply the rotary embedding to q and k; rope_theta: its base (finite, positive).
         bias: bias terms in the projections.
         device, dtype: of the parameters (dtype: float16, bfloat16, float32 or float64).
-        recompute: what NSA keeps for the backward: "none" (or False), "branches" or "full" (or True); see
-            :func:`sparseattn.nsa_attention`.
+        recompute: what NSA keeps for the backward: "none" (or False), "branches", "selected_and_window" or "full"
+            (or True); see :func:`sparseattn.nsa_attention`.
 
     Raises:
         SparseAttnTypeError: an argument of the wrong type.

@@ -26,12 +26,18 @@ namespace {
 
 const char* const kGradGate[kNumBranches] = {"d_g_cmp", "d_g_slc", "d_g_swa"};
 
+std::string strides_string(const TensorView& t) {
+  std::string text = "[";
+  for (int i = 0; i < t.rank; ++i) text += (i > 0 ? ", " : "") + std::to_string(t.stride[i]);
+  return text + "]";
+}
+
 // The batched key count S that compressed_attention and select_blocks take (they see no k); 0 when packed.
 std::int64_t seqlen_k(const detail::NsaPlan& plan) { return plan.layout.packed ? 0 : plan.keys.layout.rows; }
 
 // The attention forwards of the three branches into `o`/`lse` (the selected one with `workspace`), built in one
-// place: the forward and the backward's recomputation (NsaRecompute::branches) run the same calls, so the
-// recomputed outputs are the forward's bit for bit.
+// place: the forward and the backward's recomputation (NsaRecompute) run the same calls, so the recomputed
+// outputs are the forward's bit for bit.
 struct BranchForward {
   CompressedAttentionParams cmp;
   SelectedAttentionParams slc;
@@ -155,7 +161,7 @@ void check_backend(const detail::Check& check, const TensorView& q, const detail
 // workspaces they ask for. `d_o`: the caller's output gradient (CUDA: each branch's gate is folded into its
 // backward, branch_backward.h; CPU: the branches read scratch.d_o instead). `dk_cmp`/`dv_cmp` receive the
 // compressed branch's K/V gradient. `o`/`lse`: the branch outputs and log-sum-exps (the workspace's, or with
-// NsaRecompute::branches the recomputed output in scratch.o).
+// recomputation the recomputed output in scratch.o).
 struct BranchBackward {
   CompressedAttentionBackwardParams cmp;
   SelectedAttentionBackwardParams slc;
@@ -191,16 +197,19 @@ BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, 
   return b;
 }
 
-// The branch outputs the backward reads: the workspace's, or (NsaRecompute::branches) the one scratch buffer each
-// branch's output is recomputed into.
+// The branch outputs the backward reads: the workspace's, or for a recomputed one the scratch buffer each
+// recomputed output goes into.
 std::array<TensorView, kNumBranches> backward_outputs(const detail::NsaPlan& plan, const detail::NsaWorkspace& ws,
                                                       const detail::NsaScratch& scratch) {
-  if (plan.recompute == NsaRecompute::none) return ws.o;
-  return {scratch.o, scratch.o, scratch.o};
+  std::array<TensorView, kNumBranches> outputs = ws.o;
+  for (int i = 0; i < kNumBranches; ++i) {
+    if (plan.recompute_output[i]) outputs[i] = scratch.o;
+  }
+  return outputs;
 }
 
 // The scratch views, the last slice sized for the largest branch workspace (found from shape-only views), which
-// with NsaRecompute::branches also holds the selected branch's recomputed forward.
+// when the selected branch's output is recomputed also holds that forward's workspace.
 detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
                                void* base) {
   const detail::NsaScratch shapes = detail::nsa_scratch(plan, nullptr, 0);
@@ -210,9 +219,7 @@ detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, 
   if (plan.branch[0]) bytes = std::max(bytes, compressed_attention_backward_workspace_size(sizing.cmp));
   if (plan.branch[1]) bytes = std::max(bytes, selected_attention_backward_workspace_size(sizing.slc));
   if (plan.branch[2]) bytes = std::max(bytes, flash_attention_backward_workspace_size(sizing.swa));
-  if (plan.recompute == NsaRecompute::branches) {
-    bytes = std::max(bytes, selected_forward_workspace_size(plan, f, ws));
-  }
+  if (plan.recompute_output[1]) bytes = std::max(bytes, selected_forward_workspace_size(plan, f, ws));
   return detail::nsa_scratch(plan, base, bytes);
 }
 
@@ -240,6 +247,11 @@ void nsa_attention(const NsaParams& params) {
   const auto [plan, ws] = prepare(check, params);
   check.buffer(params.scratch, params.scratch_bytes, ws.scratch_bytes, "scratch", "nsa_forward_scratch_size");
   check_backend(check, params.q, plan);
+  if (plan.output_in_o >= 0) {
+    check.require(params.o.is_contiguous(), ErrorKind::shape, "o",
+                  "must be contiguous with recomputation (a branch writes its output there before combine), "
+                  "got strides " + strides_string(params.o));
+  }
 
   const NsaConfig& c = params.config;
   // Every byte of the workspace ends up deterministic (the caller may pass it uninitialised): what no step
@@ -286,10 +298,9 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
   const BranchBackward branches = branch_backward(plan, f, ws, outputs, scratch, params.d_o, params.dq,
                                                   plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
                                                   plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
-  // NsaRecompute::branches: each branch's forward runs again (the forward's own call, branch_forward) into
-  // scratch.o just before that branch's gate gradient and backward; its log-sum-exp goes to scratch.lse (the
-  // backward reads the workspace's, the same values).
-  const bool recompute = plan.recompute == NsaRecompute::branches;
+  // Recomputation (NsaPlan::recompute_output): the branch's forward runs again (the forward's own call,
+  // branch_forward) into scratch.o just before that branch's gate gradient and backward; its log-sum-exp goes to
+  // scratch.lse (the backward reads the workspace's, the same values).
   const BranchForward recomputation = branch_forward(plan, f, ws, outputs, {scratch.lse, scratch.lse, scratch.lse},
                                                      scratch.branch_workspace);
   const auto recompute_output = [&](int i) {
@@ -329,12 +340,12 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
       }
     }
   };
-  const bool one_pass = cuda && !recompute;
+  const bool one_pass = cuda && !plan.recomputes;
   if (one_pass) gate_backward(plan.branch);
   bool accumulate_dq = false;
   for (int i = 0; i < kNumBranches; ++i) {
     if (!plan.branch[i]) continue;
-    if (recompute) recompute_output(i);
+    if (plan.recompute_output[i]) recompute_output(i);
     if (!one_pass) {
       std::array<bool, kNumBranches> only{};
       only[i] = true;

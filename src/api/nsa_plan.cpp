@@ -75,12 +75,6 @@ class Validator {
 };
 
 
-std::string strides_string(const TensorView& t) {
-  std::string text = "[";
-  for (int i = 0; i < t.rank; ++i) text += (i > 0 ? ", " : "") + std::to_string(t.stride[i]);
-  return text + "]";
-}
-
 }  // namespace
 
 NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents) {
@@ -169,16 +163,17 @@ NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents
                             config.cmp_stride);
   }
   plan.recompute = params.recompute;
-  check.require(plan.recompute == NsaRecompute::none || plan.recompute == NsaRecompute::branches, ErrorKind::config,
-                "recompute", "expected NsaRecompute::none or NsaRecompute::branches, got " +
-                                 std::to_string(static_cast<int>(plan.recompute)));
-  if (plan.recompute == NsaRecompute::branches && !layout.packed) {
-    for (int i = 0; i < kNumBranches; ++i) {
-      if (plan.branch[i]) plan.output_in_o = i;
-    }
-    check.require(params.o.is_contiguous(), ErrorKind::shape, "o",
-                  "must be contiguous with recompute=branches (a branch writes its output there before combine), "
-                  "got strides " + strides_string(params.o));
+  check.require(plan.recompute == NsaRecompute::none || plan.recompute == NsaRecompute::branches ||
+                    plan.recompute == NsaRecompute::selected_and_window,
+                ErrorKind::config, "recompute",
+                "expected NsaRecompute::none, branches or selected_and_window, got " +
+                    std::to_string(static_cast<int>(plan.recompute)));
+  for (int i = 0; i < kNumBranches; ++i) {
+    const bool mode_recomputes = plan.recompute == NsaRecompute::branches ||
+                                 (plan.recompute == NsaRecompute::selected_and_window && i != 0);
+    plan.recompute_output[i] = plan.branch[i] && mode_recomputes;
+    plan.recomputes = plan.recomputes || plan.recompute_output[i];
+    if (plan.recompute_output[i] && !layout.packed) plan.output_in_o = i;
   }
   if (indices.present() && read_contents && indices.device == DeviceType::cpu) {
     check.index_contents(indices, "block_indices", layout, params.seqs, key_layout, plan.keys.seqs,

@@ -30,8 +30,10 @@ struct NsaPlan {
   bool run_compressed_attention = false;    // for the compressed branch or for selection
   bool run_selection = false;               // the selected branch without user block_indices
   NsaRecompute recompute = NsaRecompute::none;
-  // NsaRecompute::branches, batched layout: the present branch whose forward writes its output into the caller's
-  // o (the last one; combine then reads it there and writes the result over it, element by element). -1: none.
+  std::array<bool, kNumBranches> recompute_output{};  // the present branches whose output the backward recomputes
+  bool recomputes = false;                            // any of them
+  // Batched layout with recomputation: the branch whose forward writes its output into the caller's o (the last
+  // one recomputed; combine then reads it there and writes the result over it, element by element). -1: none.
   int output_in_o = -1;
 };
 
@@ -41,8 +43,8 @@ struct NsaPlan {
 NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents);
 
 // The forward's intermediates. Views are absent where a step does not run. The workspace holds what the backward
-// reads again; with NsaRecompute::branches the branch outputs (and what only the forward reads) are carved from the
-// forward's scratch instead, or are the caller's o (NsaPlan::output_in_o).
+// reads again; with recomputation the recomputed branch outputs (and what only the forward reads) are carved from
+// the forward's scratch instead, or are the caller's o (NsaPlan::output_in_o).
 struct NsaWorkspace {
   TensorView k_cmp, v_cmp;                         // when compression runs
   std::array<TensorView, kNumBranches> o, lse;     // [0] when compressed attention runs, others per gate
@@ -60,7 +62,7 @@ struct NsaWorkspace {
   TensorView whole;
   std::size_t bytes = 0;
   std::size_t scratch_bytes = 0;  // the forward scratch: the step workspace where the window's output slice cannot
-                                  // hold it, and with NsaRecompute::branches the intermediates not kept
+                                  // hold it, and with recomputation the intermediates not kept
 };
 
 // The backward's temporaries. The branches run one after another, so on the CPU one output-gradient buffer
@@ -76,12 +78,12 @@ struct NsaScratch {
   TensorView dk_cmp, dv_cmp;                        // compressed branch with pooled K/V: their gradient
   std::array<TensorView, kNumBranches> d_gates;     // packed layout, per gate: combine_backward's gate
                                                     // gradient, copied to the caller's like `combined`
-  // NsaRecompute::branches: the output and log-sum-exp of the branch whose backward runs next, recomputed
-  // (one buffer for all branches: they run in order).
+  // With recomputation: the output and log-sum-exp of the branch whose backward runs next, recomputed (one buffer
+  // for all branches: they run in order).
   TensorView o, lse;
   TensorView recomputed;  // float16 view of the bytes of o and lse (zero-filled before each recomputation, packed)
   TensorView branch_workspace;  // uint8: the workspace of each branch's backward in turn (they run in order) and,
-                                // with NsaRecompute::branches, of the selected branch's recomputed forward
+                                // when it is recomputed, of the selected branch's forward
   std::size_t bytes = 0;
 };
 

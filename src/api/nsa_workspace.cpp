@@ -72,17 +72,18 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_wor
   Carver carve(plan, base);    // the workspace: what the backward reads
   Carver temp(plan, scratch);  // the forward's scratch: what only the forward reads
   const TokenLayout& layout = plan.layout;
-  const bool keep_outputs = plan.recompute == NsaRecompute::none;
+  const bool keep_all = plan.recompute == NsaRecompute::none;
   NsaWorkspace ws;
   if (plan.run_compression) {
     // The backward reads the pooled K/V in the compressed branch's backward (and its recomputation).
-    Carver& pooled = keep_outputs || plan.branch[0] ? carve : temp;
+    Carver& pooled = keep_all || plan.branch[0] ? carve : temp;
     ws.k_cmp = pooled.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
     ws.v_cmp = pooled.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
   }
   for (int i = 0; i < kNumBranches; ++i) {
     if (i == 0 ? !plan.run_compressed_attention : !plan.branch[i]) continue;
-    if (keep_outputs) {
+    // Kept: what the backward reads (a compressed output that serves selection only is not read).
+    if (keep_all || (plan.branch[i] && !plan.recompute_output[i])) {
       ws.o[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
     } else if (i == plan.output_in_o) {
       ws.o[i] = o;
@@ -90,11 +91,11 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_wor
       ws.o[i] = temp.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
     }
     // Without the compressed branch its log-sum-exp serves block selection only.
-    ws.lse[i] = (keep_outputs || plan.branch[i] ? carve : temp).take(plan.lse_dtype, layout.lse(plan.heads_q));
+    ws.lse[i] = (keep_all || plan.branch[i] ? carve : temp).take(plan.lse_dtype, layout.lse(plan.heads_q));
   }
   if (plan.run_selection) ws.indices = carve.take(DType::int32, layout.tokens(plan.heads_kv, plan.num_selected));
   if (layout.packed) {
-    ws.combined = (keep_outputs ? carve : temp).take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+    ws.combined = (keep_all ? carve : temp).take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
   }
   if (step_workspace_bytes > 0) {
     // The steps that use it (select_blocks, selected_attention) run before the sliding window writes its
@@ -148,7 +149,7 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
     scratch.dk[i] = carve.take(plan.dtype, plan.keys.layout.tokens(plan.heads_kv, plan.dim_qk));
     scratch.dv[i] = carve.take(plan.dtype, plan.keys.layout.tokens(plan.heads_kv, plan.dim_v));
   }
-  if (plan.recompute == NsaRecompute::branches) {
+  if (plan.recomputes) {
     const std::size_t start = carve.bytes();
     scratch.o = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
     scratch.lse = carve.take(plan.lse_dtype, layout.lse(plan.heads_q));

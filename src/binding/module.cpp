@@ -124,11 +124,13 @@ NsaConfig nsa_config(int cmp_block, int cmp_stride, int sel_block, int num_selec
   return c;
 }
 
-// The recompute mode of nsa_attention by name ("none" or "branches").
+// The recompute mode of nsa_attention by name ("none", "branches" or "selected_and_window").
 NsaRecompute nsa_recompute(const std::string& name) {
   if (name == "none") return NsaRecompute::none;
   if (name == "branches") return NsaRecompute::branches;
-  fail(ErrorKind::config, "recompute", "expected \"none\" or \"branches\", got \"" + name + "\"");
+  if (name == "selected_and_window") return NsaRecompute::selected_and_window;
+  fail(ErrorKind::config, "recompute",
+       "expected \"none\", \"branches\" or \"selected_and_window\", got \"" + name + "\"");
 }
 
 NsaParams nsa_spec_params(const std::string& device, int device_index, nb::handle q, nb::handle k, nb::handle v,

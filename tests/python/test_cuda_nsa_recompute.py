@@ -1,4 +1,5 @@
-"""nsa_attention(recompute="branches") on CUDA: the same output and gradients as recompute="none", bit for bit
+"""nsa_attention(recompute="branches" and "selected_and_window") on CUDA: the same output and gradients as
+recompute="none", bit for bit
 (the backward recomputes each branch's output with the forward's own kernel call, and the gate gradients and
 deltas per branch with the same combine_backward kernel), for the batched and packed layouts, GQA groups, every
 head dim, skipped branches, user selection and query chunks; deterministic; and less memory kept and at peak.
@@ -45,7 +46,7 @@ def run(mode, q, k, v, gates, d_o, **kwargs):
     return [o, *torch.autograd.grad(o, inputs, d_o)]
 
 
-def assert_modes_equal(q, k, v, gates, d_o, modes=("branches",), **kwargs):
+def assert_modes_equal(q, k, v, gates, d_o, modes=("branches", "selected_and_window"), **kwargs):
     expected = run("none", q, k, v, gates, d_o, **kwargs)
     for tensor in expected:
         assert torch.isfinite(tensor).all()
@@ -61,7 +62,7 @@ def test_batched_bit_equal(case, dtype):
     T, hq, hkv, dqk, dv, config = case
     gen = torch.Generator(device="cuda").manual_seed(T + hq)
     q, k, v, g, d_o = make((2, T), (2, T), hq, hkv, dqk, dv, dtype, gen)
-    assert_modes_equal(q, k, v, g, d_o, modes=("branches", "full"), config=config)
+    assert_modes_equal(q, k, v, g, d_o, modes=("branches", "selected_and_window", "full"), config=config)
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"T{c[0]}-{c[1]}x{c[2]}-d{c[3]}")
@@ -109,12 +110,13 @@ def test_user_selection_and_query_chunk_bit_equal():
     assert_modes_equal(q, k, v, g, d_o, config=SMALL, block_indices=idx)
 
 
-def test_branches_is_deterministic():
+@pytest.mark.parametrize("mode", ["branches", "selected_and_window"])
+def test_recomputation_is_deterministic(mode):
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, k, v, g, d_o = make((1, 4096), (1, 4096), 16, 2, 128, 128, torch.bfloat16, gen)
-    first = run("branches", q, k, v, g, d_o)
+    first = run(mode, q, k, v, g, d_o)
     for _ in range(2):
-        for a, b in zip(run("branches", q, k, v, g, d_o), first):
+        for a, b in zip(run(mode, q, k, v, g, d_o), first):
             assert torch.equal(a, b)
 
 

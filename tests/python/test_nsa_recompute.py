@@ -11,7 +11,7 @@ sa = require_sparseattn()
 from sparseattn import _C, _ops  # noqa: E402
 
 CFG = sa.NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, num_selected=3, num_local=1, window=16)
-MODES = ("none", "branches", "full")
+MODES = ("none", "branches", "selected_and_window", "full")
 GATE_SETS = [(1, 1, 1), (0, 1, 1), (1, 0, 1), (1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)]
 
 
@@ -73,6 +73,11 @@ def test_modes_give_the_same_output_and_gradients(packed, gates):
     # "none" keeps every branch output the backward reads; "branches" none of them.
     output_bytes = q.shape[:-1].numel() * v.shape[-1] * q.element_size()
     assert kept["branches"] + output_bytes <= kept["none"]
+    # "selected_and_window" keeps the compressed output where that branch runs, and drops the other two.
+    dropped = gates[1] + gates[2]
+    assert kept["selected_and_window"] + dropped * output_bytes <= kept["none"]
+    if gates[0]:
+        assert kept["selected_and_window"] >= kept["branches"] + output_bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -105,6 +110,11 @@ def test_branches_mode_is_deterministic_and_works_without_grad():
         assert torch.equal(a, b)
     with torch.no_grad():
         assert torch.equal(sa.nsa_attention(q, k, v, *g, config=CFG, recompute="branches"), first[0])
+    # An output gradient that is not contiguous (stands in for o in the backward, which does not read o).
+    wide = torch.randn(*q.shape[:-1], 2 * v.shape[-1], generator=gen, dtype=q.dtype)
+    d_o = wide[..., : v.shape[-1]]
+    assert d_o.stride(-1) == 1 and not d_o.is_contiguous()
+    assert_all_equal(run_modes(q, k, v, g, d_o))
 
 
 def sizes(mode, T=4096, hq=64, hkv=4, dim=128, gates=(1, 1, 1)):
@@ -126,6 +136,8 @@ def test_workspace_sizes_per_token():
     assert branches_scratch == 2 * 64 * 128 * 2
     # Without the compressed branch its outputs serve selection only and are not kept.
     assert sizes("branches", gates=(0, 1, 1))[0] < branches_ws - 200
+    # "selected_and_window" keeps the compressed output too; its forward scratch holds the selected output.
+    assert sizes("selected_and_window") == [branches_ws + 64 * 128 * 2, 64 * 128 * 2]
 
 
 def test_backward_checks_the_mode_through_the_workspace_size():
