@@ -709,7 +709,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
             cu_seqlens). None: the keys are q's.
         max_seqlen_k: an upper bound of the keys' packed lengths (None or 0: not known).
         recompute: what the forward keeps for the backward (bytes per token at 64/4 heads, D = 128, bf16;
-            docs/perf/2026-11-27-nsa-memory-budget.md has the measured peaks and times):
+            docs/perf/2026-11-27-nsa-memory-budget.md has the buffers, peaks and costs):
 
             - ``"none"`` or False (default): the workspace: the three branch outputs, their log-sum-exps, the
               selection and the pooled compressed K/V (about 50 KB per token).
@@ -725,7 +725,8 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
               (torch.utils.checkpoint), then the backward of ``"none"``: the least kept between forward and
               backward (many layers), the highest cost (one more NSA forward), and the backward's peak of ``"none"``.
 
-            All three give the same output and gradients, bit for bit (deterministic kernels run in the same order).
+            All four give the same output and gradients, bit for bit (deterministic kernels run in the same order).
+
     Returns:
         o [B, T, Hq, Dv] (packed [N, Hq, Dv]) in q's dtype.
 
