@@ -103,8 +103,8 @@ def markdown(meta: dict, rows: list) -> str:
             lines.append(f"| {seqlen_label(r['seqlen'])} | {r['mode']} | {r['error']} | | | | | |")
             continue
         cost = "" if r.get("cost") is None else f"{100 * r['cost']:+.1f}%"
-        lines.append(f"| {seqlen_label(r['seqlen'])} | {r['mode']} | {r['peak_gb']:.1f} | {r['peak_minus_grads_gb']:.1f} "
-                     f"| {r['forward_peak_gb']:.1f} | {r['kept_gb']:.2f} ({r['kept_bytes_per_token']:,.0f}) "
+        lines.append(f"| {seqlen_label(r['seqlen'])} | {r['mode']} | {r['peak_gb']:.1f} "
+                     f"| {r['peak_minus_grads_gb']:.1f} | {r['forward_peak_gb']:.1f} | {r['kept_gb']:.2f} ({r['kept_bytes_per_token']:,.0f}) "
                      f"| {r['fwd_bwd_ms']:.0f} | {cost} |")
     lines += ["", "Buffers of the op per token (bytes, from the C++ size queries):", ""]
     lines += [f"- T = {seqlen_label(r['seqlen'])}, {r['mode']}: {r['sizes_text']}" for r in rows if "sizes_text" in r]

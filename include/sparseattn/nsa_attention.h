@@ -32,8 +32,10 @@ struct NsaConfig {
 //    indices and the pooled compressed K/V (about 1.2 KB per token). The branch outputs live in the forward's
 //    scratch (batched layout: the last present branch writes its output into `o`, which must then be
 //    contiguous, and combine turns it into the result in place), and the backward recomputes each branch's
-//    output with the same kernel into one scratch buffer just before that branch's backward: one branch output
-//    is live at a time. Outputs and gradients are bit-identical to `none` (deterministic kernels, same order).
+//    output with the same call, one branch at a time, into one buffer: on the CPU scratch memory, just before that
+//    branch's backward; on CUDA dq's memory where Dqk >= Dv (dq must then be contiguous), for the branch's delta
+//    and gate gradient, before any branch backward writes dq (they read no output on CUDA). Outputs and gradients
+//    are bit-identical to `none` (deterministic kernels, same order).
 //  - selected_and_window: as `branches` for the selected and sliding-window outputs; the compressed branch's output
 //    (whose forward costs the most to run again at long T) is kept (about 17.6 KB per token).
 // The backward must get the mode its forward ran with (the workspace layout depends on it).
@@ -85,8 +87,8 @@ std::size_t nsa_workspace_size(const NsaParams& params);
 // and of the selected attention where the sliding window's output slice cannot hold it; with
 // NsaRecompute::branches also the branch outputs the workspace does not keep.
 std::size_t nsa_forward_scratch_size(const NsaParams& params);
-// Bytes of temporary memory nsa_attention_backward needs beyond the forward workspace (with
-// NsaRecompute::branches: one branch output and its log-sum-exp, recomputed there).
+// Bytes of temporary memory nsa_attention_backward needs beyond the forward workspace (with recomputation: a
+// recomputed log-sum-exp and, on the CPU, one branch output).
 std::size_t nsa_backward_scratch_size(const NsaParams& params);
 
 void nsa_attention(const NsaParams& params);

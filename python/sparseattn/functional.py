@@ -800,7 +800,8 @@ def recompute_arg(op: str, value) -> str:
     if not isinstance(value, str):
         raise chk.type_error(op, "recompute", f"a bool or one of {names}", value)
     if value not in RECOMPUTE_MODES:
-        raise make_error(SparseAttnError, "config", op, "recompute", f"expected one of {names} (or a bool), got {value!r}")
+        raise make_error(SparseAttnError, "config", op, "recompute",
+                         f"expected one of {names} (or a bool), got {value!r}")
     return value
 
 

@@ -197,13 +197,29 @@ BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, 
   return b;
 }
 
-// The branch outputs the backward reads: the workspace's, or for a recomputed one the scratch buffer each
-// recomputed output goes into.
+// Where the backward recomputes a branch output: scratch.o, or (NsaPlan::outputs_in_dq) a contiguous view of the
+// output's shape on dq's memory (dq, contiguous and at least as large, is written only after).
+TensorView recomputed_output(const detail::NsaPlan& plan, const detail::NsaScratch& scratch, const TensorView& dq) {
+  if (!plan.outputs_in_dq) return scratch.o;
+  const std::vector<std::int64_t> shape = plan.layout.tokens(plan.heads_q, plan.dim_v);
+  TensorView view = dq;
+  view.rank = static_cast<int>(shape.size());
+  std::int64_t stride = 1;
+  for (int i = view.rank - 1; i >= 0; --i) {
+    view.shape[i] = shape[i];
+    view.stride[i] = stride;
+    stride *= shape[i];
+  }
+  return view;
+}
+
+// The branch outputs the backward reads: the workspace's, or for a recomputed one the buffer each recomputed
+// output goes into (`recomputed`).
 std::array<TensorView, kNumBranches> backward_outputs(const detail::NsaPlan& plan, const detail::NsaWorkspace& ws,
-                                                      const detail::NsaScratch& scratch) {
+                                                      const TensorView& recomputed) {
   std::array<TensorView, kNumBranches> outputs = ws.o;
   for (int i = 0; i < kNumBranches; ++i) {
-    if (plan.recompute_output[i]) outputs[i] = scratch.o;
+    if (plan.recompute_output[i]) outputs[i] = recomputed;
   }
   return outputs;
 }
@@ -213,8 +229,9 @@ std::array<TensorView, kNumBranches> backward_outputs(const detail::NsaPlan& pla
 detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
                                void* base) {
   const detail::NsaScratch shapes = detail::nsa_scratch(plan, nullptr, 0);
-  const BranchBackward sizing =
-      branch_backward(plan, f, ws, backward_outputs(plan, ws, shapes), shapes, f.o, f.q, f.k_cmp, f.v_cmp);
+  const std::array<TensorView, kNumBranches> outputs =
+      backward_outputs(plan, ws, recomputed_output(plan, shapes, f.q));
+  const BranchBackward sizing = branch_backward(plan, f, ws, outputs, shapes, f.o, f.q, f.k_cmp, f.v_cmp);
   std::size_t bytes = 0;
   if (plan.branch[0]) bytes = std::max(bytes, compressed_attention_backward_workspace_size(sizing.cmp));
   if (plan.branch[1]) bytes = std::max(bytes, selected_attention_backward_workspace_size(sizing.slc));
@@ -292,20 +309,29 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
   check.buffer(params.scratch, params.scratch_bytes, scratch.bytes, "scratch", "nsa_backward_scratch_size");
   check_gradients(check, params, plan);
   check_backend(check, f.q, plan);
+  if (plan.outputs_in_dq) {
+    check.require(params.dq.is_contiguous(), ErrorKind::shape, "dq",
+                  "must be contiguous when the backward recomputes branch outputs on CUDA (they use its memory "
+                  "before it is written), got strides " + strides_string(params.dq));
+  }
 
   const NsaConfig& c = f.config;
-  const std::array<TensorView, kNumBranches> outputs = backward_outputs(plan, ws, scratch);
+  const std::array<TensorView, kNumBranches> outputs =
+      backward_outputs(plan, ws, recomputed_output(plan, scratch, params.dq));
   const BranchBackward branches = branch_backward(plan, f, ws, outputs, scratch, params.d_o, params.dq,
                                                   plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
                                                   plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
   // Recomputation (NsaPlan::recompute_output): the branch's forward runs again (the forward's own call,
-  // branch_forward) into scratch.o just before that branch's gate gradient and backward; its log-sum-exp goes to
-  // scratch.lse (the backward reads the workspace's, the same values).
+  // branch_forward) into its buffer just before that branch's gate gradient; its log-sum-exp goes to scratch.lse
+  // (the backward reads the workspace's, the same values). On the CPU (scratch.o) the branch's backward, which
+  // computes its delta from the output, follows at once; on CUDA (dq's memory) every branch's gate gradient and
+  // delta come first, then the branch backwards, which read no output.
   const BranchForward recomputation = branch_forward(plan, f, ws, outputs, {scratch.lse, scratch.lse, scratch.lse},
                                                      scratch.branch_workspace);
   const auto recompute_output = [&](int i) {
-    // Packed: rows past cu_seqlens[B], which no branch writes, are zero as in the forward's zero-filled workspace.
-    if (plan.layout.packed) sum_into(scratch.recomputed, {}, {}, f.stream);
+    // Packed: rows past cu_seqlens[B], which no branch writes, are zero as in the forward's zero-filled workspace
+    // (in dq's memory they stay the caller's: their deltas and gate gradients are not used).
+    if (plan.layout.packed && !plan.outputs_in_dq) sum_into(scratch.recomputed, {}, {}, f.stream);
     run_branch_forward(recomputation, i);
   };
   // CUDA: the gates are folded into the branches' backward (branch_backward.h): combine_backward writes each
@@ -340,17 +366,23 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
       }
     }
   };
+  const auto branch_gates = [&](int i) {
+    if (plan.recompute_output[i]) recompute_output(i);
+    std::array<bool, kNumBranches> only{};
+    only[i] = true;
+    gate_backward(only);
+  };
   const bool one_pass = cuda && !plan.recomputes;
   if (one_pass) gate_backward(plan.branch);
+  if (plan.outputs_in_dq) {
+    for (int i = 0; i < kNumBranches; ++i) {
+      if (plan.branch[i]) branch_gates(i);
+    }
+  }
   bool accumulate_dq = false;
   for (int i = 0; i < kNumBranches; ++i) {
     if (!plan.branch[i]) continue;
-    if (plan.recompute_output[i]) recompute_output(i);
-    if (!one_pass) {
-      std::array<bool, kNumBranches> only{};
-      only[i] = true;
-      gate_backward(only);
-    }
+    if (!one_pass && !plan.outputs_in_dq) branch_gates(i);
     const detail::BranchBackwardOptions options{
         .delta = scratch.deltas[i], .d_o_scale = scratch.d_o_scales[i], .accumulate_dq = accumulate_dq};
     if (i == 0) detail::compressed_attention_backward(branches.cmp, options);

@@ -175,6 +175,7 @@ NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents
     plan.recomputes = plan.recomputes || plan.recompute_output[i];
     if (plan.recompute_output[i] && !layout.packed) plan.output_in_o = i;
   }
+  plan.outputs_in_dq = plan.recomputes && plan.device == DeviceType::cuda && plan.dim_qk >= plan.dim_v;
   if (indices.present() && read_contents && indices.device == DeviceType::cpu) {
     check.index_contents(indices, "block_indices", layout, params.seqs, key_layout, plan.keys.seqs,
                          config.sel_block);

@@ -32,6 +32,9 @@ struct NsaPlan {
   NsaRecompute recompute = NsaRecompute::none;
   std::array<bool, kNumBranches> recompute_output{};  // the present branches whose output the backward recomputes
   bool recomputes = false;                            // any of them
+  // CUDA with recomputation: the recomputed outputs go into the caller's dq before the branch backwards write it
+  // (those read no o: they get each branch's delta), instead of a scratch buffer. Needs Dqk >= Dv.
+  bool outputs_in_dq = false;
   // Batched layout with recomputation: the branch whose forward writes its output into the caller's o (the last
   // one recomputed; combine then reads it there and writes the result over it, element by element). -1: none.
   int output_in_o = -1;
@@ -78,10 +81,11 @@ struct NsaScratch {
   TensorView dk_cmp, dv_cmp;                        // compressed branch with pooled K/V: their gradient
   std::array<TensorView, kNumBranches> d_gates;     // packed layout, per gate: combine_backward's gate
                                                     // gradient, copied to the caller's like `combined`
-  // With recomputation: the output and log-sum-exp of the branch whose backward runs next, recomputed (one buffer
-  // for all branches: they run in order).
+  // With recomputation: the output (unless NsaPlan::outputs_in_dq) and log-sum-exp of the branch recomputed last
+  // (one buffer for all branches: they run in order).
   TensorView o, lse;
-  TensorView recomputed;  // float16 view of the bytes of o and lse (zero-filled before each recomputation, packed)
+  TensorView recomputed;  // float16 view of the bytes of o and lse (zero-filled before each recomputation into o,
+                          // packed)
   TensorView branch_workspace;  // uint8: the workspace of each branch's backward in turn (they run in order) and,
                                 // when it is recomputed, of the selected branch's forward
   std::size_t bytes = 0;

@@ -151,7 +151,7 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
   }
   if (plan.recomputes) {
     const std::size_t start = carve.bytes();
-    scratch.o = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+    if (!plan.outputs_in_dq) scratch.o = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
     scratch.lse = carve.take(plan.lse_dtype, layout.lse(plan.heads_q));
     scratch.recomputed = carve.bytes_at(start, carve.bytes() - start);
   }

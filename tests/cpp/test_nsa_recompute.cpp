@@ -54,7 +54,9 @@ void expect_modes_equal(const NsaCase& c, const std::string& label) {
     EXPECT_EQ(got.grads.dv.data, expected.grads.dv.data) << where;
     EXPECT_EQ(got.grads.dk_cmp.data, expected.grads.dk_cmp.data) << where;
     EXPECT_EQ(got.grads.dv_cmp.data, expected.grads.dv_cmp.data) << where;
-    for (int i = 0; i < kNumBranches; ++i) EXPECT_EQ(got.grads.d_gates[i].data, expected.grads.d_gates[i].data) << where;
+    for (int i = 0; i < kNumBranches; ++i) {
+      EXPECT_EQ(got.grads.d_gates[i].data, expected.grads.d_gates[i].data) << where;
+    }
     if (mode != NsaRecompute::none && c.use_gate[1] && c.use_gate[2]) {
       EXPECT_LT(got.workspace_bytes, expected.workspace_bytes) << where;
     }

@@ -117,13 +117,18 @@ def test_branches_mode_is_deterministic_and_works_without_grad():
     assert_all_equal(run_modes(q, k, v, g, d_o))
 
 
-def sizes(mode, T=4096, hq=64, hkv=4, dim=128, gates=(1, 1, 1)):
-    """Per token: (workspace, forward scratch) of nsa_attention at the paper's defaults, CPU, bf16 shapes."""
+def sizes(mode, T=4096, hq=64, hkv=4, dim=128, gates=(1, 1, 1), device="cpu", backward=False):
+    """Per token: (workspace, forward scratch[, backward scratch]) of nsa_attention at the paper's defaults, bf16
+    shapes (the size queries take shapes only: a CPU build sizes CUDA calls too, without the kernels' own
+    workspaces)."""
     q, kv, g = ("bfloat16", (1, T, hq, dim)), ("bfloat16", (1, T, hkv, dim)), ("bfloat16", (1, T, hq))
     gs = [g if on else None for on in gates]
     config = (32, 16, 64, 16, 1, 2, 512, None)
-    return [f("cpu", 0, q, kv, kv, None, None, None, *gs, q, None, None, 0, *config, recompute=mode) / T
-            for f in (_C.nsa_workspace_size, _C.nsa_forward_scratch_size)]
+    queries = [_C.nsa_workspace_size, _C.nsa_forward_scratch_size]
+    if backward:
+        queries.append(_C.nsa_backward_scratch_size)
+    return [f(device, 0, q, kv, kv, None, None, None, *gs, q, None, None, 0, *config, recompute=mode) / T
+            for f in queries]
 
 
 def test_workspace_sizes_per_token():
@@ -138,6 +143,13 @@ def test_workspace_sizes_per_token():
     assert sizes("branches", gates=(0, 1, 1))[0] < branches_ws - 200
     # "selected_and_window" keeps the compressed output too; its forward scratch holds the selected output.
     assert sizes("selected_and_window") == [branches_ws + 64 * 128 * 2, 64 * 128 * 2]
+    # The backward's scratch: on the CPU one recomputed output and its lse more; on CUDA only the lse (the outputs
+    # are recomputed in dq's memory).
+    output, lse = 64 * 128 * 2, 64 * 4
+    for mode in ("branches", "selected_and_window"):
+        assert sizes(mode, backward=True)[2] - sizes("none", backward=True)[2] >= output + lse
+        cuda_extra = sizes(mode, device="cuda", backward=True)[2] - sizes("none", device="cuda", backward=True)[2]
+        assert lse <= cuda_extra < lse + 64
 
 
 def test_backward_checks_the_mode_through_the_workspace_size():
