@@ -160,8 +160,8 @@ void check_backend(const detail::Check& check, const TensorView& q, const detail
 // The backward calls of the three branches, built in one place so that the scratch size covers exactly the
 // workspaces they ask for. `d_o`: the caller's output gradient (CUDA: each branch's gate is folded into its
 // backward, branch_backward.h; CPU: the branches read scratch.d_o instead). `dk_cmp`/`dv_cmp` receive the
-// compressed branch's K/V gradient. `o`/`lse`: the branch outputs and log-sum-exps (the workspace's, or with
-// recomputation the recomputed output in scratch.o).
+// compressed branch's K/V gradient. `o`: the branch outputs (backward_outputs); the log-sum-exps are the
+// workspace's.
 struct BranchBackward {
   CompressedAttentionBackwardParams cmp;
   SelectedAttentionBackwardParams slc;
