@@ -683,7 +683,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
                   k_cmp: Optional[Tensor] = None, v_cmp: Optional[Tensor] = None,
                   block_indices: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
                   max_seqlen: Optional[int] = None, cu_seqlens_k: Optional[Tensor] = None,
-                  max_seqlen_k: Optional[int] = None, recompute: bool = False) -> Tensor:
+                  max_seqlen_k: Optional[int] = None, recompute: Union[bool, str] = False) -> Tensor:
     """The whole Native Sparse Attention pipeline in one op.
 
     o = g_cmp*compressed + g_slc*selected + g_swa*sliding-window attention, where a branch whose gate is None
@@ -708,20 +708,34 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
         cu_seqlens_k: int32 [B+1], packed query chunks: the keys' sequences, S_b >= T_b keys each (needs
             cu_seqlens). None: the keys are q's.
         max_seqlen_k: an upper bound of the keys' packed lengths (None or 0: not known).
-        recompute: a bool. False (default): the forward keeps its workspace (the three branch outputs, their
-            log-sum-exps, the selection and the compressed K/V: about 50 KB per token at 64/4 heads, D = 128, bf16)
-            and the output for the backward. True: it keeps nothing beyond the inputs and the backward runs the
-            forward again first (torch.utils.checkpoint; the same deterministic result), one more NSA forward per
-            backward (docs/perf/2026-11-27-nsa-memory-budget.md).
+        recompute: what the forward keeps for the backward (bytes per token at 64/4 heads, D = 128, bf16;
+            docs/perf/2026-11-27-nsa-memory-budget.md has the buffers, peaks and costs):
+
+            - ``"none"`` or False (default): the workspace: the three branch outputs, their log-sum-exps, the
+              selection and the pooled compressed K/V (about 50 KB per token).
+            - ``"branches"``: only the log-sum-exps, the selection and the pooled compressed K/V (about 1.2 KB per
+              token); the backward runs each branch's forward again, just before that branch's backward, into one
+              buffer (one branch output live at a time), and the forward holds the branch outputs in scratch only
+              while it runs. Costs the three branch forwards once more per backward. Batched layout: the output
+              is written in place by the last branch, so nothing else changes for the caller.
+            - ``"selected_and_window"``: as ``"branches"`` for the selected and sliding-window outputs; the
+              compressed branch's output, whose forward costs the most to run again at long T, is kept (about
+              17.6 KB per token).
+            - ``"full"`` or True: nothing beyond the inputs; the backward runs the whole forward again first
+              (torch.utils.checkpoint), then the backward of ``"none"``: the least kept between forward and
+              backward (many layers), the highest cost (one more NSA forward), and the backward's peak of ``"none"``.
+
+            All four give the same output and gradients, bit for bit (deterministic kernels run in the same order).
 
     Returns:
         o [B, T, Hq, Dv] (packed [N, Hq, Dv]) in q's dtype.
 
     Raises:
-        SparseAttnTypeError: an argument of the wrong type (config not an NSAConfig, max_seqlen not an int).
+        SparseAttnTypeError: an argument of the wrong type (config not an NSAConfig, max_seqlen not an int,
+            recompute neither a bool nor a string).
         SparseAttnDTypeError: non-float or mismatched dtypes; block_indices or cu_seqlens not int32.
         SparseAttnError: wrong ranks or sizes, mixed devices, no gate, an inconsistent configuration, bad
-            cu_seqlens or block_indices contents (checked on the CPU).
+            cu_seqlens or block_indices contents (checked on the CPU), an unknown recompute mode.
         SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take.
 
     Example:
@@ -747,7 +761,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
     if not isinstance(config, NSAConfig):
         raise chk.type_error(op, "config", "a sparseattn.NSAConfig or None", config)
     config._validate()
-    recompute = chk.bool_arg(op, "recompute", recompute)
+    recompute = recompute_arg(op, recompute)
     max_seqlen = chk.optional_int_arg(op, "max_seqlen", max_seqlen, minimum=0)
     max_seqlen_k = chk.optional_int_arg(op, "max_seqlen_k", max_seqlen_k, minimum=0)
     chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
@@ -770,9 +784,25 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
             int(config.cmp_block), int(config.cmp_stride), int(config.sel_block), int(config.num_selected),
             int(config.num_init), int(config.num_local), int(config.window), chk.scale_arg(op, "scale", config.scale),
             None if cu_seqlens_k is None else cu_seqlens_k.detach(), max_seqlen_k)
-    if recompute and torch.is_grad_enabled():
+    if recompute == "full" and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(_nsa_output, *args, use_reentrant=False)
-    return _nsa_output(*args)
+    return _nsa_output(*args, "none" if recompute == "full" else recompute)
+
+
+RECOMPUTE_MODES = ("none", "branches", "selected_and_window", "full")
+
+
+def recompute_arg(op: str, value) -> str:
+    """The recompute mode of nsa_attention: one of RECOMPUTE_MODES (False: "none", True: "full")."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    names = ", ".join(repr(mode) for mode in RECOMPUTE_MODES)
+    if not isinstance(value, str):
+        raise chk.type_error(op, "recompute", f"a bool or one of {names}", value)
+    if value not in RECOMPUTE_MODES:
+        raise make_error(SparseAttnError, "config", op, "recompute",
+                         f"expected one of {names} (or a bool), got {value!r}")
+    return value
 
 
 def _nsa_output(*args) -> Tensor:
