@@ -222,8 +222,8 @@ def markdown(meta: dict, timed: list[dict], fits: list[dict]) -> str:
              f"GPU, NSA config {meta['config']}; median of {meta['repeats']} steps, the slowest rank. Work: NSA "
              "forward FLOPs x 3.5 (forward + backward).", "",
              "| ranks | tokens | fwd ms | fwd+bwd ms | tokens/s | TFLOP/s | token efficiency | work efficiency "
-             "| peak GiB per rank |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| same-length efficiency | peak GiB per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in timed:
         if r["error"]:
             lines.append(f"| {r['ranks']} | {seqlen_label(r['tokens'])} | {r['error']} | | | | | | | |")
