@@ -416,10 +416,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     shape, summed deterministically over its broadcast dims), alpha and delta. On CUDA, calls of 1 to 16 queries
     that need no gradient and no optional feature run the split-KV decode kernel (:func:`sparseattn.flash_decode`).
 
-    Gated attention (``alpha`` and ``delta``, CPU only for now) makes the logits scale*(q.k + g) with
-    g = logsigmoid(alpha_t*delta_s) (or the product). ``gate_threshold`` and ``softmax_threshold`` skip
-    (query tile, key tile) pairs of ``threshold_block`` (docs/semantics.md section 8); the result depends on
-    the tile sizes.
+    Gated attention (``alpha`` and ``delta``; CPU and CUDA, forward and backward) makes the logits
+    scale*(q.k + g) with g = logsigmoid(alpha_t*delta_s) (or the product). ``gate_threshold`` and
+    ``softmax_threshold`` (CPU only for now) skip (query tile, key tile) pairs of ``threshold_block``
+    (docs/semantics.md section 8); the result depends on the tile sizes.
 
     Block-sparse masks say which (query tile, key tile) pairs of ``block_size`` exist: a dense tile mask
     ``block_mask`` (bool, or uint8 with 0 absent, 1 exists, 2 exists and full), or FlexAttention's lists (``kv_num_blocks``/``kv_indices``, optionally
@@ -480,8 +480,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             unknown gate, softmax_threshold outside (0, 1], a non-positive threshold_block; a block-sparse mask
             in two forms, without block_size, of the wrong shape or with bad list contents (out-of-range,
             repeated or descending tiles, a tile both partial and full).
-        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (alpha, delta, the
-            thresholds and per-head windows on CUDA included).
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (the thresholds and
+            per-head windows on CUDA included).
 
     Example:
         >>> import torch, sparseattn

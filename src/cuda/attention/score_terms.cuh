@@ -1,6 +1,7 @@
 // flash_attention's per-element score terms on CUDA: the element mask, the bias, the block-sparse tile map, the
-// bias gradient's workspace and the work counter, carried by one masking policy (FlashTermsMask) so that the plain
-// policies (FlashMask, CompressedMask) compile to the kernels they are without them.
+// bias gradient's workspace, the gate (gate_terms.cuh) and the work counter, carried by one masking policy
+// (FlashTermsMask) so that the plain policies (FlashMask, CompressedMask) compile to the kernels they are without
+// them.
 //
 // Kernels see the terms through two things:
 //  - Tile kinds (classify_tile): a kernel tile of queries [t0, t0 + rows) x keys [j0, j0 + keys) is absent (every
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/attention/gate_terms.cuh"
 #include "cuda/attention/masking_policy.cuh"
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/softmax.cuh"
@@ -84,6 +86,7 @@ struct ScoreTerms {
   BroadcastView mask, bias;
   TileMap tiles;
   BiasGradientSink dbias;
+  GateTerms gate;  // gated attention (gate_terms.cuh); gate.alpha.data null without it
   // Test diagnostics: when given, each CTA adds the query x key elements of the kernel tiles it computed (one
   // atomicAdd per CTA).
   unsigned long long* work_counter;
@@ -101,6 +104,26 @@ struct FlashTermsMask : FlashMask {
 
 template <class Mask>
 inline constexpr bool kHasTerms = std::is_same_v<Mask, FlashTermsMask>;
+
+// Calls body with the gate kind (gate_terms.cuh's with_gate) of a call: kNoGate for the policies without terms.
+template <class Mask, class Body>
+__device__ __forceinline__ void with_gate_of(const typename Mask::Config& mc, Body&& body) {
+  if constexpr (kHasTerms<Mask>) {
+    with_gate(mc.terms.gate, body);
+  } else {
+    body(std::integral_constant<int, kNoGate>{});
+  }
+}
+
+// A query-row kernel's staging of the gate delta of keys [j0, j0 + kN) into dst (stage_gate_keys) by thread
+// `index` of `count`; nothing without a gate.
+template <class T, int kN, class Mask, class Seq>
+__device__ __forceinline__ void stage_query_gate(float* dst, const typename Mask::Config& mc, const Seq& seq, i64 j0,
+                                                 i64 hk, int index, int count) {
+  if constexpr (kHasTerms<Mask>) {
+    if (mc.terms.gate.on()) stage_gate_keys<T, kN>(dst, mc.terms.gate, seq, j0, hk, index, count);
+  }
+}
 
 enum TileKind : int { kTileAbsent = 0, kTileExists = 1, kTileFull = 2, kTileMixed = 3 };
 
