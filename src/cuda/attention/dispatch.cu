@@ -1,9 +1,10 @@
 // Host entry points of flash_attention and compressed_attention on CUDA: params -> kernel arguments, head
 // dims -> template constants (the kernels are instantiated in units that CMake generates from
 // instantiation.cu.in, declared in instantiations.h), the backward's workspace and head splits. A flash_attention
-// call with a mask, bias, tile map, gate or work counter runs the FlashTermsMask kernels (score_terms.cuh), with dbias
-// summed through the workspace (bias_gradient.h) and the gate's copies and ddelta partials there too
-// (gate_gradient.h); the others run FlashMask's. No host synchronisation.
+// call with a mask, bias, tile map or work counter runs the FlashTermsMask kernels (score_terms.cuh), with dbias
+// summed through the workspace (bias_gradient.h); one with a gate and none of those runs FlashGateMask's; the gate's
+// copies and ddelta partials live in the workspace too (gate_gradient.h); the others run FlashMask's. No host
+// synchronisation.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -19,6 +20,7 @@ namespace sparseattn::cuda {
 
 using attention::AttnArgs;
 using attention::CompressedMask;
+using attention::FlashGateMask;
 using attention::FlashMask;
 using attention::FlashTermsMask;
 using attention::i64;
@@ -184,11 +186,20 @@ SeqPairTable flash_seqs(const P& p) {
 
 FlashMask::Config flash_mask(bool causal, std::int64_t left, std::int64_t right) { return {causal, left, right}; }
 
-// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, gate, work counter or bias gradient).
+// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter or bias gradient); a gate
+// alone takes FlashGateMask.
 template <class P>
 bool uses_terms(const P& p) {
-  return p.mask.present() || p.bias.present() || p.blocks.block_mask.present() || p.gates.alpha.present() ||
-         p.work_counter.present();
+  return p.mask.present() || p.bias.present() || p.blocks.block_mask.present() || p.work_counter.present();
+}
+
+FlashGateMask::Config gate_config(bool causal, std::int64_t left, std::int64_t right, const attention::GateTerms& g) {
+  FlashGateMask::Config c{};
+  c.causal = causal;
+  c.window_left = left;
+  c.window_right = right;
+  c.gate = g;
+  return c;
 }
 
 // FlashTermsMask's configuration of a forward or backward call.
@@ -245,6 +256,10 @@ void flash_attention(const FlashAttentionParams& p) {
     const i64 dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
     if (uses_terms(p)) {
       dispatch<T, FlashTermsMask>(true, dqk, dv, a, terms_config(p), l);
+    } else if (p.gates.alpha.present()) {
+      dispatch<T, FlashGateMask>(true, dqk, dv, a,
+                                 gate_config(p.causal, p.window_left, p.window_right, attention::gate_terms(p.gates)),
+                                 l);
     } else {
       dispatch<T, FlashMask>(true, dqk, dv, a, flash_mask(p.causal, p.window_left, p.window_right), l);
     }
@@ -303,6 +318,9 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p, const detai
       config.terms.dbias = plan.sink(dbias_workspace);
       config.terms.gate = gate_plan.terms(p, gate_workspace);
       dispatch<T, FlashTermsMask>(false, dqk, dv, a, config, l);
+    } else if (gate_plan.present) {
+      const attention::GateTerms gate = gate_plan.terms(p, gate_workspace);
+      dispatch<T, FlashGateMask>(false, dqk, dv, a, gate_config(p.causal, p.window_left, p.window_right, gate), l);
     } else {
       dispatch<T, FlashMask>(false, dqk, dv, a, flash_mask(p.causal, p.window_left, p.window_right), l);
     }

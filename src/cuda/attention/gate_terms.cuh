@@ -156,7 +156,9 @@ __device__ __forceinline__ void load_gate_alpha_rows(float (&alpha)[kMT][2], con
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) alpha[mt][half] = gate_alpha<T>(gate, seq, h, row0 + 16 * mt + lane / 4 + 8 * half);
+    for (int half = 0; half < 2; ++half) {
+      alpha[mt][half] = gate_alpha<T>(gate, seq, h, row0 + 16 * mt + lane / 4 + 8 * half);
+    }
   }
 }
 

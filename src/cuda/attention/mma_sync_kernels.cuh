@@ -564,8 +564,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   const int warp = threadIdx.x / 32;
   const int warp_row0 = warp * kMT * 16;  // this warp's rows: [warp_row0, warp_row0 + 16 * kMT)
   [[maybe_unused]] float gate_alpha_rows[kMT][2];  // FlashTermsMask with a gate: alpha of the thread's rows
-  if constexpr (kHasTerms<Mask>) {
-    if (mc.terms.gate.on()) load_gate_alpha_rows<T, kMT>(gate_alpha_rows, mc.terms.gate, seq, h, t0 + warp_row0);
+  if constexpr (kHasGate<Mask>) {
+    const GateTerms& gate = gate_of<Mask>(mc);
+    if (gate.on()) load_gate_alpha_rows<T, kMT>(gate_alpha_rows, gate, seq, h, t0 + warp_row0);
   }
 
   float acc[kMT][Dv / 8][4];
@@ -665,8 +666,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   const int warp_row0 = warp * kMT * 16;
   // FlashTermsMask with a gate: alpha of the thread's rows and their dalpha sums.
   [[maybe_unused]] float gate_alpha_rows[kMT][2], dalpha_sums[kMT][2];
-  if constexpr (kHasTerms<Mask>) {
-    if (mc.terms.gate.on()) load_gate_alpha_rows<T, kMT>(gate_alpha_rows, mc.terms.gate, seq, h, t0 + warp_row0);
+  if constexpr (kHasGate<Mask>) {
+    const GateTerms& gate = gate_of<Mask>(mc);
+    if (gate.on()) load_gate_alpha_rows<T, kMT>(gate_alpha_rows, gate, seq, h, t0 + warp_row0);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) dalpha_sums[mt][0] = dalpha_sums[mt][1] = 0.f;
   }
@@ -747,8 +749,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
     const i64 row0 = t0 + warp_row0 + 16 * mt;
     store_rows<Dqk>(acc[mt], a.scale, a.scale, a.dq, seq.batch, seq.q_begin + row0, seq.T - row0, h,
                     a.accumulate_dq);
-    if constexpr (kHasTerms<Mask>) {
-      if (mc.terms.gate.on()) store_dalpha<T>(mc.terms.gate, dalpha_sums[mt], a.scale, seq, h, row0);
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on()) store_dalpha<T>(gate_of<Mask>(mc), dalpha_sums[mt], a.scale, seq, h, row0);
     }
   }
   if constexpr (kHasTerms<Mask>) {
@@ -805,8 +807,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // FlashTermsMask with a gate: delta of the thread's two key rows and their ddelta sums.
   [[maybe_unused]] float gate_delta_rows[2] = {0.f, 0.f}, ddelta_sums[2] = {0.f, 0.f};
-  if constexpr (kHasTerms<Mask>) {
-    if (mc.terms.gate.on()) load_gate_delta_rows<T>(gate_delta_rows, mc.terms.gate, seq, w.hk, j0 + warp * 16);
+  if constexpr (kHasGate<Mask>) {
+    if (gate_of<Mask>(mc).on()) load_gate_delta_rows<T>(gate_delta_rows, gate_of<Mask>(mc), seq, w.hk, j0 + warp * 16);
   }
   i64 q_first[2], q_end[2];  // queries that see this thread's two key rows
   for (int half = 0; half < 2; ++half) {
@@ -823,8 +825,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
     load_tile<kM, Dqk>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, seq.T - t0, h);
     load_tile<kM, Dv>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, seq.T - t0, h);
     load_row_stats<kM, kThreads>(sLse + buf * kM, sDelta + buf * kM, sScale + buf * kM, a, seq, t0, h);
-    if constexpr (kHasTerms<Mask>) {
-      if (mc.terms.gate.on()) load_gate_rows<kM, kThreads>(sGateAlpha + buf * kM, mc.terms.gate, seq, t0, h);
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on()) load_gate_rows<kM, kThreads>(sGateAlpha + buf * kM, gate_of<Mask>(mc), seq, t0, h);
     }
   };
 
@@ -856,7 +858,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
       const bool full = tile_full(mask, t0, kM, j0, kN);
       [[maybe_unused]] const float* gate_alpha = sGateAlpha + buf * kM;
       with_gate_of<Mask>(mc, [&](auto gate) {
-        if constexpr (decltype(gate)::value != kNoGate) add_key_gate<kM, decltype(gate)::value>(s, gate_delta_rows, gate_alpha);
+        if constexpr (decltype(gate)::value != kNoGate) {
+          add_key_gate<kM, decltype(gate)::value>(s, gate_delta_rows, gate_alpha);
+        }
       });
 #pragma unroll
       for (int n = 0; n < kM / 8; ++n) {
@@ -905,8 +909,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
     }
   }
   store_dkv_rows<kDoDK, kDoDV>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
-  if constexpr (kHasTerms<Mask> && kDoDK) {
-    if (mc.terms.gate.on()) store_ddelta_partial(mc.terms.gate, ddelta_sums, a.scale, seq, w.split, w.hk, j0 + warp * 16);
+  if constexpr (kHasGate<Mask> && kDoDK) {
+    const GateTerms& gate = gate_of<Mask>(mc);
+    if (gate.on()) store_ddelta_partial(gate, ddelta_sums, a.scale, seq, w.split, w.hk, j0 + warp * 16);
   }
   if constexpr (kHasTerms<Mask> && kDoDK) {
     if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, dkv_work<Mask>(mc, seq, w, kM));

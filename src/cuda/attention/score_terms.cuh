@@ -105,11 +105,34 @@ struct FlashTermsMask : FlashMask {
 template <class Mask>
 inline constexpr bool kHasTerms = std::is_same_v<Mask, FlashTermsMask>;
 
-// Calls body with the gate kind (gate_terms.cuh's with_gate) of a call: kNoGate for the policies without terms.
+// flash_attention with a gate and none of the other terms (no mask, bias, tile map, bias gradient or work counter):
+// FlashMask's bounds plus the gate alone, so that its kernels carry none of the terms' per-element code and
+// registers.
+struct FlashGateMask : FlashMask {
+  struct Config : FlashMask::Config {
+    GateTerms gate;
+  };
+  __device__ __forceinline__ FlashGateMask(const Config& config, i64 T_, i64 S_) : FlashMask{config, T_, S_} {}
+};
+
+// The policies that may carry a gate, and their gate.
+template <class Mask>
+inline constexpr bool kHasGate = kHasTerms<Mask> || std::is_same_v<Mask, FlashGateMask>;
+
+template <class Mask>
+__device__ __forceinline__ const GateTerms& gate_of(const typename Mask::Config& mc) {
+  if constexpr (kHasTerms<Mask>) {
+    return mc.terms.gate;
+  } else {
+    return mc.gate;
+  }
+}
+
+// Calls body with the gate kind (gate_terms.cuh's with_gate) of a call: kNoGate for the policies without a gate.
 template <class Mask, class Body>
 __device__ __forceinline__ void with_gate_of(const typename Mask::Config& mc, Body&& body) {
-  if constexpr (kHasTerms<Mask>) {
-    with_gate(mc.terms.gate, body);
+  if constexpr (kHasGate<Mask>) {
+    with_gate(gate_of<Mask>(mc), body);
   } else {
     body(std::integral_constant<int, kNoGate>{});
   }
@@ -120,8 +143,8 @@ __device__ __forceinline__ void with_gate_of(const typename Mask::Config& mc, Bo
 template <class T, int kN, class Mask, class Seq>
 __device__ __forceinline__ void stage_query_gate(float* dst, const typename Mask::Config& mc, const Seq& seq, i64 j0,
                                                  i64 hk, int index, int count) {
-  if constexpr (kHasTerms<Mask>) {
-    if (mc.terms.gate.on()) stage_gate_keys<T, kN>(dst, mc.terms.gate, seq, j0, hk, index, count);
+  if constexpr (kHasGate<Mask>) {
+    if (gate_of<Mask>(mc).on()) stage_gate_keys<T, kN>(dst, gate_of<Mask>(mc), seq, j0, hk, index, count);
   }
 }
 

@@ -98,8 +98,8 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   const int warpgroup_row0 = (warp / 4) * 64;
   // FlashTermsMask with a gate: delta of the thread's two key rows and their ddelta sums.
   [[maybe_unused]] float gate_delta_rows[2] = {0.f, 0.f}, ddelta_sums[2] = {0.f, 0.f};
-  if constexpr (kHasTerms<Mask>) {
-    if (mc.terms.gate.on()) load_gate_delta_rows<T>(gate_delta_rows, mc.terms.gate, seq, w.hk, j0 + warp * 16);
+  if constexpr (kHasGate<Mask>) {
+    if (gate_of<Mask>(mc).on()) load_gate_delta_rows<T>(gate_delta_rows, gate_of<Mask>(mc), seq, w.hk, j0 + warp * 16);
   }
   // Queries [q_first, q_end) (positions in the sequence, below 2^31) see this thread's two key rows.
   int q_first[2], q_end[2];
@@ -128,8 +128,9 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     load_swizzled_tile<kM, Dv, kThreadCount>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, seq.T - t0,
                                              h);
     load_row_stats<kM, kThreadCount>(sLse + buf * kM, sDelta + buf * kM, sScale + buf * kM, a, seq, t0, h);
-    if constexpr (kHasTerms<Mask>) {
-      if (mc.terms.gate.on()) load_gate_rows<kM, kThreadCount>(sGateAlpha + buf * kM, mc.terms.gate, seq, t0, h);
+    if constexpr (kHasGate<Mask>) {
+      const GateTerms& gate = gate_of<Mask>(mc);
+      if (gate.on()) load_gate_rows<kM, kThreadCount>(sGateAlpha + buf * kM, gate, seq, t0, h);
     }
   };
 
@@ -251,8 +252,9 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     });
   }
   store_dkv_rows<true, true>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
-  if constexpr (kHasTerms<Mask>) {
-    if (mc.terms.gate.on()) store_ddelta_partial(mc.terms.gate, ddelta_sums, a.scale, seq, w.split, w.hk, j0 + warp * 16);
+  if constexpr (kHasGate<Mask>) {
+    const GateTerms& gate = gate_of<Mask>(mc);
+    if (gate.on()) store_ddelta_partial(gate, ddelta_sums, a.scale, seq, w.split, w.hk, j0 + warp * 16);
   }
   if constexpr (kHasTerms<Mask>) {
     if (threadIdx.x == 0 && mc.terms.work_counter != nullptr) add_work(mc.terms, dkv_work<Mask>(mc, seq, w, kM));
@@ -353,9 +355,9 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     zero(acc);
     // FlashTermsMask with a gate: alpha of the thread's two rows and their dalpha sums.
     [[maybe_unused]] float gate_alpha_rows[1][2], dalpha_sums[2] = {0.f, 0.f};
-    if constexpr (kHasTerms<Mask>) {
-      if (mc.terms.gate.on() && steps > 0) {
-        load_gate_alpha_rows<T, 1>(gate_alpha_rows, mc.terms.gate, seq, w.h, t0 + warp_row0);
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on() && steps > 0) {
+        load_gate_alpha_rows<T, 1>(gate_alpha_rows, gate_of<Mask>(mc), seq, w.h, t0 + warp_row0);
       }
     }
     if (steps > 0) {
@@ -389,15 +391,18 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
             const QueryTileTerms tt(mc.terms, seq, w, j0, kN);
             terms_kind = tt.kind;
             terms_needed = tt.needs;
-            if (mc.terms.gate.on() && threadIdx.x % 128 < kN) {
-              gate_key_delta = gate_delta<T>(mc.terms.gate, seq, w.hk, j0 + threadIdx.x % 128);
-            }
+          }
+        }
+        if constexpr (kHasGate<Mask>) {
+          if (gate_of<Mask>(mc).on() && step < steps && threadIdx.x % 128 < kN) {
+            const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
+            gate_key_delta = gate_delta<T>(gate_of<Mask>(mc), seq, w.hk, j0 + threadIdx.x % 128);
           }
         }
         if (step == 0) q_ring.wait_full(q_use);
         if (step < steps) kv_ring.wait_full(key_tiles + step);
-        if constexpr (kHasTerms<Mask>) {
-          if (mc.terms.gate.on() && step < steps && threadIdx.x % 128 < kN) {
+        if constexpr (kHasGate<Mask>) {
+          if (gate_of<Mask>(mc).on() && step < steps && threadIdx.x % 128 < kN) {
             sGateKeys[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = gate_key_delta;
           }
         }
@@ -470,8 +475,8 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     }
     store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0),
                     w.h, a.accumulate_dq);
-    if constexpr (kHasTerms<Mask>) {
-      if (mc.terms.gate.on()) store_dalpha<T>(mc.terms.gate, dalpha_sums, a.scale, seq, w.h, t0 + warp_row0);
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on()) store_dalpha<T>(gate_of<Mask>(mc), dalpha_sums, a.scale, seq, w.h, t0 + warp_row0);
     }
   });
   turns.finish();

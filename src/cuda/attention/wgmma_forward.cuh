@@ -115,9 +115,9 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     // FlashTermsMask with a gate: alpha of the thread's two rows.
     [[maybe_unused]] float gate_alpha_rows[1][2];
-    if constexpr (kHasTerms<Mask>) {
-      if (mc.terms.gate.on() && steps > 0) {
-        load_gate_alpha_rows<T, 1>(gate_alpha_rows, mc.terms.gate, seq, w.h, t0 + warp_row0);
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on() && steps > 0) {
+        load_gate_alpha_rows<T, 1>(gate_alpha_rows, gate_of<Mask>(mc), seq, w.h, t0 + warp_row0);
       }
     }
     if (steps > 0) {
@@ -146,14 +146,19 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
             const QueryTileTerms tt(mc.terms, seq, w, j0, kN);
             terms_kind = tt.kind;
             terms_needed = tt.needs;
-            if (mc.terms.gate.on()) gate_key_delta = gate_delta<T>(mc.terms.gate, seq, w.hk, j0 + threadIdx.x % 128);
+          }
+        }
+        if constexpr (kHasGate<Mask>) {
+          if (gate_of<Mask>(mc).on() && step < steps) {
+            const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
+            gate_key_delta = gate_delta<T>(gate_of<Mask>(mc), seq, w.hk, j0 + threadIdx.x % 128);
           }
         }
         if (step == 0) q_ring.wait_full(q_use);
         if (step < steps) k_ring.wait_full(key_tiles + step);
         if (step > 0) v_ring.wait_full(key_tiles + step - 1);
-        if constexpr (kHasTerms<Mask>) {
-          if (mc.terms.gate.on() && step < steps) {
+        if constexpr (kHasGate<Mask>) {
+          if (gate_of<Mask>(mc).on() && step < steps) {
             sGateKeys[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = gate_key_delta;
           }
         }
@@ -188,13 +193,13 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
           if (terms_needed) {
             init_scores<T, kN, true, true>(s, mc.terms, seq, w.sequence, w.h, t0 + warp_row0, j0, terms_kind);
           }
-          with_gate(mc.terms.gate, [&](auto gate) {
-            if constexpr (decltype(gate)::value != kNoGate) {
-              add_query_gate<kN, decltype(gate)::value>(s, gate_alpha_rows[0],
-                                                        sGateKeys + (consumer * 2 + (step & 1)) * kN);
-            }
-          });
         }
+        with_gate_of<Mask>(mc, [&](auto gate) {
+          if constexpr (decltype(gate)::value != kNoGate) {
+            add_query_gate<kN, decltype(gate)::value>(s, gate_alpha_rows[0],
+                                                      sGateKeys + (consumer * 2 + (step & 1)) * kN);
+          }
+        });
         with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
           int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
           if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
