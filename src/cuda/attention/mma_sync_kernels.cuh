@@ -21,6 +21,9 @@
 // With FlashTermsMask (score_terms.cuh: flash_attention's mask, bias, tile map) the loops visit only the key tiles
 // (forward, dQ) or (query head, query tile) steps (dK/dV) that are not absent, the scores start from the terms
 // instead of 0, and the dK/dV kernels write the bias gradient's contributions.
+// With a gate (FlashTermsMask or FlashGateMask, gate_terms.cuh; the wgmma kernels alike) the raw scores gain
+// g(alpha delta) before the softmax or the recomputation of P, the dQ kernels write dalpha and the dK/dV kernels
+// their ddelta partials.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -542,7 +545,7 @@ struct FwdTile {
   static constexpr int kM = 16 * kMT * kWarps;
   static constexpr int kN = kMT == 2 || Dqk > 192 ? 32 : 64;  // 32 with two row tiles: 64 spills registers
   static constexpr int kQ = kM * ld_of<Dqk>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
-  // Q, 2 x K, 2 x V (2-byte elements), then the key tile's gate delta (kN floats, FlashTermsMask with a gate).
+  // Q, 2 x K, 2 x V (2-byte elements), then the key tile's gate delta (kN floats; policies with a gate).
   static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV) + kN * sizeof(float);
 };
 
@@ -563,7 +566,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
   const int warp = threadIdx.x / 32;
   const int warp_row0 = warp * kMT * 16;  // this warp's rows: [warp_row0, warp_row0 + 16 * kMT)
-  [[maybe_unused]] float gate_alpha_rows[kMT][2];  // FlashTermsMask with a gate: alpha of the thread's rows
+  [[maybe_unused]] float gate_alpha_rows[kMT][2];  // With a gate (kHasGate): alpha of the thread's rows
   if constexpr (kHasGate<Mask>) {
     const GateTerms& gate = gate_of<Mask>(mc);
     if (gate.on()) load_gate_alpha_rows<T, kMT>(gate_alpha_rows, gate, seq, h, t0 + warp_row0);
@@ -642,7 +645,7 @@ struct DqTile {
   static constexpr int kM = 16 * kMT * kWarps;
   static constexpr int kN = kMT == 2 || Dqk > 128 ? 32 : 64;
   static constexpr int kQ = kM * ld_of<Dqk>(), kDO = kM * ld_of<Dv>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
-  // Q, dO, 2 x K, 2 x V, then the key tile's gate delta (kN floats, FlashTermsMask with a gate).
+  // Q, dO, 2 x K, 2 x V, then the key tile's gate delta (kN floats; policies with a gate).
   static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + 2 * kK + 2 * kV) + kN * sizeof(float);
 };
 
@@ -664,7 +667,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row0 = warp * kMT * 16;
-  // FlashTermsMask with a gate: alpha of the thread's rows and their dalpha sums.
+  // With a gate (kHasGate): alpha of the thread's rows and their dalpha sums.
   [[maybe_unused]] float gate_alpha_rows[kMT][2], dalpha_sums[kMT][2];
   if constexpr (kHasGate<Mask>) {
     const GateTerms& gate = gate_of<Mask>(mc);
@@ -797,7 +800,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   float* sLse = reinterpret_cast<float*>(sDO + 2 * Tile::kDO);  // [2][kM]
   float* sDelta = sLse + 2 * kM;                                // [2][kM]
   float* sScale = sDelta + 2 * kM;                              // [2][kM]: P factor (AttnArgs::d_o_scale)
-  [[maybe_unused]] float* sGateAlpha = sScale + 2 * kM;         // [2][kM]: gate alpha (FlashTermsMask)
+  [[maybe_unused]] float* sGateAlpha = sScale + 2 * kM;         // [2][kM]: gate alpha (kHasGate)
 
   const auto seq = a.seqs[blockIdx.z];
   const Mask mask{mc, seq.T, seq.S};
@@ -805,7 +808,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   if (w.keys <= 0) return;
   const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // FlashTermsMask with a gate: delta of the thread's two key rows and their ddelta sums.
+  // With a gate (kHasGate): delta of the thread's two key rows and their ddelta sums.
   [[maybe_unused]] float gate_delta_rows[2] = {0.f, 0.f}, ddelta_sums[2] = {0.f, 0.f};
   if constexpr (kHasGate<Mask>) {
     if (gate_of<Mask>(mc).on()) load_gate_delta_rows<T>(gate_delta_rows, gate_of<Mask>(mc), seq, w.hk, j0 + warp * 16);

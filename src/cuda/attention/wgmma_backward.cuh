@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   float* sLse = reinterpret_cast<float*>(sDO + kBuffers * Tile::kDO);  // [kBuffers][kM]
   float* sDelta = sLse + kBuffers * kM;                                // [kBuffers][kM]
   float* sScale = sDelta + kBuffers * kM;  // [kBuffers][kM]: P factor (AttnArgs::d_o_scale)
-  [[maybe_unused]] float* sGateAlpha = sScale + kBuffers * kM;  // [kBuffers][kM]: gate alpha (FlashTermsMask)
+  [[maybe_unused]] float* sGateAlpha = sScale + kBuffers * kM;  // [kBuffers][kM]: gate alpha (kHasGate)
 
   const auto seq = a.seqs[blockIdx.z];
   const Mask mask{mc, seq.T, seq.S};
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warpgroup_row0 = (warp / 4) * 64;
-  // FlashTermsMask with a gate: delta of the thread's two key rows and their ddelta sums.
+  // With a gate (kHasGate): delta of the thread's two key rows and their ddelta sums.
   [[maybe_unused]] float gate_delta_rows[2] = {0.f, 0.f}, ddelta_sums[2] = {0.f, 0.f};
   if constexpr (kHasGate<Mask>) {
     if (gate_of<Mask>(mc).on()) load_gate_delta_rows<T>(gate_delta_rows, gate_of<Mask>(mc), seq, w.hk, j0 + warp * 16);
@@ -276,7 +276,7 @@ struct WgmmaDqTile : pipeline::ProducerConsumers {
   static constexpr int kStages = Dqk > 128 ? 3 : 4;
   static constexpr int kQ = kM * Dqk, kDO = kM * Dv, kK = kN * Dqk, kV = kN * Dv;  // elements
   static constexpr int kBarriers = pipeline::Ring<1>::kBarriers + pipeline::Ring<kStages>::kBarriers;
-  // Per consumer, two buffers of a key tile's gate delta (kN floats; FlashTermsMask with a gate).
+  // Per consumer, two buffers of a key tile's gate delta (kN floats; policies with a gate).
   static constexpr int kGateKeys = kConsumers * 2 * kN;
   // Q, dO, the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, the gate buffers,
   // plus room to align the start to a swizzle atom: 193 KB at 128/128, 201 KB at 192/128.
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     const int steps = key_tile_count<Mask>(mc, seq, w, kN);
     float acc[Dqk / 8][4];
     zero(acc);
-    // FlashTermsMask with a gate: alpha of the thread's two rows and their dalpha sums.
+    // With a gate (kHasGate): alpha of the thread's two rows and their dalpha sums.
     [[maybe_unused]] float gate_alpha_rows[1][2], dalpha_sums[2] = {0.f, 0.f};
     if constexpr (kHasGate<Mask>) {
       if (gate_of<Mask>(mc).on() && steps > 0) {

@@ -37,7 +37,7 @@ struct WgmmaFwdTile : pipeline::ProducerConsumers {
   static constexpr int kQBuffers = Dqk <= 128 ? 2 : 1;
   static constexpr int kQ = kM * Dqk, kK = kN * Dqk, kV = kN * Dv;  // elements (no padding)
   static constexpr int kBarriers = pipeline::Ring<kQBuffers>::kBarriers + 2 * pipeline::Ring<kStages>::kBarriers;
-  // Per consumer, two buffers of a key tile's gate delta (kN floats; FlashTermsMask with a gate).
+  // Per consumer, two buffers of a key tile's gate delta (kN floats; policies with a gate).
   static constexpr int kGateKeys = kConsumers * 2 * kN;
   // The Q buffers and the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, the gate
   // buffers, plus room to align the start to a swizzle atom. 194 KB at 128/128, 210 KB at 192/128.
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     float acc[Dv / 8][4];
     zero(acc);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    // FlashTermsMask with a gate: alpha of the thread's two rows.
+    // With a gate (kHasGate): alpha of the thread's two rows.
     [[maybe_unused]] float gate_alpha_rows[1][2];
     if constexpr (kHasGate<Mask>) {
       if (gate_of<Mask>(mc).on() && steps > 0) {
