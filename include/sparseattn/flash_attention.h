@@ -27,10 +27,11 @@ namespace sparseattn {
 // (GateMode::product). The gate runs on the CPU and on CUDA (forward and backward, both kernel families, every head
 // dim; alpha and delta of q's dtype or float32, any strides; on CUDA dalpha and ddelta are summed in fp32 in a
 // fixed order, deterministic, and the backward's workspace holds fp32 copies of alpha and delta). The thresholds
-// are CPU only for now (CUDA tensors raise ErrorKind::unsupported naming them). gate_threshold skips a (query
-// tile, key tile) pair whose upper bound on g is below it; softmax_threshold (tau in (0, 1]) skips a key tile whose
-// largest logit is below every row's running maximum + log(tau_row). Tiles are threshold_block_q queries x
-// threshold_block_k keys, aligned to each sequence's start; the result depends on them.
+// are CPU only here (CUDA tensors raise ErrorKind::unsupported naming them); the Python function takes the gate
+// threshold on CUDA by passing its decisions as the tile map `blocks` (python/sparseattn/_tiles.py).
+// gate_threshold skips a (query tile, key tile) pair whose upper bound on g is below it; softmax_threshold (tau in
+// (0, 1]) skips a key tile whose largest logit is below every row's running maximum + log(tau_row). Tiles are
+// threshold_block_q queries x threshold_block_k keys, aligned to each sequence's start; the result depends on them.
 enum class GateMode { logsigmoid, product };
 
 // The gate and threshold settings the forward and the backward share (plain data).

@@ -30,9 +30,9 @@ decode, which is forward only):
   gated         32/8:16K                   causal, alpha [B, T, Hq] and delta [B, T, Hkv] requiring grad, no
                                            threshold: our dense causal, flash_attention(alpha=, delta=) with
                                            gate="logsigmoid" and with gate="product"; and the logsigmoid gate
-                                           with softmax_threshold=0.5 (128 x 128 threshold tiles; recorded
-                                           unsupported where the build has no CUDA thresholds). Bar: the
-                                           logsigmoid gate's fwd+bwd / dense fwd+bwd <= 1.3.
+                                           with gate_threshold=-1 (128 x 128 tiles; with random gates it skips
+                                           almost no tile, so it shows what the threshold's tile map costs).
+                                           Bar: the logsigmoid gate's fwd+bwd / dense fwd+bwd <= 1.3.
   decode        32/8:128K:1 32/8:128K:32 64/4:128K:1 64/4:128K:32
                                            --decode-queries (1) queries against a KV cache of T keys, causal
                                            (bottom-right: the queries are the last ones): flash_attention,
@@ -95,7 +95,7 @@ METHODS = {
     "dense": ("sparseattn", "sdpa_cudnn", "sdpa_flash"),
     "block_sparse": ("sparseattn", "sparseattn_tiles", "sparseattn_blockmask", "flex"),
     "bias": ("sparseattn", "sparseattn_bias", "sdpa_bias", "flex_bias"),
-    "gated": ("sparseattn", "sparseattn_gated", "sparseattn_gated_product", "sparseattn_gated_tau"),
+    "gated": ("sparseattn", "sparseattn_gated", "sparseattn_gated_product", "sparseattn_gated_threshold"),
     "decode": ("sparseattn", "flash_decode", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"),
 }
 METHOD_LABELS = {
@@ -111,7 +111,7 @@ METHOD_LABELS = {
     "flex_bias": "FlexAttention score_mod",
     "sparseattn_gated": "sparseattn gated",
     "sparseattn_gated_product": "sparseattn gated (product)",
-    "sparseattn_gated_tau": "sparseattn gated, softmax_threshold 0.5",
+    "sparseattn_gated_threshold": "sparseattn gated, gate_threshold -1",
     "flash_decode": "sparseattn flash_decode",
 }
 SECTION_TITLES = {
@@ -457,8 +457,8 @@ def run_gated(case: Case, spec: CaseSpec, q, k, v, d_o, args) -> None:
     measure_method(case, "sparseattn_gated_product",
                    lambda: flash_attention(q, k, v, causal=True, alpha=alpha, delta=delta, gate="product"),
                    (q, k, v, alpha, delta), d_o, "gated")
-    measure_method(case, "sparseattn_gated_tau",
-                   lambda: flash_attention(q, k, v, causal=True, alpha=alpha, delta=delta, softmax_threshold=0.5),
+    measure_method(case, "sparseattn_gated_threshold",
+                   lambda: flash_attention(q, k, v, causal=True, alpha=alpha, delta=delta, gate_threshold=-1.0),
                    (q, k, v, alpha, delta), d_o, "gated")
 
 

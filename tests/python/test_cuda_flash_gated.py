@@ -2,12 +2,13 @@
 same function on float32 copies of the same inputs: o, lse, dq, dk, dv, dalpha, ddelta (and dbias), both kernel
 families (attention_mma), every head-dim pair, bf16 and fp16 with 16-bit or float32 gates, GQA groups 1/4/8 and
 MQA, batched and packed, odd sizes, fully masked rows, combined with mask, bias and tile maps; deterministic
-backward; work counts; the thresholds' and bad inputs' errors."""
+backward; work counts; the gate threshold (its tile map) against the reference, with its work counts; the softmax
+threshold's and bad inputs' errors."""
 import pytest
 import torch
 
 import sparseattn
-from sparseattn import _ops
+from sparseattn import _ops, _tiles
 from attention_check import poison_allocator
 
 pytestmark = [
@@ -242,12 +243,86 @@ def test_work_counts_with_gate(attention_mma):
     assert bwd.item() == 2 * B * Hq * T * S
 
 
-@pytest.mark.parametrize("threshold", [{"gate_threshold": -1.0}, {"softmax_threshold": 0.5}])
-def test_thresholds_are_unsupported_on_cuda(threshold):
+def threshold_gates(shape_alpha, shape_delta, key_dim, dtype):
+    """alpha >= 1; delta <= -1 on the first half of the keys, >= 1 on the rest: at gate_threshold -1.2
+    (logsigmoid) or -0.5 (product) the pairs of the first half are skipped, the others kept."""
+    alpha = 1 + torch.randn(shape_alpha, device="cuda").abs()
+    delta = 1 + torch.randn(shape_delta, device="cuda").abs()
+    delta.narrow(key_dim, 0, shape_delta[key_dim] // 2).neg_()
+    return alpha.to(dtype), delta.to(dtype)
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dims", [(128, 128), (256, 256)], ids=lambda d: f"D{d[0]}-{d[1]}")
+@pytest.mark.parametrize("case", [(96, 64, False, False), (128, 128, True, False), (48, 80, True, True)],
+                         ids=lambda c: "bq{}bk{}c{}m{}".format(*c))
+def test_gate_threshold_batched(attention_mma, gate, dims, case):
+    """The gate threshold (the Python layer's tile map of its decisions) against the CPU reference's own."""
+    bq, bk, causal, with_mask = case
+    B, T, S, Hq, Hkv, (Dqk, Dv), dtype = 2, 190, 260, 4, 2, dims, torch.bfloat16
+    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
+    alpha, delta = threshold_gates((B, T, Hq), (B, S, Hkv), 1, torch.float32)
+    mask = random_mask([B, 1, T, S]) if with_mask else None
+    threshold = -1.2 if gate == "logsigmoid" else -0.5
+
+    def fn(mask):
+        return lambda q, k, v, a, d, b: sparseattn.flash_attention(
+            q, k, v, causal=causal, mask=mask, alpha=a, delta=d, gate=gate, gate_threshold=threshold,
+            threshold_block=(bq, bk), return_lse=True)
+
+    compare(fn(mask), fn(cpu_copy(mask)), [q, k, v, alpha, delta, None], dtype)
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_gate_threshold_packed_with_block_mask(attention_mma, gate):
+    """Packed, with a block-sparse mask of the same tiles: both skip."""
+    Hq, Hkv, D, bq, bk, dtype = 4, 2, 64, 32, 48, torch.float16
+    Nq, Nk = sum(LENGTHS_Q), sum(LENGTHS_K)
+    q = torch.randn(Nq, Hq, D, dtype=dtype, device="cuda")
+    k = torch.randn(Nk, Hkv, D, dtype=dtype, device="cuda")
+    v = torch.randn(Nk, Hkv, D, dtype=dtype, device="cuda")
+    alpha, delta = threshold_gates((Nq, Hq), (Nk, Hkv), 0, dtype)
+    blocks = torch.rand(len(LENGTHS_Q), Hkv, -(-max(LENGTHS_Q) // bq), -(-max(LENGTHS_K) // bk), device="cuda") < 0.7
+    threshold = -1.2 if gate == "logsigmoid" else -0.5
+
+    def fn(device, blocks):
+        cq, ck = cu(LENGTHS_Q, device), cu(LENGTHS_K, device)
+        return lambda q, k, v, a, d, b: sparseattn.flash_attention(
+            q, k, v, alpha=a, delta=d, gate=gate, gate_threshold=threshold, threshold_block=(bq, bk),
+            block_mask=blocks, block_size=(bq, bk), cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(LENGTHS_Q),
+            max_seqlen_k=max(LENGTHS_K), return_lse=True)
+
+    compare(fn("cuda", blocks), fn("cpu", cpu_copy(blocks)), [q, k, v, alpha, delta, None], dtype)
+
+
+def test_gate_threshold_work_counts(attention_mma):
+    """The gate threshold's tile map skips its pairs: with 128 x 128 tiles and no causal rule the kernels' work is
+    the kept pairs' elements (forward once, backward twice), here the second half of the keys."""
+    B, T, S, Hq, Hkv, D, bq, bk = 2, 384, 512, 4, 2, 128, 128, 128
+    q = torch.randn(B, T, Hq, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(B, S, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(B, S, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    alpha, delta = threshold_gates((B, T, Hq), (B, S, Hkv), 1, torch.bfloat16)
+    states = _tiles.from_gate_threshold(alpha, delta, -1.2, False, bq, bk, T // bq, S // bk, B)
+    assert states[..., : S // bk // 2].sum().item() == 0 and states[..., S // bk // 2:].all()
+    fwd, bwd = _ops.flash_attention_work(q, k, v, block_mask=states, block_q=bq, block_k=bk, alpha=alpha,
+                                         delta=delta, d_o=torch.randn_like(q))
+    assert fwd.item() == B * Hq * T * S // 2
+    assert bwd.item() == 2 * fwd.item()
+
+
+def test_thresholds_unsupported_on_cuda():
+    """The softmax threshold, and a gate threshold whose tiles differ from a block-sparse mask's."""
     q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, device="cuda")
     alpha, delta = gates((1, 64, 2), (1, 64, 2), torch.bfloat16, gate_fp32=False)
-    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match=next(iter(threshold))):
-        sparseattn.flash_attention(q, q, q, alpha=alpha, delta=delta, **threshold)
+    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="softmax_threshold"):
+        sparseattn.flash_attention(q, q, q, alpha=alpha, delta=delta, softmax_threshold=0.5)
+    blocks = torch.ones(1, 2, 1, 1, dtype=torch.bool, device="cuda")
+    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="threshold_block"):
+        sparseattn.flash_attention(q, q, q, alpha=alpha, delta=delta, gate_threshold=-1.0, block_mask=blocks,
+                                   block_size=(64, 64))
 
 
 def test_bad_gates_raise():
