@@ -228,7 +228,7 @@ def test_short_gated_calls_skip_the_decode_kernel():
                                          delta=cpu_copy(delta))
         plain = sparseattn.flash_attention(*map(cpu_copy, (q, k, v)), causal=True)
     check_close("o", o, ref, dtype, 4)
-    assert (ref - plain).abs().max().item() > 0.05  # the gate changes the result
+    assert (ref - plain).abs().max().item() > 1e-3  # the gate changes the result
 
 
 def test_work_counts_with_gate(attention_mma):
