@@ -546,9 +546,12 @@ def flash_attention_work(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
                          cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                          causal: bool = False, window_left: int = -1, window_right: int = -1,
                          scale: Optional[float] = None, block_mask: Optional[Tensor] = None, block_q: int = 0,
-                         block_k: int = 0, d_o: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+                         block_k: int = 0, d_o: Optional[Tensor] = None, alpha: Optional[Tensor] = None,
+                         delta: Optional[Tensor] = None,
+                         gate: str = "logsigmoid") -> tuple[Tensor, Optional[Tensor]]:
     """Test diagnostic of the CUDA kernels' tile skipping (not a custom op, not differentiable): runs the forward
-    and, given d_o, the backward of flash_attention (block_mask: bool or uint8 tile states) with a work counter,
+    and, given d_o, the backward of flash_attention (block_mask: bool or uint8 tile states; alpha, delta: the gate)
+    with a work counter,
     and returns (forward, backward) int64 [1] tensors: the query x key elements of the kernel tiles computed (each
     tile's query rows x keys, clipped to its sequence), summed over the CTAs; the backward counts its dQ and dK/dV
     kernels (twice the forward's). backward is None without d_o. The counters stay 0 on the CPU."""
@@ -559,15 +562,16 @@ def flash_attention_work(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
     blocks = _flash_blocks(block_mask, None, None, None, None, block_q, block_k, None, None)
     _C.flash_attention(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(cu_seqlens_q),
                        _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
-                       None, None, "logsigmoid", None, None, 128, 128, *blocks, _stream(q), work_counter=forward)
+                       _arr(alpha), _arr(delta), gate, None, None, 128, 128, *blocks, _stream(q),
+                       work_counter=forward)
     if d_o is None:
         return forward, None
     backward = torch.zeros(1, dtype=torch.int64, device=q.device)
     dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
     _C.flash_attention_backward(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(d_o), dq, dk, dv,
                                 None, _arr(cu_seqlens_q), _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal,
-                                window_left, window_right, scale, None, None, None, None, "logsigmoid", None, None,
-                                128, 128, *blocks, _workspace_allocator(q), _stream(q), work_counter=backward)
+                                window_left, window_right, scale, _arr(alpha), _arr(delta), None, None, gate, None,
+                                None, 128, 128, *blocks, _workspace_allocator(q), _stream(q), work_counter=backward)
     return forward, backward
 
 # ---------------------------------------------------------------------------------------------------- combine
