@@ -22,13 +22,16 @@ namespace sparseattn {
 // h / (Hq / Hkv). A packed dbias leaves the entries no sequence reads untouched. On CUDA, dbias is summed in fp32
 // through the backward's workspace in a fixed order (deterministic, no atomics).
 //
-// Gated attention and thresholds (CPU only for now; CUDA tensors raise ErrorKind::unsupported), see
-// docs/semantics.md section 8: with alpha [B, T, Hq] and delta [B, S, Hkv] the logits are scale * (q.k + g),
-// g = logsigmoid(alpha_t * delta_s) (GateMode::logsigmoid) or alpha_t * delta_s (GateMode::product).
-// gate_threshold skips a (query tile, key tile) pair whose upper bound on g is below it; softmax_threshold
-// (tau in (0, 1]) skips a key tile whose largest logit is below every row's running maximum + log(tau_row).
-// Tiles are threshold_block_q queries x threshold_block_k keys, aligned to each sequence's start; the result
-// depends on them.
+// Gated attention and thresholds, see docs/semantics.md section 8: with alpha [B, T, Hq] and delta [B, S, Hkv] the
+// logits are scale * (q.k + g), g = logsigmoid(alpha_t * delta_s) (GateMode::logsigmoid) or alpha_t * delta_s
+// (GateMode::product). The gate runs on the CPU and on CUDA (forward and backward, both kernel families, every head
+// dim; alpha and delta of q's dtype or float32, any strides; on CUDA dalpha and ddelta are summed in fp32 in a
+// fixed order, deterministic, and the backward's workspace holds fp32 copies of alpha and delta). The thresholds
+// are CPU only here (CUDA tensors raise ErrorKind::unsupported naming them); the Python function takes the gate
+// threshold on CUDA by passing its decisions as the tile map `blocks` (python/sparseattn/_tiles.py).
+// gate_threshold skips a (query tile, key tile) pair whose upper bound on g is below it; softmax_threshold (tau in
+// (0, 1]) skips a key tile whose largest logit is below every row's running maximum + log(tau_row). Tiles are
+// threshold_block_q queries x threshold_block_k keys, aligned to each sequence's start; the result depends on them.
 enum class GateMode { logsigmoid, product };
 
 // The gate and threshold settings the forward and the backward share (plain data).

@@ -546,9 +546,12 @@ def flash_attention_work(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
                          cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                          causal: bool = False, window_left: int = -1, window_right: int = -1,
                          scale: Optional[float] = None, block_mask: Optional[Tensor] = None, block_q: int = 0,
-                         block_k: int = 0, d_o: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+                         block_k: int = 0, d_o: Optional[Tensor] = None, alpha: Optional[Tensor] = None,
+                         delta: Optional[Tensor] = None,
+                         gate: str = "logsigmoid") -> tuple[Tensor, Optional[Tensor]]:
     """Test diagnostic of the CUDA kernels' tile skipping (not a custom op, not differentiable): runs the forward
-    and, given d_o, the backward of flash_attention (block_mask: bool or uint8 tile states) with a work counter,
+    and, given d_o, the backward of flash_attention (block_mask: bool or uint8 tile states; alpha, delta: the gate)
+    with a work counter,
     and returns (forward, backward) int64 [1] tensors: the query x key elements of the kernel tiles computed (each
     tile's query rows x keys, clipped to its sequence), summed over the CTAs; the backward counts its dQ and dK/dV
     kernels (twice the forward's). backward is None without d_o. The counters stay 0 on the CPU."""
@@ -559,15 +562,16 @@ def flash_attention_work(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
     blocks = _flash_blocks(block_mask, None, None, None, None, block_q, block_k, None, None)
     _C.flash_attention(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(cu_seqlens_q),
                        _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
-                       None, None, "logsigmoid", None, None, 128, 128, *blocks, _stream(q), work_counter=forward)
+                       _arr(alpha), _arr(delta), gate, None, None, 128, 128, *blocks, _stream(q),
+                       work_counter=forward)
     if d_o is None:
         return forward, None
     backward = torch.zeros(1, dtype=torch.int64, device=q.device)
     dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
     _C.flash_attention_backward(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(d_o), dq, dk, dv,
                                 None, _arr(cu_seqlens_q), _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal,
-                                window_left, window_right, scale, None, None, None, None, "logsigmoid", None, None,
-                                128, 128, *blocks, _workspace_allocator(q), _stream(q), work_counter=backward)
+                                window_left, window_right, scale, _arr(alpha), _arr(delta), None, None, gate, None,
+                                None, 128, 128, *blocks, _workspace_allocator(q), _stream(q), work_counter=backward)
     return forward, backward
 
 # ---------------------------------------------------------------------------------------------------- combine
@@ -657,7 +661,7 @@ def _spec(t: Optional[Tensor]):
 
 
 def _nsa_size(query, op, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp,
-              max_seqlen, config, cu_seqlens_k=None, max_seqlen_k=0) -> int:
+              max_seqlen, config, cu_seqlens_k=None, max_seqlen_k=0, recompute="none") -> int:
     """A size query of the binding; it validates the call (shapes only) and its errors name `op`. `o` is a tensor
     or a (dtype name, shape) spec (the output need not exist yet)."""
     device = "cuda" if q.device.type == "cuda" else "cpu"
@@ -665,7 +669,7 @@ def _nsa_size(query, op, q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_s
     o_spec = o if isinstance(o, tuple) else _spec(o)
     specs = [_spec(t) for t in (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa)]
     return query(device, index, *specs, o_spec, _spec(cu_seqlens), _spec(cu_seqlens_cmp), max_seqlen, *config, op=op,
-                 cu_seqlens_k=_spec(cu_seqlens_k), max_seqlen_k=max_seqlen_k)
+                 cu_seqlens_k=_spec(cu_seqlens_k), max_seqlen_k=max_seqlen_k, recompute=recompute)
 
 
 def _has_symbolic_shape(*tensors) -> bool:
@@ -696,11 +700,14 @@ def nsa_attention(
     scale: Optional[float],
     cu_seqlens_k: Optional[Tensor] = None,
     max_seqlen_k: int = 0,
+    recompute: str = "none",
 ) -> tuple[Tensor, Tensor]:
-    """Returns (o, workspace); the uint8 workspace holds what the backward reads."""
+    """Returns (o, workspace); the uint8 workspace holds what the backward reads: with recompute "none" the branch
+    outputs too, with "branches" only their log-sum-exps, the selection and the pooled compressed K/V (the backward
+    recomputes the outputs; pass it the same mode), with "selected_and_window" also the compressed output."""
     config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
     packed = cu_seqlens is not None
-    keys = (cu_seqlens_k, max_seqlen_k)
+    keys = (cu_seqlens_k, max_seqlen_k, recompute)
     # The size queries validate the call's shapes, dtypes and config before anything is allocated.
     o_spec = _spec(q)[0], tuple(_out_shape(q, v.shape[-1]))
     tensors = (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, o_spec, cu_seqlens, cu_seqlens_cmp)
@@ -714,13 +721,15 @@ def nsa_attention(
     scratch = torch.empty((scratch_size,), dtype=torch.uint8, device=q.device)
     _C.nsa_attention(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
                      _arr(g_slc), _arr(g_swa), o, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen, *config,
-                     workspace, scratch, _stream(q), cu_seqlens_k=_arr(cu_seqlens_k), max_seqlen_k=max_seqlen_k)
+                     workspace, scratch, _stream(q), cu_seqlens_k=_arr(cu_seqlens_k), max_seqlen_k=max_seqlen_k,
+                     recompute=recompute)
     return o, workspace
 
 
 @nsa_attention.register_fake
 def _(q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block,
-      cmp_stride, sel_block, num_selected, num_init, num_local, window, scale, cu_seqlens_k=None, max_seqlen_k=0):
+      cmp_stride, sel_block, num_selected, num_init, num_local, window, scale, cu_seqlens_k=None, max_seqlen_k=0,
+      recompute="none"):
     o = q.new_empty(_out_shape(q, v.shape[-1]))
     tensors = (q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp, cu_seqlens_k)
     if _has_symbolic_shape(*tensors):
@@ -729,7 +738,8 @@ def _(q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_
     else:
         config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
         size = _nsa_size(_C.nsa_workspace_size, "nsa_attention", q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc,
-                         g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config, cu_seqlens_k, max_seqlen_k)
+                         g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config, cu_seqlens_k, max_seqlen_k,
+                         recompute)
     return o, q.new_empty((size,), dtype=torch.uint8)
 
 
@@ -760,8 +770,10 @@ def nsa_attention_backward(
     d_o: Tensor,
     cu_seqlens_k: Optional[Tensor] = None,
     max_seqlen_k: int = 0,
+    recompute: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, dk_cmp, dv_cmp, d_g_cmp, d_g_slc, d_g_swa); absent ones are empty."""
+    """Returns (dq, dk, dv, dk_cmp, dv_cmp, d_g_cmp, d_g_slc, d_g_swa); absent ones are empty. `o` is not read (only
+    its shape and dtype are checked: d_o may stand in for it); `recompute` is the forward's."""
     config = (cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale)
     packed = cu_seqlens is not None
     dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
@@ -769,43 +781,50 @@ def nsa_attention_backward(
     d_gates = [_alloc(g.shape, g, packed=packed) if g is not None else None for g in (g_cmp, g_slc, g_swa)]
     scratch_size = _nsa_size(_C.nsa_backward_scratch_size, "nsa_attention_backward", q, k, v, k_cmp, v_cmp,
                              block_indices, g_cmp, g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, config,
-                             cu_seqlens_k, max_seqlen_k)
+                             cu_seqlens_k, max_seqlen_k, recompute)
     scratch = torch.empty((scratch_size,), dtype=torch.uint8, device=q.device)
+    d_o_view = _arr(d_o)
+    o_view = d_o_view if o is d_o else _arr(o)  # d_o standing in for o: no second copy where d_o needs one
     _C.nsa_attention_backward(_arr(q), _arr(k), _arr(v), _arr(k_cmp), _arr(v_cmp), _arr(block_indices), _arr(g_cmp),
-                              _arr(g_slc), _arr(g_swa), _arr(o), _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen,
-                              *config, workspace, _arr(d_o), dq, dk, dv, dk_cmp, dv_cmp, *d_gates, scratch,
-                              _stream(q), cu_seqlens_k=_arr(cu_seqlens_k), max_seqlen_k=max_seqlen_k)
+                              _arr(g_slc), _arr(g_swa), o_view, _arr(cu_seqlens), _arr(cu_seqlens_cmp), max_seqlen,
+                              *config, workspace, d_o_view, dq, dk, dv, dk_cmp, dv_cmp, *d_gates, scratch,
+                              _stream(q), cu_seqlens_k=_arr(cu_seqlens_k), max_seqlen_k=max_seqlen_k,
+                              recompute=recompute)
     return tuple(t if t is not None else _empty_grad(q) for t in (dq, dk, dv, dk_cmp, dv_cmp, *d_gates))
 
 
 @nsa_attention_backward.register_fake
 def _(q, k, v, k_cmp, v_cmp, block_indices, g_cmp, g_slc, g_swa, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block,
       cmp_stride, sel_block, num_selected, num_init, num_local, window, scale, o, workspace, d_o, cu_seqlens_k=None,
-      max_seqlen_k=0):
+      max_seqlen_k=0, recompute="none"):
     return tuple(torch.empty_like(t) if t is not None else q.new_empty((0,))
                  for t in (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa))
 
 
 _NSA_GRAD_INPUTS = (0, 1, 2, 3, 4, 6, 7, 8)  # positions of q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa
-_NSA_NUM_INPUTS = 22
+_NSA_NUM_INPUTS = 23
 
 
 def _nsa_setup(ctx, inputs, output):
-    o, workspace = output
+    _o, workspace = output
     ctx.mark_non_differentiable(workspace)
     # No zero gradient of the workspace (gigabytes at long T) materialised for the backward, which ignores it.
     ctx.set_materialize_grads(False)
     tensors = inputs[:11]  # q .. cu_seqlens_cmp
-    ctx.save_for_backward(*tensors, o, workspace, inputs[20])  # and cu_seqlens_k
+    # Not the output: the backward does not read it (d_o stands in for it), so the caller alone decides how long
+    # it lives.
+    ctx.save_for_backward(*tensors, workspace, inputs[20])  # and cu_seqlens_k
     ctx.args = inputs[11:20]  # max_seqlen and the config
     ctx.max_seqlen_k = inputs[21]
+    ctx.recompute = inputs[22]
 
 
 def _nsa_backward(ctx, d_o, d_workspace):
     if d_o is None:  # not materialised: nothing reached o
         return (None,) * _NSA_NUM_INPUTS
-    *tensors, o, workspace, cu_seqlens_k = ctx.saved_tensors
-    grads = nsa_attention_backward(*tensors, *ctx.args, o, workspace, d_o, cu_seqlens_k, ctx.max_seqlen_k)
+    *tensors, workspace, cu_seqlens_k = ctx.saved_tensors
+    grads = nsa_attention_backward(*tensors, *ctx.args, d_o, workspace, d_o, cu_seqlens_k, ctx.max_seqlen_k,
+                                   ctx.recompute)
     result = [None] * _NSA_NUM_INPUTS
     for position, grad in zip(_NSA_GRAD_INPUTS, grads):
         if tensors[position] is not None:

@@ -5,7 +5,9 @@ loaded nor computed), 1 = it exists, 2 = it exists and is full (the element mask
 module turns the other forms into that map without a host synchronisation:
 - FlexAttention's lists (kv_num_blocks / kv_indices, and the full_ lists) are scattered into it;
 - a batched element mask is summarised into it (a tile whose elements are all False becomes absent, one whose
-  elements are all True becomes full), so that masked-out tiles are skipped even without a block-sparse mask.
+  elements are all True becomes full), so that masked-out tiles are skipped even without a block-sparse mask;
+- the gate threshold (docs/semantics.md section 8) decides per (query tile, key tile) pair from the ranges of alpha
+  and delta over the pair, which is what a tile map says: the pairs it skips become absent.
 On CUDA the list contents are not validated (that would need a host synchronisation): entries past a row's count
 or outside [0, nK) are dropped. On the CPU the C++ API validates them.
 """
@@ -80,3 +82,64 @@ def combine(given: Tensor, summary: Tensor) -> Tensor:
 
 def tile_counts(length: int, block: int) -> int:
     return _ceil_div(max(length, 0), block)
+
+
+def _tile_ranges(x: Tensor, block: int, n: int, batch: int, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(min, max) of a gate tensor over tiles of `block` rows aligned to each sequence's first row: float64
+    [batch, n, H] each; tiles without rows get +inf and -inf. x is [B, L, H] (batched) or [N, H] with cu_seqlens."""
+    x = x.detach().to(torch.float64)
+    if cu_seqlens is None:
+        b, rows, heads = x.shape
+        pad = n * block - rows
+        if pad < 0:  # rows past the n tiles are not attended through this map
+            x, pad = x[:, :n * block], 0
+        low = torch.nn.functional.pad(x, (0, 0, 0, pad), value=float("inf"))
+        high = torch.nn.functional.pad(x, (0, 0, 0, pad), value=float("-inf"))
+        return low.view(b, n, block, heads).amin(2), high.view(b, n, block, heads).amax(2)
+    rows, heads = x.shape
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+    index = torch.arange(rows, device=x.device)
+    sequence = torch.searchsorted(cu, index, right=True) - 1
+    tile = (index - cu[sequence.clamp(0, batch)]) // block
+    valid = (sequence >= 0) & (sequence < batch) & (tile < n)
+    slot = torch.where(valid, sequence * n + tile, torch.full_like(index, batch * n))[:, None].expand(rows, heads)
+    low = torch.full((batch * n + 1, heads), float("inf"), dtype=torch.float64, device=x.device)
+    high = torch.full((batch * n + 1, heads), float("-inf"), dtype=torch.float64, device=x.device)
+    low.scatter_reduce_(0, slot, x, reduce="amin")
+    high.scatter_reduce_(0, slot, x, reduce="amax")
+    return low[:-1].view(batch, n, heads), high[:-1].view(batch, n, heads)
+
+
+def from_gate_threshold(alpha: Tensor, delta: Tensor, threshold: float, product: bool, block_q: int, block_k: int,
+                        n_q: int, n_k: int, batch: int, cu_seqlens_q: Optional[Tensor] = None,
+                        cu_seqlens_k: Optional[Tensor] = None) -> Tensor:
+    """The gate threshold's decisions as a tile-state map, uint8 [batch, Hq, n_q, n_k]: 1 where the pair's upper
+    bound on g reaches the threshold (logsigmoid or the product of max(amin dmin, amin dmax, amax dmin, amax dmax)
+    over the query tile's alpha of head h and the key tile's delta of head h / G, every key of the tile counted), 0
+    where the pair is skipped; in float64 as the CPU reference. alpha is [B, T, Hq] / packed [Nq, Hq], delta
+    [B, S, Hkv] / packed [Nk, Hkv] (packed: with cu_seqlens_q and cu_seqlens_k)."""
+    a_min, a_max = _tile_ranges(alpha, block_q, n_q, batch, cu_seqlens_q)
+    d_min, d_max = _tile_ranges(delta, block_k, n_k, batch, cu_seqlens_k)
+    group = alpha.shape[-1] // delta.shape[-1]
+    a_min, a_max = (t.permute(0, 2, 1)[..., :, None] for t in (a_min, a_max))  # [B, Hq, n_q, 1]
+    d_min, d_max = (t.repeat_interleave(group, dim=2).permute(0, 2, 1)[..., None, :] for t in (d_min, d_max))
+    bound = torch.maximum(torch.maximum(a_min * d_min, a_min * d_max), torch.maximum(a_max * d_min, a_max * d_max))
+    g = bound if product else torch.nn.functional.logsigmoid(bound)
+    return (g >= threshold).to(torch.uint8).contiguous()
+
+
+def keep_where(states: Tensor, kept: Tensor) -> Tensor:
+    """A tile-state map with the pairs that `kept` (uint8 [B, Hq, n_q, n_k], 0 = skipped) skips made absent; the
+    others keep their state. `states` may have 1, Hkv or Hq heads and a batch of 1 (broadcast); tiles past kept's
+    keep their state."""
+    batch, heads = kept.shape[0], kept.shape[1]
+    if states.dim() != 4 or states.shape[0] not in (1, batch) or heads % states.shape[1] != 0:
+        return states  # a map of the wrong shape: the C++ API reports it
+    if states.shape[1] not in (1, heads):
+        states = states.repeat_interleave(heads // states.shape[1], dim=1)
+    n_q, n_k = min(kept.shape[-2], states.shape[-2]), min(kept.shape[-1], states.shape[-1])
+    kept = kept[..., :n_q, :n_k]
+    states = states.expand(batch, heads, *states.shape[-2:]).clone()
+    region = states[..., :n_q, :n_k]
+    states[..., :n_q, :n_k] = torch.where(kept > 0, region, torch.zeros_like(region))
+    return states.contiguous()

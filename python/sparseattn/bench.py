@@ -18,7 +18,8 @@ not by the host's launch overhead), median. A
 measurement is a first run (which also gives the peak memory of fwd+bwd: the most allocated on top of the
 inputs), one more to estimate the warm run time if the first was shorter than the target, untimed runs up to
 --warmup-ms, then timed runs up to --rep-ms in total (at least 1, at most --max-reps). "fwd" runs under
-torch.no_grad(); "fwd+bwd" is the forward and torch.autograd.grad of q, k, v (and the NSA gates). With
+torch.no_grad(); "fwd+bwd" is the forward and torch.autograd.grad of q, k, v (and the NSA gates). NSA fwd+bwd is
+measured with the default recompute="none" and again with recompute="branches" (time and peak memory of both). With
 --time-budget-s the target of each measurement is also capped at its share of the time left, and the cases not
 started within the budget are recorded as skipped.
 
@@ -299,7 +300,7 @@ def kernel_times(fn: Callable[[], object]) -> dict[str, float]:
 
 
 def measurements_per_case(stages: bool) -> int:
-    return 2 * len(DENSE) + 2 + (len(STAGES) if stages else 0)
+    return 2 * len(DENSE) + 3 + (len(STAGES) if stages else 0)
 
 
 INPUTS = ("random", "drifting")
@@ -350,12 +351,14 @@ def run_case(shape: Shape, seqlen: int, dtype: torch.dtype, config: NSAConfig, t
     def nsa_forward():
         nsa_attention(q, k, v, *gates, config=config)
 
-    def nsa_forward_backward():
-        torch.autograd.grad(nsa_attention(q, k, v, *gates, config=config), (q, k, v, *gates), d_o)
+    def nsa_forward_backward(recompute="none"):
+        torch.autograd.grad(nsa_attention(q, k, v, *gates, config=config, recompute=recompute), (q, k, v, *gates),
+                            d_o)
 
     with torch.no_grad():
         case.measure("nsa_fwd", nsa_forward)
     case.measure("nsa_fwd_bwd", nsa_forward_backward, peak_memory=True)
+    case.measure("nsa_branches_fwd_bwd", lambda: nsa_forward_backward("branches"), peak_memory=True)
     if kernels and case.result["times_ms"].get("nsa_fwd_bwd") is not None:
         case.result["kernels_fwd_bwd_ms"] = kernel_times(nsa_forward_backward)
     return summarize(case.result, shape, seqlen, config)
@@ -433,6 +436,20 @@ def markdown(meta: dict, results: list[dict]) -> str:
                   f"{fmt_number(m.get('nsa'))} / {fmt_number(m.get('sdpa_cudnn'))}",
                   fmt_number(ratio(m.get("nsa"), m.get("sdpa_cudnn")))]
         lines.append("| " + " | ".join(cells) + " |")
+
+    if any("nsa_branches_fwd_bwd" in r["times_ms"] for r in results):
+        lines += ["", "NSA fwd+bwd with recompute='branches' (the forward keeps log-sum-exps, selection and pooled "
+                  "K/V; the backward recomputes the branch outputs): time, its cost over the default, and the peak "
+                  "memory of both (GB above the inputs, gradients included):", "",
+                  "| Hq/Hkv, Dqk/Dv | T | NSA fwd+bwd | branches fwd+bwd | cost | peak GB NSA / branches |",
+                  "|---|---|---|---|---|---|"]
+        for r in results:
+            t, m = r["times_ms"], r["peak_memory_gb"]
+            cost = ratio(t.get("nsa_branches_fwd_bwd"), t.get("nsa_fwd_bwd"))
+            lines.append(f"| {Shape(**r['shape']).label()} | {seqlen_label(r['seqlen'])} | "
+                         f"{time_cell(r, 'nsa_fwd_bwd')} | {time_cell(r, 'nsa_branches_fwd_bwd')} | "
+                         f"{'n/a' if cost is None else f'{100 * (cost - 1):+.1f}%'} | "
+                         f"{fmt_number(m.get('nsa'))} / {fmt_number(m.get('nsa_branches'))} |")
 
     if any(s in r["times_ms"] for r in results for s in STAGES):
         lines += ["", "Forward times of the stages called one by one (ms); sum: all of them, to compare with the "

@@ -27,9 +27,12 @@ decode, which is forward only):
                                            efficient, flash, math that runs fwd+bwd is used, and recorded), and
                                            FlexAttention with a score_mod reading the bias and a causal
                                            BlockMask. Bar: bias fwd+bwd / our dense fwd+bwd <= 1.25.
-  gated         32/8:16K                   causal, alpha [B, T, Hq] and delta [B, T, Hkv] requiring grad,
-                                           gate="logsigmoid", no threshold: our dense causal and
-                                           flash_attention(alpha=, delta=). Bar: gated / dense fwd+bwd <= 1.3.
+  gated         32/8:16K                   causal, alpha [B, T, Hq] and delta [B, T, Hkv] requiring grad, no
+                                           threshold: our dense causal, flash_attention(alpha=, delta=) with
+                                           gate="logsigmoid" and with gate="product"; and the logsigmoid gate
+                                           with gate_threshold=-1 (128 x 128 tiles; with random gates it skips
+                                           almost no tile, so it shows what the threshold's tile map costs).
+                                           Bar: the logsigmoid gate's fwd+bwd / dense fwd+bwd <= 1.3.
   decode        32/8:128K:1 32/8:128K:32 64/4:128K:1 64/4:128K:32
                                            --decode-queries (1) queries against a KV cache of T keys, causal
                                            (bottom-right: the queries are the last ones): flash_attention,
@@ -92,7 +95,7 @@ METHODS = {
     "dense": ("sparseattn", "sdpa_cudnn", "sdpa_flash"),
     "block_sparse": ("sparseattn", "sparseattn_tiles", "sparseattn_blockmask", "flex"),
     "bias": ("sparseattn", "sparseattn_bias", "sdpa_bias", "flex_bias"),
-    "gated": ("sparseattn", "sparseattn_gated"),
+    "gated": ("sparseattn", "sparseattn_gated", "sparseattn_gated_product", "sparseattn_gated_threshold"),
     "decode": ("sparseattn", "flash_decode", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"),
 }
 METHOD_LABELS = {
@@ -107,6 +110,8 @@ METHOD_LABELS = {
     "sdpa_bias": "SDPA float attn_mask",
     "flex_bias": "FlexAttention score_mod",
     "sparseattn_gated": "sparseattn gated",
+    "sparseattn_gated_product": "sparseattn gated (product)",
+    "sparseattn_gated_threshold": "sparseattn gated, gate_threshold -1",
     "flash_decode": "sparseattn flash_decode",
 }
 SECTION_TITLES = {
@@ -448,6 +453,12 @@ def run_gated(case: Case, spec: CaseSpec, q, k, v, d_o, args) -> None:
     delta = torch.randn(spec.batch, spec.seqlen, spec.heads_kv, device=q.device, dtype=q.dtype, requires_grad=True)
     measure_method(case, "sparseattn", lambda: flash_attention(q, k, v, causal=True), (q, k, v), d_o, "gated")
     measure_method(case, "sparseattn_gated", lambda: flash_attention(q, k, v, causal=True, alpha=alpha, delta=delta),
+                   (q, k, v, alpha, delta), d_o, "gated")
+    measure_method(case, "sparseattn_gated_product",
+                   lambda: flash_attention(q, k, v, causal=True, alpha=alpha, delta=delta, gate="product"),
+                   (q, k, v, alpha, delta), d_o, "gated")
+    measure_method(case, "sparseattn_gated_threshold",
+                   lambda: flash_attention(q, k, v, causal=True, alpha=alpha, delta=delta, gate_threshold=-1.0),
                    (q, k, v, alpha, delta), d_o, "gated")
 
 

@@ -27,7 +27,7 @@ from . import _checks as chk
 from . import _ops
 from . import _tiles
 from . import decode as _decode
-from ._errors import SparseAttnError, make_error
+from ._errors import SparseAttnError, SparseAttnUnsupportedError, make_error
 
 #: The (Dqk, Dv) head-dim pairs with CUDA kernels (sparseattn.CUDA_HEAD_DIMS), from the binding.
 CUDA_HEAD_DIMS: tuple[tuple[int, int], ...] = tuple(tuple(pair) for pair in _C.cuda_head_dims())
@@ -416,10 +416,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     shape, summed deterministically over its broadcast dims), alpha and delta. On CUDA, calls of 1 to 16 queries
     that need no gradient and no optional feature run the split-KV decode kernel (:func:`sparseattn.flash_decode`).
 
-    Gated attention (``alpha`` and ``delta``, CPU only for now) makes the logits scale*(q.k + g) with
-    g = logsigmoid(alpha_t*delta_s) (or the product). ``gate_threshold`` and ``softmax_threshold`` skip
-    (query tile, key tile) pairs of ``threshold_block`` (docs/semantics.md section 8); the result depends on
-    the tile sizes.
+    Gated attention (``alpha`` and ``delta``; CPU and CUDA, forward and backward) makes the logits
+    scale*(q.k + g) with g = logsigmoid(alpha_t*delta_s) (or the product). ``gate_threshold`` (CPU and CUDA,
+    where its decisions become a block-sparse tile map; with a block-sparse mask both must use the same tiles) and
+    ``softmax_threshold`` (CPU only for now) skip (query tile, key tile) pairs of ``threshold_block``
+    (docs/semantics.md section 8); the result depends on the tile sizes.
 
     Block-sparse masks say which (query tile, key tile) pairs of ``block_size`` exist: a dense tile mask
     ``block_mask`` (bool, or uint8 with 0 absent, 1 exists, 2 exists and full), or FlexAttention's lists (``kv_num_blocks``/``kv_indices``, optionally
@@ -480,8 +481,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             unknown gate, softmax_threshold outside (0, 1], a non-positive threshold_block; a block-sparse mask
             in two forms, without block_size, of the wrong shape or with bad list contents (out-of-range,
             repeated or descending tiles, a tile both partial and full).
-        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (alpha, delta, the
-            thresholds and per-head windows on CUDA included).
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (softmax_threshold,
+            per-head windows, and a gate_threshold whose threshold_block differs from block_size on CUDA
+            included).
 
     Example:
         >>> import torch, sparseattn
@@ -551,9 +553,19 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         return _decode.flash_decode(q, k, v, causal=causal, window=(window_left, window_right), scale=scale,
                                     return_lse=return_lse)
     if q.is_cuda:
-        block_mask, block_q, block_k = _cuda_tile_states(q, k, mask, block_mask, kv_num_blocks, kv_indices,
+        gate_states = None
+        if gate_threshold is not None and _gate_shapes_fit(q, k, alpha, delta, packed):
+            # The CUDA kernels take the gate threshold as the tile map of its decisions (see _cuda_gate_threshold).
+            gate_states, block_q, block_k = _cuda_gate_threshold(
+                op, q, alpha, delta, gate_threshold, gate, (threshold_block_q, threshold_block_k), block_tensors,
+                block_q, block_k, packed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            gate_threshold = None
+        given_map = gate_states if all(t is None for t in block_tensors) else block_mask
+        block_mask, block_q, block_k = _cuda_tile_states(q, k, mask, given_map, kv_num_blocks, kv_indices,
                                                          full_kv_num_blocks, full_kv_indices, block_q, block_k,
                                                          packed, max_seqlen_q, max_seqlen_k)
+        if gate_states is not None and given_map is not gate_states:
+            block_mask = _tiles.keep_where(block_mask, gate_states)
         kv_num_blocks = kv_indices = full_kv_num_blocks = full_kv_indices = None
     o, lse = _ops.flash_attention(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   causal, window_left, window_right, scale, alpha, delta, gate, gate_threshold,
@@ -613,6 +625,42 @@ def _cuda_tile_states(q: Tensor, k: Tensor, mask: Optional[Tensor], block_mask: 
             return given, block_q, block_k  # the C++ API reports the shape
     summary = _tiles.from_mask(mask, block_q, block_k, n_q, n_k)
     return (summary.contiguous() if given is None else _tiles.combine(given, summary)), block_q, block_k
+
+
+def _gate_shapes_fit(q: Tensor, k: Tensor, alpha: Optional[Tensor], delta: Optional[Tensor], packed: bool) -> bool:
+    """Whether alpha and delta have the shapes the gate threshold's tile map needs; otherwise the C++ API names the
+    problem."""
+    if alpha is None or delta is None or not alpha.is_floating_point() or not delta.is_floating_point():
+        return False
+    if packed:
+        return (q.dim() == 3 and k.dim() == 3 and tuple(alpha.shape) == (q.shape[0], q.shape[1])
+                and tuple(delta.shape) == (k.shape[0], k.shape[1]) and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0)
+    return (q.dim() == 4 and k.dim() == 4 and tuple(alpha.shape) == (q.shape[0], q.shape[1], q.shape[2])
+            and tuple(delta.shape) == (k.shape[0], k.shape[1], k.shape[2]) and k.shape[2] > 0
+            and q.shape[2] % k.shape[2] == 0)
+
+
+def _cuda_gate_threshold(op: str, q: Tensor, alpha: Tensor, delta: Tensor, threshold: float, gate: str,
+                         threshold_block: tuple[int, int], block_tensors: tuple, block_q: int, block_k: int,
+                         packed: bool, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                         max_seqlen_q: Optional[int], max_seqlen_k: Optional[int]):
+    """The gate threshold on CUDA: its decisions as a tile map (0 = the pair is skipped, 1 = kept; _tiles.py) in
+    tiles of threshold_block, which the kernels skip like a block-sparse mask's absent tiles. With a block-sparse
+    mask both must use the same tiles (SparseAttnUnsupportedError otherwise). Returns (map, block_q, block_k)."""
+    if any(t is not None for t in block_tensors) and (block_q, block_k) != threshold_block:
+        raise make_error(SparseAttnUnsupportedError, "unsupported", op, "threshold_block",
+                         f"{threshold_block} differs from block_size {(block_q, block_k)}: on CUDA the gate threshold "
+                         "and a block-sparse mask must use the same tiles")
+    block_q, block_k = threshold_block
+    if packed:
+        batch = cu_seqlens_q.shape[0] - 1
+        rows, keys = max_seqlen_q or q.shape[0], max_seqlen_k or delta.shape[0]
+    else:
+        batch, rows, keys = q.shape[0], q.shape[1], delta.shape[1]
+    n_q, n_k = _tiles.tile_counts(rows, block_q), _tiles.tile_counts(keys, block_k)
+    states = _tiles.from_gate_threshold(alpha, delta, threshold, gate == "product", block_q, block_k, n_q, n_k,
+                                        batch, cu_seqlens_q if packed else None, cu_seqlens_k if packed else None)
+    return states, block_q, block_k
 
 
 # Tiles of the summary of an element mask given without a block-sparse mask: the forward kernels' tiles on
@@ -683,7 +731,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
                   k_cmp: Optional[Tensor] = None, v_cmp: Optional[Tensor] = None,
                   block_indices: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
                   max_seqlen: Optional[int] = None, cu_seqlens_k: Optional[Tensor] = None,
-                  max_seqlen_k: Optional[int] = None, recompute: bool = False) -> Tensor:
+                  max_seqlen_k: Optional[int] = None, recompute: Union[bool, str] = False) -> Tensor:
     """The whole Native Sparse Attention pipeline in one op.
 
     o = g_cmp*compressed + g_slc*selected + g_swa*sliding-window attention, where a branch whose gate is None
@@ -708,20 +756,34 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
         cu_seqlens_k: int32 [B+1], packed query chunks: the keys' sequences, S_b >= T_b keys each (needs
             cu_seqlens). None: the keys are q's.
         max_seqlen_k: an upper bound of the keys' packed lengths (None or 0: not known).
-        recompute: a bool. False (default): the forward keeps its workspace (the three branch outputs, their
-            log-sum-exps, the selection and the compressed K/V: about 50 KB per token at 64/4 heads, D = 128, bf16)
-            and the output for the backward. True: it keeps nothing beyond the inputs and the backward runs the
-            forward again first (torch.utils.checkpoint; the same deterministic result), one more NSA forward per
-            backward (docs/perf/2026-11-27-nsa-memory-budget.md).
+        recompute: what the forward keeps for the backward (bytes per token at 64/4 heads, D = 128, bf16;
+            docs/perf/2026-11-27-nsa-memory-budget.md has the buffers, peaks and costs):
+
+            - ``"none"`` or False (default): the workspace: the three branch outputs, their log-sum-exps, the
+              selection and the pooled compressed K/V (about 50 KB per token).
+            - ``"branches"``: only the log-sum-exps, the selection and the pooled compressed K/V (about 1.2 KB per
+              token); the backward runs each branch's forward again, just before that branch's backward, into one
+              buffer (one branch output live at a time), and the forward holds the branch outputs in scratch only
+              while it runs. Costs the three branch forwards once more per backward. Batched layout: the output
+              is written in place by the last branch, so nothing else changes for the caller.
+            - ``"selected_and_window"``: as ``"branches"`` for the selected and sliding-window outputs; the
+              compressed branch's output, whose forward costs the most to run again at long T, is kept (about
+              17.6 KB per token).
+            - ``"full"`` or True: nothing beyond the inputs; the backward runs the whole forward again first
+              (torch.utils.checkpoint), then the backward of ``"none"``: the least kept between forward and
+              backward (many layers), the highest cost (one more NSA forward), and the backward's peak of ``"none"``.
+
+            All four give the same output and gradients, bit for bit (deterministic kernels run in the same order).
 
     Returns:
         o [B, T, Hq, Dv] (packed [N, Hq, Dv]) in q's dtype.
 
     Raises:
-        SparseAttnTypeError: an argument of the wrong type (config not an NSAConfig, max_seqlen not an int).
+        SparseAttnTypeError: an argument of the wrong type (config not an NSAConfig, max_seqlen not an int,
+            recompute neither a bool nor a string).
         SparseAttnDTypeError: non-float or mismatched dtypes; block_indices or cu_seqlens not int32.
         SparseAttnError: wrong ranks or sizes, mixed devices, no gate, an inconsistent configuration, bad
-            cu_seqlens or block_indices contents (checked on the CPU).
+            cu_seqlens or block_indices contents (checked on the CPU), an unknown recompute mode.
         SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take.
 
     Example:
@@ -747,7 +809,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
     if not isinstance(config, NSAConfig):
         raise chk.type_error(op, "config", "a sparseattn.NSAConfig or None", config)
     config._validate()
-    recompute = chk.bool_arg(op, "recompute", recompute)
+    recompute = recompute_arg(op, recompute)
     max_seqlen = chk.optional_int_arg(op, "max_seqlen", max_seqlen, minimum=0)
     max_seqlen_k = chk.optional_int_arg(op, "max_seqlen_k", max_seqlen_k, minimum=0)
     chk.cu_seqlens_arg(op, "cu_seqlens", cu_seqlens)
@@ -770,9 +832,25 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = Non
             int(config.cmp_block), int(config.cmp_stride), int(config.sel_block), int(config.num_selected),
             int(config.num_init), int(config.num_local), int(config.window), chk.scale_arg(op, "scale", config.scale),
             None if cu_seqlens_k is None else cu_seqlens_k.detach(), max_seqlen_k)
-    if recompute and torch.is_grad_enabled():
+    if recompute == "full" and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(_nsa_output, *args, use_reentrant=False)
-    return _nsa_output(*args)
+    return _nsa_output(*args, "none" if recompute == "full" else recompute)
+
+
+RECOMPUTE_MODES = ("none", "branches", "selected_and_window", "full")
+
+
+def recompute_arg(op: str, value) -> str:
+    """The recompute mode of nsa_attention: one of RECOMPUTE_MODES (False: "none", True: "full")."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    names = ", ".join(repr(mode) for mode in RECOMPUTE_MODES)
+    if not isinstance(value, str):
+        raise chk.type_error(op, "recompute", f"a bool or one of {names}", value)
+    if value not in RECOMPUTE_MODES:
+        raise make_error(SparseAttnError, "config", op, "recompute",
+                         f"expected one of {names} (or a bool), got {value!r}")
+    return value
 
 
 def _nsa_output(*args) -> Tensor:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from . import _checks as chk
 from ._errors import SparseAttnDTypeError, SparseAttnError, SparseAttnTypeError, make_error
-from .functional import NSAConfig, nsa_attention
+from .functional import NSAConfig, nsa_attention, recompute_arg
 
 __all__ = ["NativeSparseAttention", "NativeSparseAttentionCore", "apply_rotary", "sequence_positions"]
 
@@ -27,17 +27,19 @@ class NativeSparseAttentionCore(nn.Module):
 
     Args:
         config: an :class:`NSAConfig` (None: the defaults).
-        recompute: keep nothing for the backward beyond the inputs and run the forward again there (see
-            :func:`sparseattn.nsa_attention`).
+        recompute: what the forward keeps for the backward: "none" (or False), "branches" (recompute the branch
+            outputs in the backward), "selected_and_window" (those two only) or "full" (or True: run the whole
+            forward again there); see :func:`sparseattn.nsa_attention`. Stored as the mode's name.
 
     Raises:
-        SparseAttnTypeError: config is neither an NSAConfig nor None, recompute not a bool.
+        SparseAttnTypeError: config is neither an NSAConfig nor None, recompute neither a bool nor a string.
+        SparseAttnError: an unknown recompute mode.
     """
 
-    def __init__(self, config: Optional[NSAConfig] = None, recompute: bool = False):
+    def __init__(self, config: Optional[NSAConfig] = None, recompute: Union[bool, str] = False):
         super().__init__()
         self.config = _config_arg("NativeSparseAttentionCore", config)
-        self.recompute = chk.bool_arg("NativeSparseAttentionCore", "recompute", recompute)
+        self.recompute = recompute_arg("NativeSparseAttentionCore", recompute)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, g_cmp: Optional[Tensor] = None,
                 g_slc: Optional[Tensor] = None, g_swa: Optional[Tensor] = None, *,
@@ -79,7 +81,7 @@ class NativeSparseAttentionCore(nn.Module):
                              recompute=self.recompute)
 
     def extra_repr(self) -> str:
-        return repr(self.config) + (", recompute=True" if self.recompute else "")
+        return repr(self.config) + (f", recompute={self.recompute!r}" if self.recompute != "none" else "")
 
 
 def _device_arg(op: str, device):
@@ -159,8 +161,8 @@ class NativeSparseAttention(nn.Module):
         rotary: apply the rotary embedding to q and k; rope_theta: its base (finite, positive).
         bias: bias terms in the projections.
         device, dtype: of the parameters (dtype: float16, bfloat16, float32 or float64).
-        recompute: NSA keeps nothing for the backward beyond its inputs and runs again there (see
-            :func:`sparseattn.nsa_attention`).
+        recompute: what NSA keeps for the backward: "none" (or False), "branches", "selected_and_window" or "full"
+            (or True); see :func:`sparseattn.nsa_attention`.
 
     Raises:
         SparseAttnTypeError: an argument of the wrong type.
@@ -170,7 +172,8 @@ class NativeSparseAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  v_head_dim: Optional[int] = None, config: Optional[NSAConfig] = None, rotary: bool = True,
-                 rope_theta: float = 10000.0, bias: bool = False, device=None, dtype=None, recompute: bool = False):
+                 rope_theta: float = 10000.0, bias: bool = False, device=None, dtype=None,
+                 recompute: Union[bool, str] = False):
         super().__init__()
         op = "NativeSparseAttention"
         hidden_size = chk.int_arg(op, "hidden_size", hidden_size, minimum=1)

@@ -387,10 +387,9 @@ FlashShapes check_common(const detail::Check& check, const Params& params) {
 template <class Params>
 void check_cuda_flash(const detail::Check& check, const Params& params, const FlashShapes& shapes) {
   const FlashGateOptions& gates = params.gates;
-  check.require(!gates.alpha.present(), ErrorKind::unsupported, "alpha",
-                "(gated attention) is not supported on CUDA yet; use CPU tensors");
-  check.require(!gates.delta.present(), ErrorKind::unsupported, "delta",
-                "(gated attention) is not supported on CUDA yet; use CPU tensors");
+  // alpha and delta run on CUDA as check_gates validated them (shapes, q's dtype or float32, q's device, any
+  // strides). The thresholds do not: the Python layer passes the gate threshold's decisions as a tile map
+  // (block_mask), which this API leaves to its caller since it allocates nothing.
   check.require(!gates.gate_threshold, ErrorKind::unsupported, "gate_threshold",
                 "is not supported on CUDA yet; use CPU tensors");
   check.require(!gates.softmax_threshold, ErrorKind::unsupported, "softmax_threshold",

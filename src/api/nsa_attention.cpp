@@ -26,47 +26,79 @@ namespace {
 
 const char* const kGradGate[kNumBranches] = {"d_g_cmp", "d_g_slc", "d_g_swa"};
 
+std::string strides_string(const TensorView& t) {
+  std::string text = "[";
+  for (int i = 0; i < t.rank; ++i) text += (i > 0 ? ", " : "") + std::to_string(t.stride[i]);
+  return text + "]";
+}
+
 // The batched key count S that compressed_attention and select_blocks take (they see no k); 0 when packed.
 std::int64_t seqlen_k(const detail::NsaPlan& plan) { return plan.layout.packed ? 0 : plan.keys.layout.rows; }
 
-// The forward calls of the steps that take a workspace, built in one place so that the workspace covers
-// exactly what they ask for.
-struct ForwardSteps {
-  SelectBlocksParams select;
+// The attention forwards of the three branches into `o`/`lse` (the selected one with `workspace`), built in one
+// place: the forward and the backward's recomputation (NsaRecompute) run the same calls, so the recomputed
+// outputs are the forward's bit for bit.
+struct BranchForward {
+  CompressedAttentionParams cmp;
   SelectedAttentionParams slc;
+  FlashAttentionParams swa;
 };
 
-ForwardSteps forward_steps(const detail::NsaPlan& plan, const NsaParams& p, const detail::NsaWorkspace& ws) {
+BranchForward branch_forward(const detail::NsaPlan& plan, const NsaParams& p, const detail::NsaWorkspace& ws,
+                             const std::array<TensorView, kNumBranches>& o,
+                             const std::array<TensorView, kNumBranches>& lse, const TensorView& workspace) {
   const NsaConfig& c = p.config;
-  void* workspace = ws.step_workspace.data;
-  const std::size_t workspace_bytes = ws.step_workspace.present() ? ws.step_workspace.numel() : 0;
-  ForwardSteps steps;
-  steps.select = {.q = p.q, .k_cmp = plan.user_cmp ? p.k_cmp : ws.k_cmp, .lse_cmp = ws.lse[0],
-                  .indices = ws.indices, .seqs = p.seqs, .seqs_k = p.seqs_k, .seqlen_k = seqlen_k(plan),
-                  .cu_seqlens_cmp = p.cu_seqlens_cmp,
-                  .cmp_block = c.cmp_block, .cmp_stride = c.cmp_stride, .sel_block = c.sel_block,
-                  .num_selected = c.num_selected, .num_init = c.num_init, .num_local = c.num_local,
-                  .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes,
-                  .stream = p.stream};
-  steps.slc = {.q = p.q, .k = p.k, .v = p.v, .indices = plan.run_selection ? ws.indices : p.block_indices,
-               .o = ws.o[1], .lse = ws.lse[1], .seqs = p.seqs, .seqs_k = p.seqs_k, .block = c.sel_block,
-               .scale = c.scale,
-               .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = p.stream};
-  return steps;
+  void* const workspace_data = workspace.data;
+  const std::size_t workspace_bytes = workspace.present() ? workspace.numel() : 0;
+  BranchForward f;
+  f.cmp = {.q = p.q, .k_cmp = plan.user_cmp ? p.k_cmp : ws.k_cmp, .v_cmp = plan.user_cmp ? p.v_cmp : ws.v_cmp,
+           .o = o[0], .lse = lse[0], .seqs = p.seqs, .seqs_k = p.seqs_k, .seqlen_k = seqlen_k(plan),
+           .cu_seqlens_cmp = p.cu_seqlens_cmp, .block = c.cmp_block, .stride = c.cmp_stride, .scale = c.scale,
+           .stream = p.stream};
+  f.slc = {.q = p.q, .k = p.k, .v = p.v, .indices = plan.run_selection ? ws.indices : p.block_indices,
+           .o = o[1], .lse = lse[1], .seqs = p.seqs, .seqs_k = p.seqs_k, .block = c.sel_block, .scale = c.scale,
+           .workspace = workspace_data, .workspace_bytes = workspace_bytes, .stream = p.stream};
+  f.swa = {.q = p.q, .k = p.k, .v = p.v, .mask = {}, .bias = {}, .o = o[2], .lse = lse[2], .seqs_q = p.seqs,
+           .seqs_k = plan.keys.seqs, .causal = true, .window_left = c.window - 1, .window_right = 0,
+           .scale = c.scale, .gates = {}, .blocks = {}, .head_windows = {}, .stream = p.stream};
+  return f;
+}
+
+void run_branch_forward(const BranchForward& f, int branch) {
+  if (branch == 0) compressed_attention(f.cmp);
+  if (branch == 1) selected_attention(f.slc);
+  if (branch == 2) flash_attention(f.swa);
+}
+
+SelectBlocksParams select_params(const detail::NsaPlan& plan, const NsaParams& p, const detail::NsaWorkspace& ws) {
+  const NsaConfig& c = p.config;
+  const TensorView& workspace = ws.step_workspace;
+  return {.q = p.q, .k_cmp = plan.user_cmp ? p.k_cmp : ws.k_cmp, .lse_cmp = ws.lse[0], .indices = ws.indices,
+          .seqs = p.seqs, .seqs_k = p.seqs_k, .seqlen_k = seqlen_k(plan), .cu_seqlens_cmp = p.cu_seqlens_cmp,
+          .cmp_block = c.cmp_block, .cmp_stride = c.cmp_stride, .sel_block = c.sel_block,
+          .num_selected = c.num_selected, .num_init = c.num_init, .num_local = c.num_local, .scale = c.scale,
+          .workspace = workspace.data, .workspace_bytes = workspace.present() ? workspace.numel() : 0,
+          .stream = p.stream};
+}
+
+// The workspace of the selected branch's forward (0 without it).
+std::size_t selected_forward_workspace_size(const detail::NsaPlan& plan, const NsaParams& params,
+                                            const detail::NsaWorkspace& ws) {
+  if (!plan.branch[1]) return 0;
+  return selected_attention_workspace_size(branch_forward(plan, params, ws, ws.o, ws.lse, {}).slc);
 }
 
 // The workspace views, the step workspace sized for the largest one a step asks for (found from shape-only
 // views) and placed in the window's output slice or in `scratch`.
 detail::NsaWorkspace workspace_for(const detail::NsaPlan& plan, const NsaParams& params, void* base, void* scratch) {
-  const ForwardSteps sizing = forward_steps(plan, params, detail::nsa_workspace(plan, nullptr, 0, nullptr));
-  std::size_t bytes = 0;
-  if (plan.run_selection) bytes = std::max(bytes, select_blocks_workspace_size(sizing.select));
-  if (plan.branch[1]) bytes = std::max(bytes, selected_attention_workspace_size(sizing.slc));
-  return detail::nsa_workspace(plan, base, bytes, scratch);
+  const detail::NsaWorkspace sizing = detail::nsa_workspace(plan, nullptr, 0, nullptr, params.o);
+  std::size_t bytes = selected_forward_workspace_size(plan, params, sizing);
+  if (plan.run_selection) bytes = std::max(bytes, select_blocks_workspace_size(select_params(plan, params, sizing)));
+  return detail::nsa_workspace(plan, base, bytes, scratch, params.o);
 }
 
-// Validates the forward params and the workspace; returns the plan and the workspace views (the step
-// workspace's view is only valid in the forward, which alone checks the scratch holding it).
+// Validates the forward params and the workspace; returns the plan and the workspace views (the views of the
+// forward's scratch are only valid in the forward, which alone checks the scratch holding them).
 std::pair<detail::NsaPlan, detail::NsaWorkspace> prepare(const detail::Check& check, const NsaParams& params) {
   detail::NsaPlan plan = detail::plan_nsa(check, params, /*read_contents=*/true);
   detail::NsaWorkspace workspace = workspace_for(plan, params, params.workspace, params.scratch);
@@ -115,11 +147,6 @@ void sum_into(const TensorView& out, const std::array<TensorView, kNumBranches>&
 // combine also take float32, the attention steps do not), so that is checked before any step runs.
 void check_backend(const detail::Check& check, const TensorView& q, const detail::NsaPlan& plan) {
   if (detail::backend(check, q, "q", detail::kCudaBuilt) == detail::Backend::cuda) {
-    // compressed_attention's CUDA kernels take batched query chunks only (src/api/compressed_attention.cpp).
-    check.require(!(plan.layout.packed && plan.keys.chunk && plan.run_compressed_attention), ErrorKind::unsupported,
-                  "cu_seqlens_k",
-                  "packed query chunks with the compressed branch or block selection run on the CPU reference only "
-                  "for now (CUDA takes batched chunks, or packed chunks with g_slc and block_indices and/or g_swa)");
     check.require(q.dtype == DType::bfloat16 || q.dtype == DType::float16, ErrorKind::unsupported, "q",
                   std::string("the CUDA pipeline takes bfloat16 or float16, got ") + dtype_name(q.dtype));
   }
@@ -128,7 +155,8 @@ void check_backend(const detail::Check& check, const TensorView& q, const detail
 // The backward calls of the three branches, built in one place so that the scratch size covers exactly the
 // workspaces they ask for. `d_o`: the caller's output gradient (CUDA: each branch's gate is folded into its
 // backward, branch_backward.h; CPU: the branches read scratch.d_o instead). `dk_cmp`/`dv_cmp` receive the
-// compressed branch's K/V gradient.
+// compressed branch's K/V gradient. `o`: the branch outputs (backward_outputs); the log-sum-exps are the
+// workspace's.
 struct BranchBackward {
   CompressedAttentionBackwardParams cmp;
   SelectedAttentionBackwardParams slc;
@@ -136,8 +164,9 @@ struct BranchBackward {
 };
 
 BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
-                               const detail::NsaScratch& scratch, const TensorView& d_o_caller, const TensorView& dq,
-                               const TensorView& dk_cmp, const TensorView& dv_cmp) {
+                               const std::array<TensorView, kNumBranches>& o, const detail::NsaScratch& scratch,
+                               const TensorView& d_o_caller, const TensorView& dq, const TensorView& dk_cmp,
+                               const TensorView& dv_cmp) {
   const auto dq_of = [&](int i) { return scratch.dq[i].present() ? scratch.dq[i] : dq; };
   const TensorView d_o = scratch.d_o.present() ? scratch.d_o : d_o_caller;
   const NsaConfig& c = f.config;
@@ -145,17 +174,17 @@ BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, 
   const std::size_t workspace_bytes = scratch.branch_workspace.present() ? scratch.branch_workspace.numel() : 0;
   BranchBackward b;
   b.cmp = {.q = f.q, .k_cmp = plan.user_cmp ? f.k_cmp : ws.k_cmp, .v_cmp = plan.user_cmp ? f.v_cmp : ws.v_cmp,
-           .o = ws.o[0], .lse = ws.lse[0], .d_o = d_o, .dq = dq_of(0), .dk_cmp = dk_cmp,
+           .o = o[0], .lse = ws.lse[0], .d_o = d_o, .dq = dq_of(0), .dk_cmp = dk_cmp,
            .dv_cmp = dv_cmp, .seqs = f.seqs, .seqs_k = f.seqs_k, .seqlen_k = seqlen_k(plan),
            .cu_seqlens_cmp = f.cu_seqlens_cmp, .block = c.cmp_block,
            .stride = c.cmp_stride, .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes,
            .stream = f.stream};
   b.slc = {.q = f.q, .k = f.k, .v = f.v, .indices = plan.run_selection ? ws.indices : f.block_indices,
-           .o = ws.o[1], .lse = ws.lse[1], .d_o = d_o, .dq = dq_of(1), .dk = scratch.dk[1],
+           .o = o[1], .lse = ws.lse[1], .d_o = d_o, .dq = dq_of(1), .dk = scratch.dk[1],
            .dv = scratch.dv[1], .seqs = f.seqs, .seqs_k = f.seqs_k, .block = c.sel_block, .scale = c.scale,
            .workspace = workspace,
            .workspace_bytes = workspace_bytes, .stream = f.stream};
-  b.swa = {.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = ws.o[2], .lse = ws.lse[2],
+  b.swa = {.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = o[2], .lse = ws.lse[2],
            .d_o = d_o, .dq = dq_of(2), .dk = scratch.dk[2], .dv = scratch.dv[2], .dbias = {},
            .dalpha = {}, .ddelta = {}, .seqs_q = f.seqs, .seqs_k = plan.keys.seqs, .causal = true,
            .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .gates = {}, .blocks = {},
@@ -163,15 +192,46 @@ BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, 
   return b;
 }
 
-// The scratch views, the last slice sized for the largest branch workspace (found from shape-only views).
+// Where the backward recomputes a branch output: scratch.o, or (NsaPlan::outputs_in_dq) a contiguous view of the
+// output's shape on dq's memory (dq, contiguous and at least as large, is written only after).
+TensorView recomputed_output(const detail::NsaPlan& plan, const detail::NsaScratch& scratch, const TensorView& dq) {
+  if (!plan.outputs_in_dq) return scratch.o;
+  const std::vector<std::int64_t> shape = plan.layout.tokens(plan.heads_q, plan.dim_v);
+  TensorView view = dq;
+  view.rank = static_cast<int>(shape.size());
+  std::int64_t stride = 1;
+  for (int i = view.rank - 1; i >= 0; --i) {
+    view.shape[i] = shape[i];
+    view.stride[i] = stride;
+    stride *= shape[i];
+  }
+  return view;
+}
+
+// The branch outputs the backward reads: the workspace's, or for a recomputed one the buffer each recomputed
+// output goes into (`recomputed`).
+std::array<TensorView, kNumBranches> backward_outputs(const detail::NsaPlan& plan, const detail::NsaWorkspace& ws,
+                                                      const TensorView& recomputed) {
+  std::array<TensorView, kNumBranches> outputs = ws.o;
+  for (int i = 0; i < kNumBranches; ++i) {
+    if (plan.recompute_output[i]) outputs[i] = recomputed;
+  }
+  return outputs;
+}
+
+// The scratch views, the last slice sized for the largest branch workspace (found from shape-only views), which
+// when the selected branch's output is recomputed also holds that forward's workspace.
 detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
                                void* base) {
-  const BranchBackward sizing =
-      branch_backward(plan, f, ws, detail::nsa_scratch(plan, nullptr, 0), f.o, f.q, f.k_cmp, f.v_cmp);
+  const detail::NsaScratch shapes = detail::nsa_scratch(plan, nullptr, 0);
+  const std::array<TensorView, kNumBranches> outputs =
+      backward_outputs(plan, ws, recomputed_output(plan, shapes, f.q));
+  const BranchBackward sizing = branch_backward(plan, f, ws, outputs, shapes, f.o, f.q, f.k_cmp, f.v_cmp);
   std::size_t bytes = 0;
   if (plan.branch[0]) bytes = std::max(bytes, compressed_attention_backward_workspace_size(sizing.cmp));
   if (plan.branch[1]) bytes = std::max(bytes, selected_attention_backward_workspace_size(sizing.slc));
   if (plan.branch[2]) bytes = std::max(bytes, flash_attention_backward_workspace_size(sizing.swa));
+  if (plan.recompute_output[1]) bytes = std::max(bytes, selected_forward_workspace_size(plan, f, ws));
   return detail::nsa_scratch(plan, base, bytes);
 }
 
@@ -199,6 +259,11 @@ void nsa_attention(const NsaParams& params) {
   const auto [plan, ws] = prepare(check, params);
   check.buffer(params.scratch, params.scratch_bytes, ws.scratch_bytes, "scratch", "nsa_forward_scratch_size");
   check_backend(check, params.q, plan);
+  if (plan.output_in_o >= 0) {
+    check.require(params.o.is_contiguous(), ErrorKind::shape, "o",
+                  "must be contiguous with recomputation (a branch writes its output there before combine), "
+                  "got strides " + strides_string(params.o));
+  }
 
   const NsaConfig& c = params.config;
   // Every byte of the workspace ends up deterministic (the caller may pass it uninitialised): what no step
@@ -211,29 +276,19 @@ void nsa_attention(const NsaParams& params) {
   } else {
     for (const TensorView& gap : ws.unwritten) zero(gap);
   }
-  const TensorView k_cmp = plan.user_cmp ? params.k_cmp : ws.k_cmp;
-  const TensorView v_cmp = plan.user_cmp ? params.v_cmp : ws.v_cmp;
   if (plan.run_compression) {
     compress_kv({.k = params.k, .v = params.v, .k_cmp = ws.k_cmp, .v_cmp = ws.v_cmp, .seqs = plan.keys.seqs,
                  .cu_seqlens_cmp = params.cu_seqlens_cmp, .block = c.cmp_block, .stride = c.cmp_stride,
                  .stream = params.stream});
   }
-  if (plan.run_compressed_attention) {
-    compressed_attention({.q = params.q, .k_cmp = k_cmp, .v_cmp = v_cmp, .o = ws.o[0], .lse = ws.lse[0],
-                          .seqs = params.seqs, .seqs_k = params.seqs_k, .seqlen_k = seqlen_k(plan),
-                          .cu_seqlens_cmp = params.cu_seqlens_cmp, .block = c.cmp_block,
-                          .stride = c.cmp_stride, .scale = c.scale, .stream = params.stream});
-  }
-  const ForwardSteps steps = forward_steps(plan, params, ws);
-  if (plan.run_selection) select_blocks(steps.select);
-  if (plan.branch[1]) selected_attention(steps.slc);
-  if (plan.branch[2]) {
-    flash_attention({.q = params.q, .k = params.k, .v = params.v, .mask = {}, .bias = {}, .o = ws.o[2],
-                     .lse = ws.lse[2], .seqs_q = params.seqs, .seqs_k = plan.keys.seqs, .causal = true,
-                     .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .gates = {}, .blocks = {},
-                     .head_windows = {}, .stream = params.stream});
-  }
+  const BranchForward branches = branch_forward(plan, params, ws, ws.o, ws.lse, ws.step_workspace);
+  if (plan.run_compressed_attention) run_branch_forward(branches, 0);
+  if (plan.run_selection) select_blocks(select_params(plan, params, ws));
+  if (plan.branch[1]) run_branch_forward(branches, 1);
+  if (plan.branch[2]) run_branch_forward(branches, 2);
   if (!plan.layout.packed) {
+    // With NsaPlan::output_in_o one of the outputs is params.o itself: combine reads each element of the outputs
+    // before it writes that element of o.
     combine({.outputs = ws.o, .gates = params.gates, .o = params.o, .stream = params.stream});
     return;
   }
@@ -249,51 +304,80 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
   check.buffer(params.scratch, params.scratch_bytes, scratch.bytes, "scratch", "nsa_backward_scratch_size");
   check_gradients(check, params, plan);
   check_backend(check, f.q, plan);
+  if (plan.outputs_in_dq) {
+    check.require(params.dq.is_contiguous(), ErrorKind::shape, "dq",
+                  "must be contiguous when the backward recomputes branch outputs on CUDA (they use its memory "
+                  "before it is written), got strides " + strides_string(params.dq));
+  }
 
   const NsaConfig& c = f.config;
-  const BranchBackward branches =
-      branch_backward(plan, f, ws, scratch, params.d_o, params.dq, plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
-                      plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
-  // CUDA: the gates are folded into the branches' backward (branch_backward.h): one combine_backward pass writes
-  // every branch's delta, gate and gate gradient; the first branch writes dq, the others add to it (scratch.dq
-  // is empty there). CPU: each branch's scaled output gradient goes through scratch.d_o in turn.
+  const std::array<TensorView, kNumBranches> outputs =
+      backward_outputs(plan, ws, recomputed_output(plan, scratch, params.dq));
+  const BranchBackward branches = branch_backward(plan, f, ws, outputs, scratch, params.d_o, params.dq,
+                                                  plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
+                                                  plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
+  // Recomputation (NsaPlan::recompute_output): the branch's forward runs again (the forward's own call,
+  // branch_forward) into its buffer just before that branch's gate gradient; its log-sum-exp goes to scratch.lse
+  // (the backward reads the workspace's, the same values). On the CPU (scratch.o) the branch's backward, which
+  // computes its delta from the output, follows at once; on CUDA (dq's memory) every branch's gate gradient and
+  // delta come first, then the branch backwards, which read no output.
+  const BranchForward recomputation = branch_forward(plan, f, ws, outputs, {scratch.lse, scratch.lse, scratch.lse},
+                                                     scratch.branch_workspace);
+  const auto recompute_output = [&](int i) {
+    // Packed: rows past cu_seqlens[B], which no branch writes, are zero as in the forward's zero-filled workspace
+    // (in dq's memory they stay the caller's: their deltas and gate gradients are not used).
+    if (plan.layout.packed && !plan.outputs_in_dq) sum_into(scratch.recomputed, {}, {}, f.stream);
+    run_branch_forward(recomputation, i);
+  };
+  // CUDA: the gates are folded into the branches' backward (branch_backward.h): combine_backward writes each
+  // branch's delta, gate and gate gradient (one pass for every branch, or with recomputation one per branch, which
+  // writes the same values: each branch's are computed on their own); the first branch writes dq, the others add to
+  // it (scratch.dq is empty there). CPU: each branch's scaled output gradient goes through scratch.d_o in turn.
   const bool cuda = plan.device == DeviceType::cuda;
   // The gate gradients (packed: through scratch, so that rows past cu_seqlens[B] of the caller's stay untouched).
   const auto d_gate_of = [&](int i) {
     return plan.layout.packed && params.d_gates[i].present() ? scratch.d_gates[i] : params.d_gates[i];
   };
-  const auto copy_packed_d_gate = [&](int i) {
-    if (plan.layout.packed && params.d_gates[i].present()) {
-      sum_into(params.d_gates[i], {scratch.d_gates[i]}, f.seqs.cu_seqlens, f.stream);
-    }
-  };
-  if (cuda) {
+  const auto gate_backward = [&](const std::array<bool, kNumBranches>& which) {
     CombineBackwardParams gated{.outputs = {}, .gates = {}, .d_o = params.d_o, .d_outputs = {}, .d_gates = {},
                                 .stream = f.stream};
+    std::array<TensorView, kNumBranches> deltas{}, scales{};
     for (int i = 0; i < kNumBranches; ++i) {
-      if (!plan.branch[i]) continue;
-      gated.outputs[i] = ws.o[i];
+      if (!which[i]) continue;
+      gated.outputs[i] = outputs[i];
       gated.gates[i] = f.gates[i];
       gated.d_gates[i] = d_gate_of(i);
+      if (cuda) {
+        deltas[i] = scratch.deltas[i];
+        scales[i] = scratch.d_o_scales[i];
+      } else {
+        gated.d_outputs[i] = scratch.d_o;
+      }
     }
-    detail::combine_backward(gated, scratch.deltas, scratch.d_o_scales);
+    detail::combine_backward(gated, deltas, scales);
     for (int i = 0; i < kNumBranches; ++i) {
-      if (plan.branch[i]) copy_packed_d_gate(i);
+      if (which[i] && plan.layout.packed && params.d_gates[i].present()) {
+        sum_into(params.d_gates[i], {scratch.d_gates[i]}, f.seqs.cu_seqlens, f.stream);
+      }
+    }
+  };
+  const auto branch_gates = [&](int i) {
+    if (plan.recompute_output[i]) recompute_output(i);
+    std::array<bool, kNumBranches> only{};
+    only[i] = true;
+    gate_backward(only);
+  };
+  const bool one_pass = cuda && !plan.recomputes;
+  if (one_pass) gate_backward(plan.branch);
+  if (plan.outputs_in_dq) {
+    for (int i = 0; i < kNumBranches; ++i) {
+      if (plan.branch[i]) branch_gates(i);
     }
   }
   bool accumulate_dq = false;
   for (int i = 0; i < kNumBranches; ++i) {
     if (!plan.branch[i]) continue;
-    if (!cuda) {
-      CombineBackwardParams gated{.outputs = {}, .gates = {}, .d_o = params.d_o, .d_outputs = {}, .d_gates = {},
-                                  .stream = f.stream};
-      gated.outputs[i] = ws.o[i];
-      gated.gates[i] = f.gates[i];
-      gated.d_outputs[i] = scratch.d_o;
-      gated.d_gates[i] = d_gate_of(i);
-      detail::combine_backward(gated, {}, {});
-      copy_packed_d_gate(i);
-    }
+    if (!one_pass && !plan.outputs_in_dq) branch_gates(i);
     const detail::BranchBackwardOptions options{
         .delta = scratch.deltas[i], .d_o_scale = scratch.d_o_scales[i], .accumulate_dq = accumulate_dq};
     if (i == 0) detail::compressed_attention_backward(branches.cmp, options);

@@ -162,6 +162,20 @@ NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents
     valid.compressed_layout(key_layout, plan.keys.seqs, params.cu_seqlens_cmp, plan.cmp_rows, config.cmp_block,
                             config.cmp_stride);
   }
+  plan.recompute = params.recompute;
+  check.require(plan.recompute == NsaRecompute::none || plan.recompute == NsaRecompute::branches ||
+                    plan.recompute == NsaRecompute::selected_and_window,
+                ErrorKind::config, "recompute",
+                "expected NsaRecompute::none, branches or selected_and_window, got " +
+                    std::to_string(static_cast<int>(plan.recompute)));
+  for (int i = 0; i < kNumBranches; ++i) {
+    const bool mode_recomputes = plan.recompute == NsaRecompute::branches ||
+                                 (plan.recompute == NsaRecompute::selected_and_window && i != 0);
+    plan.recompute_output[i] = plan.branch[i] && mode_recomputes;
+    plan.recomputes = plan.recomputes || plan.recompute_output[i];
+    if (plan.recompute_output[i] && !layout.packed) plan.output_in_o = i;
+  }
+  plan.outputs_in_dq = plan.recomputes && plan.device == DeviceType::cuda && plan.dim_qk >= plan.dim_v;
   if (indices.present() && read_contents && indices.device == DeviceType::cpu) {
     check.index_contents(indices, "block_indices", layout, params.seqs, key_layout, plan.keys.seqs,
                          config.sel_block);

@@ -29,6 +29,15 @@ struct NsaPlan {
   bool run_compression = false;             // mean pooling into the workspace
   bool run_compressed_attention = false;    // for the compressed branch or for selection
   bool run_selection = false;               // the selected branch without user block_indices
+  NsaRecompute recompute = NsaRecompute::none;
+  std::array<bool, kNumBranches> recompute_output{};  // the present branches whose output the backward recomputes
+  bool recomputes = false;                            // any of them
+  // CUDA with recomputation: the recomputed outputs go into the caller's dq before the branch backwards write it
+  // (those read no o: they get each branch's delta), instead of a scratch buffer. Needs Dqk >= Dv.
+  bool outputs_in_dq = false;
+  // Batched layout with recomputation: the branch whose forward writes its output into the caller's o (the last
+  // one recomputed; combine then reads it there and writes the result over it, element by element). -1: none.
+  int output_in_o = -1;
 };
 
 // Validates everything nsa_attention needs: config, shapes, dtypes, devices and strides; with
@@ -36,7 +45,9 @@ struct NsaPlan {
 // block_indices. The size queries pass false: they may be called with shape-only views (null data).
 NsaPlan plan_nsa(const Check& check, const NsaParams& params, bool read_contents);
 
-// The forward's intermediates, which the backward reads again. Views are absent where a step does not run.
+// The forward's intermediates. Views are absent where a step does not run. The workspace holds what the backward
+// reads again; with recomputation the recomputed branch outputs (and what only the forward reads) are carved from
+// the forward's scratch instead, or are the caller's o (NsaPlan::output_in_o).
 struct NsaWorkspace {
   TensorView k_cmp, v_cmp;                         // when compression runs
   std::array<TensorView, kNumBranches> o, lse;     // [0] when compressed attention runs, others per gate
@@ -53,7 +64,8 @@ struct NsaWorkspace {
   std::vector<TensorView> unwritten;
   TensorView whole;
   std::size_t bytes = 0;
-  std::size_t scratch_bytes = 0;  // the forward scratch the step workspace needs (0 where it is in the window's)
+  std::size_t scratch_bytes = 0;  // the forward scratch: the step workspace where the window's output slice cannot
+                                  // hold it, and with recomputation the intermediates not kept
 };
 
 // The backward's temporaries. The branches run one after another, so on the CPU one output-gradient buffer
@@ -69,15 +81,23 @@ struct NsaScratch {
   TensorView dk_cmp, dv_cmp;                        // compressed branch with pooled K/V: their gradient
   std::array<TensorView, kNumBranches> d_gates;     // packed layout, per gate: combine_backward's gate
                                                     // gradient, copied to the caller's like `combined`
-  TensorView branch_workspace;  // uint8: the workspace of each branch's backward in turn (they run in order)
+  // With recomputation: the output (unless NsaPlan::outputs_in_dq) and log-sum-exp of the branch recomputed last
+  // (one buffer for all branches: they run in order).
+  TensorView o, lse;
+  TensorView recomputed;  // float16 view of the bytes of o and lse (zero-filled before each recomputation into o,
+                          // packed)
+  TensorView branch_workspace;  // uint8: the workspace of each branch's backward in turn (they run in order) and,
+                                // when it is recomputed, of the selected branch's forward
   std::size_t bytes = 0;
 };
 
 // Views carved from `base` (null: sizes only, views with null data). Slices start at 256-byte offsets
 // from `base`, which must be 16-byte aligned (checked by nsa_attention).
 // `step_workspace_bytes`: the largest workspace a forward step asks for (0 while sizing); `scratch`: the
-// forward scratch that holds it where the window's output slice does not (null: sizes only).
-NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes, void* scratch);
+// forward scratch that holds it where the window's output slice does not, and the intermediates not kept (null:
+// sizes only); `o`: the caller's output (NsaPlan::output_in_o).
+NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes, void* scratch,
+                           const TensorView& o);
 // `branch_workspace_bytes`: the largest workspace a branch's backward asks for (0 while sizing).
 NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_workspace_bytes);
 

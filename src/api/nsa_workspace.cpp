@@ -67,21 +67,36 @@ class Carver {
 
 }  // namespace
 
-NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes, void* scratch) {
-  Carver carve(plan, base);
+NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_workspace_bytes, void* scratch,
+                           const TensorView& o) {
+  Carver carve(plan, base);    // the workspace: what the backward reads
+  Carver temp(plan, scratch);  // the forward's scratch: what only the forward reads
   const TokenLayout& layout = plan.layout;
+  const bool keep_all = plan.recompute == NsaRecompute::none;
   NsaWorkspace ws;
   if (plan.run_compression) {
-    ws.k_cmp = carve.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
-    ws.v_cmp = carve.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
+    // The backward reads the pooled K/V in the compressed branch's backward (and its recomputation).
+    Carver& pooled = keep_all || plan.branch[0] ? carve : temp;
+    ws.k_cmp = pooled.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_qk));
+    ws.v_cmp = pooled.take(plan.dtype, compressed_shape(plan.keys.layout, plan.cmp_rows, plan.heads_kv, plan.dim_v));
   }
   for (int i = 0; i < kNumBranches; ++i) {
     if (i == 0 ? !plan.run_compressed_attention : !plan.branch[i]) continue;
-    ws.o[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
-    ws.lse[i] = carve.take(plan.lse_dtype, layout.lse(plan.heads_q));
+    // Kept: what the backward reads (a compressed output that serves selection only is not read).
+    if (keep_all || (plan.branch[i] && !plan.recompute_output[i])) {
+      ws.o[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+    } else if (i == plan.output_in_o) {
+      ws.o[i] = o;
+    } else {
+      ws.o[i] = temp.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+    }
+    // Without the compressed branch its log-sum-exp serves block selection only.
+    ws.lse[i] = (keep_all || plan.branch[i] ? carve : temp).take(plan.lse_dtype, layout.lse(plan.heads_q));
   }
   if (plan.run_selection) ws.indices = carve.take(DType::int32, layout.tokens(plan.heads_kv, plan.num_selected));
-  if (layout.packed) ws.combined = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+  if (layout.packed) {
+    ws.combined = (keep_all ? carve : temp).take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+  }
   if (step_workspace_bytes > 0) {
     // The steps that use it (select_blocks, selected_attention) run before the sliding window writes its
     // output, so that slice holds it when it fits: the workspace kept for the backward does not grow.
@@ -90,10 +105,7 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_wor
     if (fits) {
       ws.step_workspace = window;
     } else {
-      ws.step_workspace.data = scratch;
-      ws.step_workspace.device = plan.device;
-      ws.step_workspace.device_index = plan.device_index;
-      ws.scratch_bytes = step_workspace_bytes;
+      ws.step_workspace = temp.take(DType::boolean, {static_cast<std::int64_t>(step_workspace_bytes)});
     }
     ws.step_workspace.dtype = DType::boolean;
     ws.step_workspace.rank = 1;
@@ -103,6 +115,7 @@ NsaWorkspace nsa_workspace(const NsaPlan& plan, void* base, std::size_t step_wor
   ws.unwritten = carve.take_padding();
   ws.bytes = carve.bytes();
   ws.whole = carve.bytes_at(0, ws.bytes);
+  ws.scratch_bytes = temp.bytes();
   return ws;
 }
 
@@ -135,6 +148,12 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
     if (i == 0) continue;  // the pooling's gradient goes straight into dk/dv (compress_kv_backward_adding)
     scratch.dk[i] = carve.take(plan.dtype, plan.keys.layout.tokens(plan.heads_kv, plan.dim_qk));
     scratch.dv[i] = carve.take(plan.dtype, plan.keys.layout.tokens(plan.heads_kv, plan.dim_v));
+  }
+  if (plan.recomputes) {
+    const std::size_t start = carve.bytes();
+    if (!plan.outputs_in_dq) scratch.o = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_v));
+    scratch.lse = carve.take(plan.lse_dtype, layout.lse(plan.heads_q));
+    scratch.recomputed = carve.bytes_at(start, carve.bytes() - start);
   }
   if (branch_workspace_bytes > 0) {
     scratch.branch_workspace = carve.take(DType::boolean, {static_cast<std::int64_t>(branch_workspace_bytes)});

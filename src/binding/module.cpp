@@ -124,12 +124,22 @@ NsaConfig nsa_config(int cmp_block, int cmp_stride, int sel_block, int num_selec
   return c;
 }
 
+// The recompute mode of nsa_attention by name ("none", "branches" or "selected_and_window").
+NsaRecompute nsa_recompute(const std::string& name) {
+  if (name == "none") return NsaRecompute::none;
+  if (name == "branches") return NsaRecompute::branches;
+  if (name == "selected_and_window") return NsaRecompute::selected_and_window;
+  fail(ErrorKind::config, "recompute",
+       "expected \"none\", \"branches\" or \"selected_and_window\", got \"" + name + "\"");
+}
+
 NsaParams nsa_spec_params(const std::string& device, int device_index, nb::handle q, nb::handle k, nb::handle v,
                           nb::handle k_cmp, nb::handle v_cmp, nb::handle block_indices, nb::handle g_cmp,
                           nb::handle g_slc, nb::handle g_swa, nb::handle o, nb::handle cu_seqlens,
                           nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride,
                           int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
-                          std::optional<double> scale, nb::handle cu_seqlens_k, std::int64_t max_seqlen_k) {
+                          std::optional<double> scale, nb::handle cu_seqlens_k, std::int64_t max_seqlen_k,
+                          const std::string& recompute) {
   const DeviceType dev = device_from_name(device);
   auto sv = [&](nb::handle h, const char* arg) { return spec_view(h, arg, dev, device_index); };
   NsaParams p;
@@ -145,6 +155,7 @@ NsaParams nsa_spec_params(const std::string& device, int device_index, nb::handl
   p.seqs_k = Sequences{sv(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_k};
   p.cu_seqlens_cmp = sv(cu_seqlens_cmp, "cu_seqlens_cmp");
   p.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
+  p.recompute = nsa_recompute(recompute);
   return p;
 }
 
@@ -563,14 +574,14 @@ NB_MODULE(_C, m) {
                         nb::handle cu_seqlens_cmp, std::int64_t max_seqlen, int cmp_block, int cmp_stride,
                         int sel_block, int num_selected, int num_init, int num_local, std::int64_t window,
                         std::optional<double> scale, const std::optional<std::string>& op, nb::handle cu_seqlens_k,
-                        std::int64_t max_seqlen_k) {
+                        std::int64_t max_seqlen_k, const std::string& recompute) {
           const std::string op_name_text = op ? *op : std::string(name);
           const OpName op_name(op_name_text.c_str());
           try {
             return size_of(nsa_spec_params(device, device_index, q, k, v, k_cmp, v_cmp, block_indices, g_cmp,
                                            g_slc, g_swa, o, cu_seqlens, cu_seqlens_cmp, max_seqlen, cmp_block,
                                            cmp_stride, sel_block, num_selected, num_init, num_local, window, scale,
-                                           cu_seqlens_k, max_seqlen_k));
+                                           cu_seqlens_k, max_seqlen_k, recompute));
           } catch (const Error& e) {
             throw renamed(e, op_name_text);
           }
@@ -579,7 +590,8 @@ NB_MODULE(_C, m) {
         "block_indices"_a.none(), "g_cmp"_a.none(), "g_slc"_a.none(), "g_swa"_a.none(), "o"_a,
         "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(), "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a,
         "sel_block"_a, "num_selected"_a, "num_init"_a, "num_local"_a, "window"_a, "scale"_a.none(),
-        "op"_a.none() = nb::none(), "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0);
+        "op"_a.none() = nb::none(), "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0,
+        "recompute"_a = "none");
   };
   def_nsa_size("nsa_workspace_size", nsa_workspace_size);
   def_nsa_size("nsa_forward_scratch_size", nsa_forward_scratch_size);
@@ -592,7 +604,8 @@ NB_MODULE(_C, m) {
          const Array& o, const OptArray& cu_seqlens, const OptArray& cu_seqlens_cmp, std::int64_t max_seqlen,
          int cmp_block, int cmp_stride, int sel_block, int num_selected, int num_init, int num_local,
          std::int64_t window, std::optional<double> scale, const OptArray& workspace, const OptArray& scratch,
-         std::uintptr_t stream, const OptArray& cu_seqlens_k, std::int64_t max_seqlen_k) {
+         std::uintptr_t stream, const OptArray& cu_seqlens_k, std::int64_t max_seqlen_k,
+         const std::string& recompute) {
         const OpName op_name("nsa_attention");
         NsaParams p;
         p.q = view(q, "q");
@@ -608,6 +621,7 @@ NB_MODULE(_C, m) {
         p.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
         p.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
         std::tie(p.workspace, p.workspace_bytes) = bytes(workspace, "workspace");
+        p.recompute = nsa_recompute(recompute);
         std::tie(p.scratch, p.scratch_bytes) = bytes(scratch, "scratch");
         p.stream = as_stream(stream);
         run(nsa_attention, p);
@@ -616,7 +630,7 @@ NB_MODULE(_C, m) {
       "g_slc"_a.none(), "g_swa"_a.none(), "o"_a, "cu_seqlens"_a.none(), "cu_seqlens_cmp"_a.none(),
       "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
       "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "scratch"_a.none(), "stream"_a,
-      "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0);
+      "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0, "recompute"_a = "none");
   m.def(
       "nsa_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const OptArray& k_cmp, const OptArray& v_cmp,
@@ -626,7 +640,8 @@ NB_MODULE(_C, m) {
          std::int64_t window, std::optional<double> scale, const OptArray& workspace, const Array& d_o,
          const Array& dq, const Array& dk, const Array& dv, const OptArray& dk_cmp, const OptArray& dv_cmp,
          const OptArray& d_g_cmp, const OptArray& d_g_slc, const OptArray& d_g_swa, const OptArray& scratch,
-         std::uintptr_t stream, const OptArray& cu_seqlens_k, std::int64_t max_seqlen_k) {
+         std::uintptr_t stream, const OptArray& cu_seqlens_k, std::int64_t max_seqlen_k,
+         const std::string& recompute) {
         const OpName op_name("nsa_attention_backward");
         NsaBackwardParams p;
         NsaParams& f = p.forward;
@@ -642,6 +657,7 @@ NB_MODULE(_C, m) {
         f.seqs_k = seqs(cu_seqlens_k, max_seqlen_k, "cu_seqlens_k");
         f.cu_seqlens_cmp = view(cu_seqlens_cmp, "cu_seqlens_cmp");
         f.config = nsa_config(cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window, scale);
+        f.recompute = nsa_recompute(recompute);
         std::tie(f.workspace, f.workspace_bytes) = bytes(workspace, "workspace");
         f.stream = as_stream(stream);
         p.d_o = view(d_o, "d_o");
@@ -659,7 +675,8 @@ NB_MODULE(_C, m) {
       "max_seqlen"_a, "cmp_block"_a, "cmp_stride"_a, "sel_block"_a, "num_selected"_a, "num_init"_a,
       "num_local"_a, "window"_a, "scale"_a.none(), "workspace"_a.none(), "d_o"_a, "dq"_a, "dk"_a, "dv"_a,
       "dk_cmp"_a.none(), "dv_cmp"_a.none(), "d_g_cmp"_a.none(), "d_g_slc"_a.none(), "d_g_swa"_a.none(),
-      "scratch"_a.none(), "stream"_a, "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0);
+      "scratch"_a.none(), "stream"_a, "cu_seqlens_k"_a.none() = nb::none(), "max_seqlen_k"_a = 0,
+      "recompute"_a = "none");
 
   // ---- create_mask ----
   m.def(

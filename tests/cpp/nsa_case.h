@@ -55,6 +55,8 @@ struct NsaCase {
   bool use_indices = false;  // pass block_indices
   Host<std::int32_t> block_indices, cu, cu_cmp;
   Host<std::int32_t> cu_k;  // packed query chunks: the keys' cu_seqlens (empty: cu)
+  NsaRecompute recompute = NsaRecompute::none;
+  std::vector<std::byte> forward_scratch;  // of the last params() call, as large as it asks for
 
   // Batched [batch, tokens, ...] with random contents.
   static NsaCase batched(std::int64_t batch, std::int64_t tokens, std::int64_t heads_q, std::int64_t heads_kv,
@@ -141,9 +143,13 @@ struct NsaCase {
       p.cu_seqlens_cmp = cu_cmp.view();
     }
     p.config = config;
+    p.recompute = recompute;
     workspace.resize(nsa_workspace_size(p));
     p.workspace = workspace.data();
     p.workspace_bytes = workspace.size();
+    forward_scratch.resize(nsa_forward_scratch_size(p));
+    p.scratch = forward_scratch.empty() ? nullptr : forward_scratch.data();
+    p.scratch_bytes = forward_scratch.size();
     return p;
   }
 

@@ -240,7 +240,7 @@ TEST(FlashGated, InvalidArgumentsNameTheArgument) {
   expect_error([&] { flash_attention_backward(b); }, ErrorKind::config, "dalpha");
 }
 
-TEST(FlashGated, CudaTensorsRejectTheNewArguments) {
+TEST(FlashGated, CudaTensorsTakeGatesButNotThresholds) {
   if (!built_with_cuda()) GTEST_SKIP() << "CUDA backend not built";
   Gated f({.batch = 1, .q_len = 2, .k_len = 3, .q_heads = 2, .kv_heads = 1, .dim = 2, .dim_v = 2});
   FlashAttentionParams p = f.forward_params();
@@ -249,7 +249,11 @@ TEST(FlashGated, CudaTensorsRejectTheNewArguments) {
   p.q.dtype = p.k.dtype = p.v.dtype = p.o.dtype = DType::float32;  // never launched: validation fails first
   p.gates.alpha.dtype = p.gates.delta.dtype = DType::float32;
   p.lse.dtype = DType::float32;
-  expect_error([&] { flash_attention(p); }, ErrorKind::unsupported, "alpha");
+  // The gate passes the CUDA checks; the float32 q is what the kernels refuse.
+  expect_error([&] { flash_attention(p); }, ErrorKind::unsupported, "q");
+  p.gates.gate_threshold = -1.0;
+  expect_error([&] { flash_attention(p); }, ErrorKind::unsupported, "gate_threshold");
+  p.gates.gate_threshold.reset();
   p.gates.alpha = p.gates.delta = TensorView{};
   p.gates.softmax_threshold = 0.5;
   expect_error([&] { flash_attention(p); }, ErrorKind::unsupported, "softmax_threshold");

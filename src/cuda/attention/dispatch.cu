@@ -2,13 +2,16 @@
 // dims -> template constants (the kernels are instantiated in units that CMake generates from
 // instantiation.cu.in, declared in instantiations.h), the backward's workspace and head splits. A flash_attention
 // call with a mask, bias, tile map or work counter runs the FlashTermsMask kernels (score_terms.cuh), with dbias
-// summed through the workspace (bias_gradient.h); the others run FlashMask's. No host synchronisation.
+// summed through the workspace (bias_gradient.h); one with a gate and none of those runs FlashGateMask's; the gate's
+// copies and ddelta partials live in the workspace too (gate_gradient.h); the others run FlashMask's. No host
+// synchronisation.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
 #include "cuda/attention/bias_gradient.h"
+#include "cuda/attention/gate_gradient.h"
 #include "cuda/attention/instantiations.h"
 #include "cuda/attention/ops.h"
 #include "cuda/attention/score_terms_host.h"
@@ -17,6 +20,7 @@ namespace sparseattn::cuda {
 
 using attention::AttnArgs;
 using attention::CompressedMask;
+using attention::FlashGateMask;
 using attention::FlashMask;
 using attention::FlashTermsMask;
 using attention::i64;
@@ -55,13 +59,15 @@ int dkv_head_splits(i64 group, i64 key_blocks, int multiprocessor_count, std::si
 }
 
 // The backward workspace: delta, then (with head splits) the fp32 dK and dV partials, then (flash_attention with
-// dbias) the bias gradient's fp32 contributions (bias_gradient.h).
+// dbias) the bias gradient's fp32 contributions (bias_gradient.h), then (with a gate) the gate's fp32 copies and
+// ddelta partials (gate_gradient.h).
 struct BackwardWorkspace {
   int head_splits = 1;
   i64 batch = 0, rows = 0, kv_heads = 0, dqk = 0, dv = 0;  // of the partials
-  std::size_t delta = 0, dk_partial = 0, dv_partial = 0, dbias = 0;
-  std::size_t bytes() const { return delta + dk_partial + dv_partial + dbias; }
+  std::size_t delta = 0, dk_partial = 0, dv_partial = 0, dbias = 0, gate = 0;
+  std::size_t bytes() const { return delta + dk_partial + dv_partial + dbias + gate; }
   std::size_t dbias_offset() const { return delta + dk_partial + dv_partial; }
+  std::size_t gate_offset() const { return dbias_offset() + dbias; }
 };
 
 // allow_head_splits: false where the bias gradient sums a group's heads in one thread (BiasGradientPlan).
@@ -180,10 +186,20 @@ SeqPairTable flash_seqs(const P& p) {
 
 FlashMask::Config flash_mask(bool causal, std::int64_t left, std::int64_t right) { return {causal, left, right}; }
 
-// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter or bias gradient).
+// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter or bias gradient); a gate
+// alone takes FlashGateMask.
 template <class P>
 bool uses_terms(const P& p) {
   return p.mask.present() || p.bias.present() || p.blocks.block_mask.present() || p.work_counter.present();
+}
+
+FlashGateMask::Config gate_config(bool causal, std::int64_t left, std::int64_t right, const attention::GateTerms& g) {
+  FlashGateMask::Config c{};
+  c.causal = causal;
+  c.window_left = left;
+  c.window_right = right;
+  c.gate = g;
+  return c;
 }
 
 // FlashTermsMask's configuration of a forward or backward call.
@@ -201,6 +217,7 @@ FlashTermsMask::Config terms_config(const P& p) {
   t.inv_scale = static_cast<float>(1.0 / softmax_scale(p.scale, p.q.shape[p.q.rank - 1]));
   t.tiles = attention::tile_map(p.blocks, q_heads, group);
   t.work_counter = p.work_counter.present() ? static_cast<unsigned long long*>(p.work_counter.data) : nullptr;
+  t.gate = attention::gate_terms(p.gates);  // the backward replaces it with its fp32 copies (gate_gradient.h)
   return c;
 }
 
@@ -213,18 +230,27 @@ SeqPairTable compressed_seqs(const P& p) {
           {static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), 0, batch}};
 }
 
+// An upper bound of every sequence's compressed key count: a packed query chunk's keys outnumber its queries, so
+// its bound comes from max_seqlen_k when given, else from the compressed rows.
 template <class P>
 i64 compressed_max_k(const P& p, i64 max_q) {
   if (p.q.rank == 4) return p.k_cmp.shape[1];
+  if (p.seqs_k.cu_seqlens.present()) {
+    if (p.seqs_k.max_seqlen <= 0) return p.k_cmp.shape[0];
+    return std::min<i64>(num_compressed_blocks(p.seqs_k.max_seqlen, p.block, p.stride), p.k_cmp.shape[0]);
+  }
   return std::min<i64>(num_compressed_blocks(max_q, p.block, p.stride), p.k_cmp.shape[0]);
 }
 
-// The mask of a call: a batched query chunk's queries sit seqlen_k - T key positions further (the API takes packed
-// query chunks to the CPU only).
+// The mask of a call: a batched query chunk's queries sit seqlen_k - T key positions further; a packed chunk's
+// sequences each by their own count, read on the device (bind_mask).
 template <class P>
 CompressedMask::Config compressed_mask(const P& p) {
   const i64 offset = p.q.rank == 4 && p.seqlen_k > 0 ? p.seqlen_k - p.q.shape[1] : 0;
-  return {p.block, p.stride, offset};
+  const auto* cu_seqlens_k =
+      p.q.rank == 3 && p.seqs_k.cu_seqlens.present() ? static_cast<const std::int32_t*>(p.seqs_k.cu_seqlens.data)
+                                                     : nullptr;
+  return {p.block, p.stride, offset, cu_seqlens_k};
 }
 
 }  // namespace
@@ -239,6 +265,10 @@ void flash_attention(const FlashAttentionParams& p) {
     const i64 dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
     if (uses_terms(p)) {
       dispatch<T, FlashTermsMask>(true, dqk, dv, a, terms_config(p), l);
+    } else if (p.gates.alpha.present()) {
+      dispatch<T, FlashGateMask>(true, dqk, dv, a,
+                                 gate_config(p.causal, p.window_left, p.window_right, attention::gate_terms(p.gates)),
+                                 l);
     } else {
       dispatch<T, FlashMask>(true, dqk, dv, a, flash_mask(p.causal, p.window_left, p.window_right), l);
     }
@@ -247,11 +277,12 @@ void flash_attention(const FlashAttentionParams& p) {
 
 namespace {
 
-// The backward workspace of a flash_attention call, with its bias gradient's slice.
+// The backward workspace of a flash_attention call, with its bias gradient's and gate's slices.
 BackwardWorkspace flash_backward_workspace(const FlashAttentionBackwardParams& p, const Launch& l,
                                            const BiasGradientPlan& plan) {
   BackwardWorkspace w = backward_workspace(p.q, p.k, p.v, l, !plan.single_head_split);
   if (plan.present) w.dbias = align_up(plan.bytes);
+  w.gate = gate_gradient_plan(p, w.head_splits).bytes();
   return w;
 }
 
@@ -271,6 +302,9 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p, const detai
   const BackwardWorkspace workspace = flash_backward_workspace(p, l, plan);
   float* dbias_workspace =
       plan.present ? reinterpret_cast<float*>(static_cast<char*>(p.workspace) + workspace.dbias_offset()) : nullptr;
+  const GateGradientPlan gate_plan = gate_gradient_plan(p, workspace.head_splits);
+  void* gate_workspace = static_cast<char*>(p.workspace) + workspace.gate_offset();
+  prepare_gate_copies(p, gate_plan, gate_workspace, l.stream);
   if (plan.present) {
     // Entries no kernel writes (keys or query tiles no step visits) add 0.
     const cudaError_t status = cudaMemsetAsync(dbias_workspace, 0, plan.bytes, l.stream);
@@ -291,12 +325,17 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p, const detai
     if (uses_terms(p)) {
       FlashTermsMask::Config config = terms_config(p);
       config.terms.dbias = plan.sink(dbias_workspace);
+      config.terms.gate = gate_plan.terms(p, gate_workspace);
       dispatch<T, FlashTermsMask>(false, dqk, dv, a, config, l);
+    } else if (gate_plan.present) {
+      const attention::GateTerms gate = gate_plan.terms(p, gate_workspace);
+      dispatch<T, FlashGateMask>(false, dqk, dv, a, gate_config(p.causal, p.window_left, p.window_right, gate), l);
     } else {
       dispatch<T, FlashMask>(false, dqk, dv, a, flash_mask(p.causal, p.window_left, p.window_right), l);
     }
   });
   if (plan.present) reduce_bias_gradient(p, plan, dbias_workspace, l.stream);
+  reduce_gate_gradient(p, gate_plan, gate_workspace, flash_seqs(p).k, l.max_k, l.stream);
 }
 
 void compressed_attention(const CompressedAttentionParams& p) {

@@ -21,6 +21,9 @@
 // With FlashTermsMask (score_terms.cuh: flash_attention's mask, bias, tile map) the loops visit only the key tiles
 // (forward, dQ) or (query head, query tile) steps (dK/dV) that are not absent, the scores start from the terms
 // instead of 0, and the dK/dV kernels write the bias gradient's contributions.
+// With a gate (FlashTermsMask or FlashGateMask, gate_terms.cuh; the wgmma kernels alike) the raw scores gain
+// g(alpha delta) before the softmax or the recomputation of P, the dQ kernels write dalpha and the dK/dV kernels
+// their ddelta partials.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -309,7 +312,7 @@ __device__ __forceinline__ void for_each_query_tile(const AttnArgs<T>& a, const 
   for (i64 index = blockIdx.x; index < order.count; index += gridDim.x) {
     const auto tile = order[index];
     const auto seq = a.seqs[tile.sequence];
-    const Mask mask{mc, seq.T, seq.S};
+    const Mask mask = bind_mask<Mask>(mc, seq, tile.sequence);
     const QueryWork w(a, mask, seq, kM, kN, tile.head, tile.tile, tile.sequence);
     if (w.rows > 0) body(seq, mask, w);
   }
@@ -573,7 +576,8 @@ struct FwdTile {
   static constexpr int kM = 16 * kMT * kWarps;
   static constexpr int kN = kMT == 2 || Dqk > 192 ? 32 : 64;  // 32 with two row tiles: 64 spills registers
   static constexpr int kQ = kM * ld_of<Dqk>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
-  static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV);  // Q, 2 x K, 2 x V (2-byte elements)
+  // Q, 2 x K, 2 x V (2-byte elements), then the key tile's gate delta (kN floats; policies with a gate).
+  static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV) + kN * sizeof(float);
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -584,14 +588,20 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + Tile::kQ;
   T* sV = sK + 2 * Tile::kK;
+  [[maybe_unused]] float* sGateKeys = reinterpret_cast<float*>(sV + 2 * Tile::kV);  // [kN]: delta of the key tile
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
+  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
   const QueryWork w(a, mask, seq, kM, kN);
   if (w.rows <= 0) return;
   const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
   const int warp = threadIdx.x / 32;
   const int warp_row0 = warp * kMT * 16;  // this warp's rows: [warp_row0, warp_row0 + 16 * kMT)
+  [[maybe_unused]] float gate_alpha_rows[kMT][2];  // With a gate (kHasGate): alpha of the thread's rows
+  if constexpr (kHasGate<Mask>) {
+    const GateTerms& gate = gate_of<Mask>(mc);
+    if (gate.on()) load_gate_alpha_rows<T, kMT>(gate_alpha_rows, gate, seq, h, t0 + warp_row0);
+  }
 
   float acc[kMT][Dv / 8][4];
   float m[kMT][2], l[kMT][2];
@@ -616,6 +626,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
       advance_pipeline(next < tile_end, [&] {
         load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, next * kN, hk);
       });
+      stage_query_gate<T, kN, Mask>(sGateKeys, mc, seq, it * kN, hk, threadIdx.x, kThreads);  // read after the barrier
       __syncthreads();
       const T* k_tile = sK + buf * Tile::kK;
       const T* v_tile = sV + buf * Tile::kV;
@@ -625,6 +636,14 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
       float s[kMT][kN / 8][4];
       init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0, kind);
       gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
+      with_gate_of<Mask>(mc, [&](auto gate) {
+        if constexpr (decltype(gate)::value != kNoGate) {
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            add_query_gate<kN, decltype(gate)::value>(s[mt], gate_alpha_rows[mt], sGateKeys);
+          }
+        }
+      });
 
       const bool full = tile_full(mask, t0, kM, j0, kN);
 #pragma unroll
@@ -662,7 +681,8 @@ struct DqTile {
   static constexpr int kM = 16 * kMT * kWarps;
   static constexpr int kN = kMT == 2 || Dqk > 128 ? 32 : 64;
   static constexpr int kQ = kM * ld_of<Dqk>(), kDO = kM * ld_of<Dv>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
-  static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + 2 * kK + 2 * kV);
+  // Q, dO, 2 x K, 2 x V, then the key tile's gate delta (kN floats; policies with a gate).
+  static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + 2 * kK + 2 * kV) + kN * sizeof(float);
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -674,14 +694,23 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   T* sDO = sQ + Tile::kQ;
   T* sK = sDO + Tile::kDO;
   T* sV = sK + 2 * Tile::kK;
+  [[maybe_unused]] float* sGateKeys = reinterpret_cast<float*>(sV + 2 * Tile::kV);  // [kN]: delta of the key tile
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
+  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
   const QueryWork w(a, mask, seq, kM, kN);
   if (w.rows <= 0) return;
   const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row0 = warp * kMT * 16;
+  // With a gate (kHasGate): alpha of the thread's rows and their dalpha sums.
+  [[maybe_unused]] float gate_alpha_rows[kMT][2], dalpha_sums[kMT][2];
+  if constexpr (kHasGate<Mask>) {
+    const GateTerms& gate = gate_of<Mask>(mc);
+    if (gate.on()) load_gate_alpha_rows<T, kMT>(gate_alpha_rows, gate, seq, h, t0 + warp_row0);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) dalpha_sums[mt][0] = dalpha_sums[mt][1] = 0.f;
+  }
 
   float acc[kMT][Dqk / 8][4];
 #pragma unroll
@@ -712,6 +741,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
       advance_pipeline(next < tile_end, [&] {
         load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, next * kN, hk);
       });
+      stage_query_gate<T, kN, Mask>(sGateKeys, mc, seq, it * kN, hk, threadIdx.x, kThreads);  // read after the barrier
       __syncthreads();
       const T* k_tile = sK + buf * Tile::kK;
       const T* v_tile = sV + buf * Tile::kV;
@@ -725,21 +755,32 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
       gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
       gemm_ss_nk<T, kN, Dv, ld_of<Dv>(), ld_of<Dv>(), kMT>(dp, sDO, warp_row0, v_tile);
       const bool full = tile_full(mask, t0, kM, j0, kN);
+      with_gate_of<Mask>(mc, [&](auto gate) {
+        constexpr int kGate = decltype(gate)::value;
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-        if (!full) visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
+        for (int mt = 0; mt < kMT; ++mt) {
+          int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+          if (!full) visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
 #pragma unroll
-        for (int n = 0; n < kN / 8; ++n) {
+          for (int n = 0; n < kN / 8; ++n) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-            const bool shown = full || (col >= col_lo[i / 2] && col <= col_hi[i / 2]);
-            const float p = shown ? fast_exp2(fmaf(s[mt][n][i], a.scale_log2, -lse2[mt][i / 2])) : 0.f;
-            s[mt][n][i] = p * fmaf(p_scale[mt][i / 2], dp[mt][n][i], -delta[mt][i / 2]);  // dS (without the scale)
+            for (int i = 0; i < 4; ++i) {
+              const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+              const bool shown = full || (col >= col_lo[i / 2] && col <= col_hi[i / 2]);
+              float score = s[mt][n][i];
+              [[maybe_unused]] float slope = 0.f, gate_delta_col = 0.f;
+              if constexpr (kGate != kNoGate) {
+                gate_delta_col = sGateKeys[col];
+                score += gate_value_slope<kGate>(gate_alpha_rows[mt][i / 2] * gate_delta_col, slope);
+              }
+              const float p = shown ? fast_exp2(fmaf(score, a.scale_log2, -lse2[mt][i / 2])) : 0.f;
+              const float ds = p * fmaf(p_scale[mt][i / 2], dp[mt][n][i], -delta[mt][i / 2]);  // without the scale
+              s[mt][n][i] = ds;
+              if constexpr (kGate != kNoGate) dalpha_sums[mt][i / 2] += ds * slope * gate_delta_col;
+            }
           }
         }
-      }
+      });
       gemm_rs_kn<T, Dqk, kN, ld_of<Dqk>(), kMT>(acc, s, k_tile);
       __syncthreads();
     }
@@ -749,6 +790,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
     const i64 row0 = t0 + warp_row0 + 16 * mt;
     store_rows<Dqk>(acc[mt], a.scale, a.scale, a.dq, seq.batch, seq.q_begin + row0, seq.T - row0, h,
                     a.accumulate_dq);
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on()) store_dalpha<T>(gate_of<Mask>(mc), dalpha_sums[mt], a.scale, seq, h, row0);
+    }
   }
   if constexpr (kHasTerms<Mask>) {
     if (threadIdx.x < 32 && mc.terms.work_counter != nullptr) {
@@ -780,8 +824,8 @@ struct DkvTile {
   static constexpr int kM = Dqk == 64 ? 64 : 32;
   static constexpr bool kSplit = Dqk + Dv >= 320;
   static constexpr int kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>(), kQ = kM * ld_of<Dqk>(), kDO = kM * ld_of<Dv>();
-  // K, V, 2 x Q, 2 x dO (2-byte elements), then 2 x (lse, delta, P factor) rows of kM floats.
-  static constexpr std::size_t kSmemBytes = 2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 3 * kM * sizeof(float);
+  // K, V, 2 x Q, 2 x dO (2-byte elements), then 2 x (lse, delta, P factor, gate alpha) rows of kM floats.
+  static constexpr std::size_t kSmemBytes = 2 * (kK + kV + 2 * kQ + 2 * kDO) + 2 * 4 * kM * sizeof(float);
 };
 
 template <class T, int Dqk, int Dv, class Mask, int kPass>
@@ -797,13 +841,19 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   float* sLse = reinterpret_cast<float*>(sDO + 2 * Tile::kDO);  // [2][kM]
   float* sDelta = sLse + 2 * kM;                                // [2][kM]
   float* sScale = sDelta + 2 * kM;                              // [2][kM]: P factor (AttnArgs::d_o_scale)
+  [[maybe_unused]] float* sGateAlpha = sScale + 2 * kM;         // [2][kM]: gate alpha (kHasGate)
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
+  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
   const DkvWork w(a, mask, seq, kN, kM);
   if (w.keys <= 0) return;
   const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // With a gate (kHasGate): delta of the thread's two key rows and their ddelta sums.
+  [[maybe_unused]] float gate_delta_rows[2] = {0.f, 0.f}, ddelta_sums[2] = {0.f, 0.f};
+  if constexpr (kHasGate<Mask>) {
+    if (gate_of<Mask>(mc).on()) load_gate_delta_rows<T>(gate_delta_rows, gate_of<Mask>(mc), seq, w.hk, j0 + warp * 16);
+  }
   i64 q_first[2], q_end[2];  // queries that see this thread's two key rows
   for (int half = 0; half < 2; ++half) {
     visible_queries(mask, j0 + warp * 16 + lane / 4 + half * 8, q_first[half], q_end[half]);
@@ -819,6 +869,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
     load_tile<kM, Dqk>(sQ + buf * Tile::kQ, a.q, seq.batch, seq.q_begin + t0, seq.T - t0, h);
     load_tile<kM, Dv>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, seq.T - t0, h);
     load_row_stats<kM, kThreads>(sLse + buf * kM, sDelta + buf * kM, sScale + buf * kM, a, seq, t0, h);
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on()) load_gate_rows<kM, kThreads>(sGateAlpha + buf * kM, gate_of<Mask>(mc), seq, t0, h);
+    }
   };
 
   [[maybe_unused]] float key_sums[2] = {0.f, 0.f};  // FlashTermsMask: the bias gradient of a shared bias row
@@ -849,6 +902,12 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
       init_key_scores<T, kM, Mask>(s, mc, seq, h, t0, j0 + warp * 16, kind);
       gemm_ss_nk<T, kM, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sK, warp * 16, q_tile);
       const bool full = tile_full(mask, t0, kM, j0, kN);
+      [[maybe_unused]] const float* gate_alpha = sGateAlpha + buf * kM;
+      with_gate_of<Mask>(mc, [&](auto gate) {
+        if constexpr (decltype(gate)::value != kNoGate) {
+          add_key_gate<kM, decltype(gate)::value>(s, gate_delta_rows, gate_alpha);
+        }
+      });
 #pragma unroll
       for (int n = 0; n < kM / 8; ++n) {
 #pragma unroll
@@ -864,14 +923,22 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
         float dp[kM / 8][4];
         zero(dp);
         gemm_ss_nk<T, kM, Dv, ld_of<Dv>(), ld_of<Dv>()>(dp, sV, warp * 16, do_tile);
+        with_gate_of<Mask>(mc, [&](auto gate) {
+          constexpr int kGate = decltype(gate)::value;
 #pragma unroll
-        for (int n = 0; n < kM / 8; ++n) {
+          for (int n = 0; n < kM / 8; ++n) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-            s[n][i] = s[n][i] * (dp[n][i] - delta[col]);
+            for (int i = 0; i < 4; ++i) {
+              const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+              s[n][i] = s[n][i] * (dp[n][i] - delta[col]);
+              if constexpr (kGate != kNoGate) {  // ddelta: ds g'(x) alpha, x = alpha delta
+                float slope;
+                gate_value_slope<kGate>(gate_alpha[col] * gate_delta_rows[i / 2], slope);
+                ddelta_sums[i / 2] += s[n][i] * slope * gate_alpha[col];
+              }
+            }
           }
-        }
+        });
         if constexpr (kHasTerms<Mask>) {
           const BiasGradientSink& sink = mc.terms.dbias;
           if (sink.data != nullptr) {
@@ -888,6 +955,10 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
     }
   }
   store_dkv_rows<kDoDK, kDoDV>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
+  if constexpr (kHasGate<Mask> && kDoDK) {
+    const GateTerms& gate = gate_of<Mask>(mc);
+    if (gate.on()) store_ddelta_partial(gate, ddelta_sums, a.scale, seq, w.split, w.hk, j0 + warp * 16);
+  }
   if constexpr (kHasTerms<Mask> && kDoDK) {
     if (threadIdx.x < 32 && mc.terms.work_counter != nullptr) {
       const unsigned long long work = dkv_work<Mask>(mc, seq, w, kM);

@@ -1,6 +1,7 @@
 // flash_attention's per-element score terms on CUDA: the element mask, the bias, the block-sparse tile map, the
-// bias gradient's workspace and the work counter, carried by one masking policy (FlashTermsMask) so that the plain
-// policies (FlashMask, CompressedMask) compile to the kernels they are without them.
+// bias gradient's workspace, the gate (gate_terms.cuh) and the work counter, carried by one masking policy
+// (FlashTermsMask) so that the plain policies (FlashMask, CompressedMask) compile to the kernels they are without
+// them.
 //
 // Kernels see the terms through two things:
 //  - Tile kinds (tile_walk.cuh): a kernel tile of queries [t0, t0 + rows) x keys [j0, j0 + keys) is absent (every
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/attention/gate_terms.cuh"
 #include "cuda/attention/masking_policy.cuh"
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/softmax.cuh"
@@ -84,6 +86,7 @@ struct ScoreTerms {
   BroadcastView mask, bias;
   TileMap tiles;
   BiasGradientSink dbias;
+  GateTerms gate;  // gated attention (gate_terms.cuh); gate.alpha.data null without it
   // Test diagnostics: when given, each CTA adds the query x key elements of the kernel tiles it computed (one
   // atomicAdd per CTA).
   unsigned long long* work_counter;
@@ -101,6 +104,49 @@ struct FlashTermsMask : FlashMask {
 
 template <class Mask>
 inline constexpr bool kHasTerms = std::is_same_v<Mask, FlashTermsMask>;
+
+// flash_attention with a gate and none of the other terms (no mask, bias, tile map, bias gradient or work counter):
+// FlashMask's bounds plus the gate alone, so that its kernels carry none of the terms' per-element code and
+// registers.
+struct FlashGateMask : FlashMask {
+  struct Config : FlashMask::Config {
+    GateTerms gate;
+  };
+  __device__ __forceinline__ FlashGateMask(const Config& config, i64 T_, i64 S_) : FlashMask{config, T_, S_} {}
+};
+
+// The policies that may carry a gate, and their gate.
+template <class Mask>
+inline constexpr bool kHasGate = kHasTerms<Mask> || std::is_same_v<Mask, FlashGateMask>;
+
+template <class Mask>
+__device__ __forceinline__ const GateTerms& gate_of(const typename Mask::Config& mc) {
+  if constexpr (kHasTerms<Mask>) {
+    return mc.terms.gate;
+  } else {
+    return mc.gate;
+  }
+}
+
+// Calls body with the gate kind (gate_terms.cuh's with_gate) of a call: kNoGate for the policies without a gate.
+template <class Mask, class Body>
+__device__ __forceinline__ void with_gate_of(const typename Mask::Config& mc, Body&& body) {
+  if constexpr (kHasGate<Mask>) {
+    with_gate(gate_of<Mask>(mc), body);
+  } else {
+    body(std::integral_constant<int, kNoGate>{});
+  }
+}
+
+// A query-row kernel's staging of the gate delta of keys [j0, j0 + kN) into dst (stage_gate_keys) by thread
+// `index` of `count`; nothing without a gate.
+template <class T, int kN, class Mask, class Seq>
+__device__ __forceinline__ void stage_query_gate(float* dst, const typename Mask::Config& mc, const Seq& seq, i64 j0,
+                                                 i64 hk, int index, int count) {
+  if constexpr (kHasGate<Mask>) {
+    if (gate_of<Mask>(mc).on()) stage_gate_keys<T, kN>(dst, gate_of<Mask>(mc), seq, j0, hk, index, count);
+  }
+}
 
 enum TileKind : int { kTileAbsent = 0, kTileExists = 1, kTileFull = 2, kTileMixed = 3 };
 

@@ -1,5 +1,5 @@
-// Host side of FlashTermsMask (score_terms.cuh): the device views of a call's mask, bias and block-sparse tile
-// map (validated by the API). Broadcast dimensions get stride 0.
+// Host side of FlashTermsMask (score_terms.cuh): the device views of a call's mask, bias, block-sparse tile map and
+// gate tensors (validated by the API). Broadcast dimensions get stride 0.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +49,29 @@ inline TileMap tile_map(const FlashBlockMask& blocks, i64 q_heads, i64 group) {
   m.block_q = blocks.block_q;
   m.block_k = blocks.block_k;
   return m;
+}
+
+// alpha [B, T, Hq] / packed [Nq, Hq] or delta [B, S, Hkv] / packed [Nk, Hkv] as the caller gave it (q's dtype or
+// float32), or none.
+inline GateView gate_view(const TensorView& t) {
+  GateView g{};
+  if (!t.present()) return g;
+  g.data = t.data;
+  const bool packed = t.rank == 2;
+  g.batch_stride = packed ? 0 : t.stride[0];
+  g.row_stride = t.stride[packed ? 0 : 1];
+  g.head_stride = t.stride[packed ? 1 : 2];
+  g.fp32 = t.dtype == DType::float32;
+  return g;
+}
+
+// The gate of a forward call: the caller's alpha and delta.
+inline GateTerms gate_terms(const FlashGateOptions& gates) {
+  GateTerms g{};
+  g.alpha = gate_view(gates.alpha);
+  g.delta = gate_view(gates.delta);
+  g.product = gates.gate == GateMode::product;
+  return g;
 }
 
 }  // namespace sparseattn::cuda::attention

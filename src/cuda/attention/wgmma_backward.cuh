@@ -68,9 +68,9 @@ struct WgmmaDkvTile {
   static constexpr int kBuffers = 3;
   static constexpr int kK = kN * Dqk, kV = kN * Dv, kQ = kM * Dqk, kDO = kM * Dv;  // elements
   // K, V, the Q and dO buffers (2-byte elements; every tile a multiple of 1024 bytes), the (lse, delta, P
-  // factor) rows of kM floats per buffer, plus room to align the start to a swizzle atom.
+  // factor, gate alpha) rows of kM floats per buffer, plus room to align the start to a swizzle atom.
   static constexpr std::size_t kSmemBytes = 2 * (kK + kV + kBuffers * (kQ + kDO)) +
-                                            kBuffers * 3 * kM * sizeof(float) + wgmma::kTileAlignment;
+                                            kBuffers * 4 * kM * sizeof(float) + wgmma::kTileAlignment;
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -87,14 +87,20 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   float* sLse = reinterpret_cast<float*>(sDO + kBuffers * Tile::kDO);  // [kBuffers][kM]
   float* sDelta = sLse + kBuffers * kM;                                // [kBuffers][kM]
   float* sScale = sDelta + kBuffers * kM;  // [kBuffers][kM]: P factor (AttnArgs::d_o_scale)
+  [[maybe_unused]] float* sGateAlpha = sScale + kBuffers * kM;  // [kBuffers][kM]: gate alpha (kHasGate)
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
+  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
   const DkvWork w(a, mask, seq, kN, kM);
   if (w.keys <= 0) return;
   const i64 j0 = w.j0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warpgroup_row0 = (warp / 4) * 64;
+  // With a gate (kHasGate): delta of the thread's two key rows and their ddelta sums.
+  [[maybe_unused]] float gate_delta_rows[2] = {0.f, 0.f}, ddelta_sums[2] = {0.f, 0.f};
+  if constexpr (kHasGate<Mask>) {
+    if (gate_of<Mask>(mc).on()) load_gate_delta_rows<T>(gate_delta_rows, gate_of<Mask>(mc), seq, w.hk, j0 + warp * 16);
+  }
   // Queries [q_first, q_end) (positions in the sequence, below 2^31) see this thread's two key rows.
   int q_first[2], q_end[2];
   for (int half = 0; half < 2; ++half) {
@@ -122,6 +128,10 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     load_swizzled_tile<kM, Dv, kThreadCount>(sDO + buf * Tile::kDO, a.d_o, seq.batch, seq.q_begin + t0, seq.T - t0,
                                              h);
     load_row_stats<kM, kThreadCount>(sLse + buf * kM, sDelta + buf * kM, sScale + buf * kM, a, seq, t0, h);
+    if constexpr (kHasGate<Mask>) {
+      const GateTerms& gate = gate_of<Mask>(mc);
+      if (gate.on()) load_gate_rows<kM, kThreadCount>(sGateAlpha + buf * kM, gate, seq, t0, h);
+    }
   };
 
   // With a tile map (FlashTermsMask) the CTA computes the present steps only: logical step i is step_now, the
@@ -189,24 +199,36 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
 
       const int col_first[2] = {q_first[0] - t0, q_first[1] - t0}, col_end[2] = {q_end[0] - t0, q_end[1] - t0};
       const bool full = max(col_first[0], col_first[1]) <= 0 && min(col_end[0], col_end[1]) >= kM;
-      with_mask(!full, [&](auto masked) {
+      [[maybe_unused]] const float* gate_alpha = sGateAlpha + (step % kBuffers) * kM;
+      with_gate_of<Mask>(mc, [&](auto gate) {
+        constexpr int kGate = decltype(gate)::value;
+        with_mask(!full, [&](auto masked) {
 #pragma unroll
-        for (int n = 0; n < kM / 8; ++n) {
-          float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
-          if constexpr (kHasTerms<Mask>) l2 = make_float2(finite_lse(l2.x), finite_lse(l2.y));
-          const float2 d2 = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
-          const float2 g2 = *reinterpret_cast<const float2*>(p_scale + n * 8 + 2 * (lane % 4));
+          for (int n = 0; n < kM / 8; ++n) {
+            float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
+            if constexpr (kHasTerms<Mask>) l2 = make_float2(finite_lse(l2.x), finite_lse(l2.y));
+            const float2 d2 = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
+            const float2 g2 = *reinterpret_cast<const float2*>(p_scale + n * 8 + 2 * (lane % 4));
+            [[maybe_unused]] float2 a2 = make_float2(0.f, 0.f);
+            if constexpr (kGate != kNoGate) a2 = *reinterpret_cast<const float2*>(gate_alpha + n * 8 + 2 * (lane % 4));
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -kLog2e * (i % 2 ? l2.y : l2.x))) * (i % 2 ? g2.y : g2.x);
-            if constexpr (decltype(masked)::value) {
-              if (col < col_first[i / 2] || col >= col_end[i / 2]) p = 0.f;
+            for (int i = 0; i < 4; ++i) {
+              const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+              float score = s[n][i];
+              [[maybe_unused]] float slope = 0.f;
+              if constexpr (kGate != kNoGate) {
+                score += gate_value_slope<kGate>((i % 2 ? a2.y : a2.x) * gate_delta_rows[i / 2], slope);
+              }
+              float p = fast_exp2(fmaf(score, a.scale_log2, -kLog2e * (i % 2 ? l2.y : l2.x))) * (i % 2 ? g2.y : g2.x);
+              if constexpr (decltype(masked)::value) {
+                if (col < col_first[i / 2] || col >= col_end[i / 2]) p = 0.f;
+              }
+              s[n][i] = p;
+              dp[n][i] = p * (dp[n][i] - (i % 2 ? d2.y : d2.x));
+              if constexpr (kGate != kNoGate) ddelta_sums[i / 2] += dp[n][i] * slope * (i % 2 ? a2.y : a2.x);
             }
-            s[n][i] = p;
-            dp[n][i] = p * (dp[n][i] - (i % 2 ? d2.y : d2.x));
           }
-        }
+        });
       });
       if constexpr (kHasTerms<Mask>) {
         const BiasGradientSink& sink = mc.terms.dbias;
@@ -231,6 +253,10 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     });
   }
   store_dkv_rows<true, true>(dk, dv, a, seq, w.split, j0 + warp * 16, w.hk);
+  if constexpr (kHasGate<Mask>) {
+    const GateTerms& gate = gate_of<Mask>(mc);
+    if (gate.on()) store_ddelta_partial(gate, ddelta_sums, a.scale, seq, w.split, w.hk, j0 + warp * 16);
+  }
   if constexpr (kHasTerms<Mask>) {
     if (threadIdx.x < 32 && mc.terms.work_counter != nullptr) {
       const unsigned long long work = dkv_work<Mask>(mc, seq, w, kM);
@@ -254,10 +280,13 @@ struct WgmmaDqTile : pipeline::ProducerConsumers {
   static constexpr int kStages = Dqk > 128 ? 3 : 4;
   static constexpr int kQ = kM * Dqk, kDO = kM * Dv, kK = kN * Dqk, kV = kN * Dv;  // elements
   static constexpr int kBarriers = pipeline::Ring<1>::kBarriers + pipeline::Ring<kStages>::kBarriers;
-  // Q, dO, the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, plus room to
-  // align the start to a swizzle atom: 192 KB at 128/128, 200 KB at 192/128.
-  static constexpr std::size_t kSmemBytes =
-      2 * (kQ + kDO + kStages * (kK + kV)) + sizeof(std::uint64_t) * kBarriers + wgmma::kTileAlignment;
+  // Per consumer, two buffers of a key tile's gate delta (kN floats; policies with a gate).
+  static constexpr int kGateKeys = kConsumers * 2 * kN;
+  // Q, dO, the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, the gate buffers,
+  // plus room to align the start to a swizzle atom: 193 KB at 128/128, 201 KB at 192/128.
+  static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + kStages * (kK + kV)) +
+                                            sizeof(std::uint64_t) * kBarriers + sizeof(float) * kGateKeys +
+                                            wgmma::kTileAlignment;
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -272,6 +301,8 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
   T* sK = sDO + Tile::kDO;
   T* sV = sK + kStages * Tile::kK;
   auto* barriers = reinterpret_cast<std::uint64_t*>(sV + kStages * Tile::kV);
+  // [consumer][2][kN]: the gate delta of a consumer's key tiles (step parity), staged by the consumer itself.
+  [[maybe_unused]] float* sGateKeys = reinterpret_cast<float*>(barriers + Tile::kBarriers);
   // Both roles walk the same tiles and, within each, the same key tiles: the CTA's n-th key tile is use n of the
   // K/V ring, its n-th query tile with keys to see use n of the Q/dO ring.
   const pipeline::Ring<1> q_ring(barriers);
@@ -328,6 +359,13 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     const int steps = walk.count(mc, seq, w, kN);
     float acc[Dqk / 8][4];
     zero(acc);
+    // With a gate (kHasGate): alpha of the thread's two rows and their dalpha sums.
+    [[maybe_unused]] float gate_alpha_rows[1][2], dalpha_sums[2] = {0.f, 0.f};
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on() && steps > 0) {
+        load_gate_alpha_rows<T, 1>(gate_alpha_rows, gate_of<Mask>(mc), seq, w.h, t0 + warp_row0);
+      }
+    }
     if (steps > 0) {
       const unsigned q_use = query_tiles++;
       // dS = g P (dP - delta) as P (g dP - g delta): g (the P factor) costs no instruction per element.
@@ -348,6 +386,9 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
       // Step i (key tile tile_begin + i) computes S and dP of its tile while dQ += dS K of the tile before (dS
       // done one step earlier) is in flight, so the dS arithmetic overlaps an MMA; a last step adds the last
       // tile's dS K. A K/V stage is released once that dS K has landed, Q and dO after the last scores.
+      // With a gate, the first kN threads of each consumer stage delta of the step's keys into its buffer (step
+      // parity), ordered before the reads by the turn taken before the elementwise part (as in the forward).
+      [[maybe_unused]] float gate_key_delta = 0.f;
       auto begin_step = [&](int step) {
         if constexpr (kHasTerms<Mask>) {
           if (step < steps) {
@@ -357,8 +398,19 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
             terms_needed = tt.needs;
           }
         }
+        if constexpr (kHasGate<Mask>) {
+          if (gate_of<Mask>(mc).on() && step < steps && threadIdx.x % 128 < kN) {
+            const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
+            gate_key_delta = gate_delta<T>(gate_of<Mask>(mc), seq, w.hk, j0 + threadIdx.x % 128);
+          }
+        }
         if (step == 0) q_ring.wait_full(q_use);
         if (step < steps) kv_ring.wait_full(key_tiles + step);
+        if constexpr (kHasGate<Mask>) {
+          if (gate_of<Mask>(mc).on() && step < steps && threadIdx.x % 128 < kN) {
+            sGateKeys[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = gate_key_delta;
+          }
+        }
         wgmma::fence_shared_for_async();
         wgmma::fence();
       };
@@ -387,21 +439,33 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
             init_scores<T, kN, true, true>(s, mc.terms, seq, w.sequence, w.h, t0 + warp_row0, j0, terms_kind);
           }
         }
-        with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
-          int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-          if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+        [[maybe_unused]] const float* gate_keys = sGateKeys + (consumer * 2 + (step & 1)) * kN;
+        with_gate_of<Mask>(mc, [&](auto gate) {
+          constexpr int kGate = decltype(gate)::value;
+          with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
+            int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+            if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
 #pragma unroll
-          for (int n = 0; n < kN / 8; ++n) {
+            for (int n = 0; n < kN / 8; ++n) {
+              [[maybe_unused]] float2 d2 = make_float2(0.f, 0.f);
+              if constexpr (kGate != kNoGate) d2 = *reinterpret_cast<const float2*>(gate_keys + n * 8 + 2 * (lane % 4));
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-              float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -lse2[i / 2]));
-              if constexpr (decltype(masked)::value) {
-                if (col < col_lo[i / 2] || col > col_hi[i / 2]) p = 0.f;
+              for (int i = 0; i < 4; ++i) {
+                const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+                float score = s[n][i];
+                [[maybe_unused]] float slope = 0.f;
+                if constexpr (kGate != kNoGate) {
+                  score += gate_value_slope<kGate>(gate_alpha_rows[0][i / 2] * (i % 2 ? d2.y : d2.x), slope);
+                }
+                float p = fast_exp2(fmaf(score, a.scale_log2, -lse2[i / 2]));
+                if constexpr (decltype(masked)::value) {
+                  if (col < col_lo[i / 2] || col > col_hi[i / 2]) p = 0.f;
+                }
+                s[n][i] = p * fmaf(p_scale[i / 2], dp[n][i], -g_delta[i / 2]);
+                if constexpr (kGate != kNoGate) dalpha_sums[i / 2] += s[n][i] * slope * (i % 2 ? d2.y : d2.x);
               }
-              s[n][i] = p * fmaf(p_scale[i / 2], dp[n][i], -g_delta[i / 2]);
             }
-          }
+          });
         });
       };
       auto land = [&](int step) {
@@ -416,6 +480,9 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     }
     store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0),
                     w.h, a.accumulate_dq);
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on()) store_dalpha<T>(gate_of<Mask>(mc), dalpha_sums, a.scale, seq, w.h, t0 + warp_row0);
+    }
   });
   turns.finish();
   if constexpr (kHasTerms<Mask>) {

@@ -37,10 +37,13 @@ struct WgmmaFwdTile : pipeline::ProducerConsumers {
   static constexpr int kQBuffers = Dqk <= 128 ? 2 : 1;
   static constexpr int kQ = kM * Dqk, kK = kN * Dqk, kV = kN * Dv;  // elements (no padding)
   static constexpr int kBarriers = pipeline::Ring<kQBuffers>::kBarriers + 2 * pipeline::Ring<kStages>::kBarriers;
-  // The Q buffers and the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, plus
-  // room to align the start to a swizzle atom. 192 KB at 128/128, 208 KB at 192/128.
-  static constexpr std::size_t kSmemBytes =
-      2 * (kQBuffers * kQ + kStages * (kK + kV)) + sizeof(std::uint64_t) * kBarriers + wgmma::kTileAlignment;
+  // Per consumer, two buffers of a key tile's gate delta (kN floats; policies with a gate).
+  static constexpr int kGateKeys = kConsumers * 2 * kN;
+  // The Q buffers and the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, the gate
+  // buffers, plus room to align the start to a swizzle atom. 194 KB at 128/128, 210 KB at 192/128.
+  static constexpr std::size_t kSmemBytes = 2 * (kQBuffers * kQ + kStages * (kK + kV)) +
+                                            sizeof(std::uint64_t) * kBarriers + sizeof(float) * kGateKeys +
+                                            wgmma::kTileAlignment;
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -54,6 +57,8 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   T* sK = sQ + kQBuffers * Tile::kQ;
   T* sV = sK + kStages * Tile::kK;
   auto* barriers = reinterpret_cast<std::uint64_t*>(sV + kStages * Tile::kV);
+  // [consumer][2][kN]: the gate delta of a consumer's key tiles (step parity), staged by the consumer itself.
+  [[maybe_unused]] float* sGateKeys = reinterpret_cast<float*>(barriers + Tile::kBarriers);
   // Both roles walk the same tiles and, within each, the same key tiles: the CTA's n-th key tile is use n of the
   // K and V rings, its n-th query tile with keys to see use n of the Q ring.
   const pipeline::Ring<kQBuffers> q_ring(barriers);
@@ -110,6 +115,13 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     float acc[Dv / 8][4];
     zero(acc);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    // With a gate (kHasGate): alpha of the thread's two rows.
+    [[maybe_unused]] float gate_alpha_rows[1][2];
+    if constexpr (kHasGate<Mask>) {
+      if (gate_of<Mask>(mc).on() && steps > 0) {
+        load_gate_alpha_rows<T, 1>(gate_alpha_rows, gate_of<Mask>(mc), seq, w.h, t0 + warp_row0);
+      }
+    }
     if (steps > 0) {
       const unsigned q_use = query_tiles++;
       const std::uint64_t q_desc = wgmma::advance(q_desc0, q_ring.slot(q_use) * Tile::kQ * 2);
@@ -124,6 +136,10 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       // Step i (key tile tile_begin + i) computes the scores of its tile while O += P V of the tile before
       // (its softmax done one step earlier) is in flight; a last step adds the last tile's P V. A K stage is
       // released once its scores have landed, a V stage once its P V has, Q after the last scores.
+      // With a gate, each consumer thread stages delta of one key of the step's tile into its buffer (step parity):
+      // the turn taken before the softmax orders the warpgroup's writes before its reads, and a buffer is written
+      // again two steps later, after every thread of the warpgroup has taken the turn that follows its reads.
+      [[maybe_unused]] float gate_key_delta = 0.f;
       auto begin_step = [&](int step) {
         if constexpr (kHasTerms<Mask>) {
           if (step < steps) {
@@ -133,9 +149,20 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
             terms_needed = tt.needs;
           }
         }
+        if constexpr (kHasGate<Mask>) {
+          if (gate_of<Mask>(mc).on() && step < steps) {
+            const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
+            gate_key_delta = gate_delta<T>(gate_of<Mask>(mc), seq, w.hk, j0 + threadIdx.x % 128);
+          }
+        }
         if (step == 0) q_ring.wait_full(q_use);
         if (step < steps) k_ring.wait_full(key_tiles + step);
         if (step > 0) v_ring.wait_full(key_tiles + step - 1);
+        if constexpr (kHasGate<Mask>) {
+          if (gate_of<Mask>(mc).on() && step < steps) {
+            sGateKeys[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = gate_key_delta;
+          }
+        }
         wgmma::fence_shared_for_async();
         wgmma::fence();
       };
@@ -168,6 +195,12 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
             init_scores<T, kN, true, true>(s, mc.terms, seq, w.sequence, w.h, t0 + warp_row0, j0, terms_kind);
           }
         }
+        with_gate_of<Mask>(mc, [&](auto gate) {
+          if constexpr (decltype(gate)::value != kNoGate) {
+            add_query_gate<kN, decltype(gate)::value>(s, gate_alpha_rows[0],
+                                                      sGateKeys + (consumer * 2 + (step & 1)) * kN);
+          }
+        });
         with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
           int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
           if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
