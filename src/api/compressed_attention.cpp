@@ -90,11 +90,6 @@ CompressedShapes check_common(const detail::Check& check, const Params& params) 
 
 template <class Params>
 void check_cuda_compressed(const detail::Check& check, const Params& params, const CompressedShapes& shapes) {
-  // The kernels bind their masks to a sequence's query and compressed-key counts: a batched chunk's offset is one
-  // number, a packed chunk's differs per sequence and is not there.
-  check.require(!(shapes.layout.packed && shapes.keys.chunk), ErrorKind::unsupported, "cu_seqlens_k",
-                "packed query chunks run on the CPU reference only for now: the CUDA kernels take batched chunks "
-                "(seqlen_k) or packed calls without cu_seqlens_k");
   detail::check_cuda_half(check, params.q);
   detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);
   detail::check_cuda_rows(check, params.q, "q");

@@ -115,11 +115,6 @@ void sum_into(const TensorView& out, const std::array<TensorView, kNumBranches>&
 // combine also take float32, the attention steps do not), so that is checked before any step runs.
 void check_backend(const detail::Check& check, const TensorView& q, const detail::NsaPlan& plan) {
   if (detail::backend(check, q, "q", detail::kCudaBuilt) == detail::Backend::cuda) {
-    // compressed_attention's CUDA kernels take batched query chunks only (src/api/compressed_attention.cpp).
-    check.require(!(plan.layout.packed && plan.keys.chunk && plan.run_compressed_attention), ErrorKind::unsupported,
-                  "cu_seqlens_k",
-                  "packed query chunks with the compressed branch or block selection run on the CPU reference only "
-                  "for now (CUDA takes batched chunks, or packed chunks with g_slc and block_indices and/or g_swa)");
     check.require(q.dtype == DType::bfloat16 || q.dtype == DType::float16, ErrorKind::unsupported, "q",
                   std::string("the CUDA pipeline takes bfloat16 or float16, got ") + dtype_name(q.dtype));
   }

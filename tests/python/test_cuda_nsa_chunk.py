@@ -140,10 +140,6 @@ def test_compressed_attention_chunk(attention_mma, shape, heads, dims):
     q, k, v = randn(*chunk.lead, Hq, Dqk), randn(*chunk.lead, Hkv, Dqk), randn(*chunk.lead, Hkv, Dv)
     cu = chunk.full_kw("cuda").get("cu_seqlens")
     kc, vc = sa.compress_kv(k, v, block=32, stride=16, cu_seqlens=cu)
-    if chunk.packed:  # the kernels bind their masks per sequence without the keys' sequences: a clear error
-        with pytest.raises(sa.SparseAttnUnsupportedError, match="cu_seqlens_k"):
-            sa.compressed_attention(chunk.pick(q), kc, vc, **chunk.chunk_kw("cuda"))
-        return
     d_o = randn(*chunk.pick(q).shape[:-1], Dv)
 
     def call(device, full):
@@ -157,10 +153,11 @@ def test_compressed_attention_chunk(attention_mma, shape, heads, dims):
     _, lse_full = sa.compressed_attention(q, kc, vc, block=32, stride=16)
     poison_allocator()
     o, (dq, dkc, dvc) = grads(call("cuda", False), (chunk.pick(q), kc, vc), d_o)
-    _, lse = sa.compressed_attention(chunk.pick(q), kc, vc, block=32, stride=16, seqlen_k=chunk.S)
+    _, lse = sa.compressed_attention(chunk.pick(q), kc, vc, block=32, stride=16,
+                                     **chunk.chunk_kw("cuda", batched_keys=True))
     o64, (dq64, dkc64, dvc64) = grads(call("cpu", False), (cpu64(chunk.pick(q)), cpu64(kc), cpu64(vc)), cpu64(d_o))
     _, lse64 = sa.compressed_attention(cpu64(chunk.pick(q)), cpu64(kc), cpu64(vc), block=32, stride=16,
-                                       seqlen_k=chunk.S)
+                                       **chunk.chunk_kw("cpu", batched_keys=True))
     check("o", o, o64, chunk.pick(o_full))
     check("lse", lse, lse64, chunk.pick_lse(lse_full))
     check("dq", dq, dq64, chunk.pick(dq_full))
@@ -178,8 +175,7 @@ def test_select_blocks_chunk(shape, heads, dims):
     q, k = randn(*chunk.lead, Hq, Dqk), randn(*chunk.lead, Hkv, Dqk)
     kw_full = chunk.full_kw("cuda")
     kc, _ = sa.compress_kv(k, k, block=32, stride=16, cu_seqlens=kw_full.get("cu_seqlens"))
-    # The full call's lse on the CPU (float64, rounded to float32): the packed chunk's compressed attention runs on
-    # the CPU only, and both selections then read the same lse.
+    # The full call's lse on the CPU (float64, rounded to float32): both selections read the same lse.
     _, lse_full = sa.compressed_attention(cpu64(q), cpu64(kc), cpu64(kc), block=32, stride=16,
                                           **chunk.full_kw("cpu"))
     lse_full = lse_full.float()
@@ -259,16 +255,12 @@ def test_selected_attention_chunk(selected_path, shape, heads, dims):
 @pytest.mark.parametrize("heads", HEADS, ids=ids)
 @pytest.mark.parametrize("shape", ["batched", "packed", "decode"])
 def test_nsa_attention_chunk(shape, heads, dims):
-    """The whole pipeline with the reference's selection given (so that a near-tie cannot move a block); packed
-    chunks without the compressed branch (its CUDA kernels take batched chunks only: a clear error)."""
+    """The whole pipeline with the reference's selection given (so that a near-tie cannot move a block), batched
+    and packed chunks, every branch gated."""
     (Hq, Hkv), (Dqk, Dv) = heads, dims
     chunk = Chunk(shape)
     q, k, v = randn(*chunk.lead, Hq, Dqk), randn(*chunk.lead, Hkv, Dqk), randn(*chunk.lead, Hkv, Dv)
     g = [torch.rand(*chunk.lead, Hq, device="cuda").to(DTYPE) for _ in range(3)]
-    if chunk.packed:
-        with pytest.raises(sa.SparseAttnUnsupportedError, match="cu_seqlens_k"):
-            sa.nsa_attention(chunk.pick(q), k, v, *(chunk.pick(x) for x in g), config=CFG, **chunk.chunk_kw("cuda"))
-        g[0] = None
     idx = reference_selection(q, k, v, chunk).cuda()
     d_o = randn(*chunk.pick(q).shape[:-1], Dv)
     gates = [x for x in g if x is not None]
@@ -297,20 +289,21 @@ def test_nsa_attention_chunk(shape, heads, dims):
         check(f"d_gate{i}", gr[3 + i][:rows], g64[3 + i][:rows], chunk.pick(g_full[3 + i])[:rows])
 
 
-@pytest.mark.parametrize("shape", ["batched", "decode"])
+@pytest.mark.parametrize("shape", ["batched", "decode", "packed"])
 def test_nsa_attention_chunk_selects_as_select_blocks(shape):
-    """Without block_indices the CUDA pipeline's own selection of a batched chunk is select_blocks' on the same
-    device: outputs equal bit for bit to passing that selection."""
+    """Without block_indices the CUDA pipeline's own selection of a chunk is select_blocks' on the same device:
+    outputs equal bit for bit to passing that selection."""
     chunk = Chunk(shape)
     Hq, Hkv, D = 64, 4, 128
     q, k, v = randn(*chunk.lead, Hq, D), randn(*chunk.lead, Hkv, D), randn(*chunk.lead, Hkv, D)
     g = [torch.rand(*chunk.lead, Hq, device="cuda").to(DTYPE) for _ in range(3)]
     qc, gc = chunk.pick(q), [chunk.pick(x) for x in g]
     c = CFG
-    kc, vc = sa.compress_kv(k, v, block=c.cmp_block, stride=c.cmp_stride)
-    _, lse = sa.compressed_attention(qc, kc, vc, block=c.cmp_block, stride=c.cmp_stride, seqlen_k=chunk.S)
+    kc, vc = sa.compress_kv(k, v, block=c.cmp_block, stride=c.cmp_stride, **chunk.full_kw("cuda"))
+    kw = chunk.chunk_kw("cuda", batched_keys=True)
+    _, lse = sa.compressed_attention(qc, kc, vc, block=c.cmp_block, stride=c.cmp_stride, **kw)
     idx = sa.select_blocks(qc, kc, lse, cmp_block=c.cmp_block, cmp_stride=c.cmp_stride, sel_block=c.sel_block,
-                           num_selected=c.num_selected, num_init=c.num_init, num_local=c.num_local, seqlen_k=chunk.S)
-    own = sa.nsa_attention(qc, k, v, *gc, config=c)
-    given = sa.nsa_attention(qc, k, v, *gc, config=c, block_indices=idx)
+                           num_selected=c.num_selected, num_init=c.num_init, num_local=c.num_local, **kw)
+    own = sa.nsa_attention(qc, k, v, *gc, config=c, **chunk.chunk_kw("cuda"))
+    given = sa.nsa_attention(qc, k, v, *gc, config=c, block_indices=idx, **chunk.chunk_kw("cuda"))
     assert torch.equal(own, given)

@@ -213,18 +213,27 @@ SeqPairTable compressed_seqs(const P& p) {
           {static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), 0, batch}};
 }
 
+// An upper bound of every sequence's compressed key count: a packed query chunk's keys outnumber its queries, so
+// its bound comes from max_seqlen_k when given, else from the compressed rows.
 template <class P>
 i64 compressed_max_k(const P& p, i64 max_q) {
   if (p.q.rank == 4) return p.k_cmp.shape[1];
+  if (p.seqs_k.cu_seqlens.present()) {
+    if (p.seqs_k.max_seqlen <= 0) return p.k_cmp.shape[0];
+    return std::min<i64>(num_compressed_blocks(p.seqs_k.max_seqlen, p.block, p.stride), p.k_cmp.shape[0]);
+  }
   return std::min<i64>(num_compressed_blocks(max_q, p.block, p.stride), p.k_cmp.shape[0]);
 }
 
-// The mask of a call: a batched query chunk's queries sit seqlen_k - T key positions further (the API takes packed
-// query chunks to the CPU only).
+// The mask of a call: a batched query chunk's queries sit seqlen_k - T key positions further; a packed chunk's
+// sequences each by their own count, read on the device (bind_mask).
 template <class P>
 CompressedMask::Config compressed_mask(const P& p) {
   const i64 offset = p.q.rank == 4 && p.seqlen_k > 0 ? p.seqlen_k - p.q.shape[1] : 0;
-  return {p.block, p.stride, offset};
+  const auto* cu_seqlens_k =
+      p.q.rank == 3 && p.seqs_k.cu_seqlens.present() ? static_cast<const std::int32_t*>(p.seqs_k.cu_seqlens.data)
+                                                     : nullptr;
+  return {p.block, p.stride, offset, cu_seqlens_k};
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace sparseattn::cuda::attention {
 
@@ -53,11 +54,14 @@ struct FlashMask {
 };
 
 // Compressed attention: compressed key j is visible to query t iff j*stride + block - 1 <= a, where a = t + offset
-// is the query's key position (a query chunk: offset = keys - queries of the sequence; 0 otherwise).
+// is the query's key position (a query chunk: offset = keys - queries of the sequence; 0 otherwise). A packed
+// query chunk's offset differs per sequence: Config::cu_seqlens_k (the keys' cu_seqlens on the device) then gives
+// it when bind_mask binds the policy to sequence b.
 struct CompressedMask {
   struct Config {
     i64 block, stride;
     i64 offset = 0;
+    const std::int32_t* cu_seqlens_k = nullptr;
   };
   Config c;
   i64 T, S;
@@ -75,6 +79,20 @@ struct CompressedMask {
   }
   __device__ __forceinline__ i64 end_query(i64) const { return T; }
 };
+
+// The policy of sequence b (seq: its query count T and key count S): a packed query chunk's compressed mask reads
+// the sequence's key count from the device; every other policy is its config and the two counts.
+template <class Mask, class Seq>
+__device__ __forceinline__ Mask bind_mask(const typename Mask::Config& config, const Seq& seq, i64 b) {
+  if constexpr (std::is_same_v<Mask, CompressedMask>) {
+    if (config.cu_seqlens_k != nullptr) {
+      typename Mask::Config bound = config;
+      bound.offset = i64{config.cu_seqlens_k[b + 1]} - config.cu_seqlens_k[b] - seq.T;
+      return Mask{bound, seq.T, seq.S};
+    }
+  }
+  return Mask{config, seq.T, seq.S};
+}
 
 // Every element of queries [t0, t0 + rows) x keys [j0, j0 + cols) visible (lo, hi monotone).
 template <class Mask>

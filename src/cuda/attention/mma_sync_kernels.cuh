@@ -309,7 +309,7 @@ __device__ __forceinline__ void for_each_query_tile(const AttnArgs<T>& a, const 
   for (i64 index = blockIdx.x; index < order.count; index += gridDim.x) {
     const auto tile = order[index];
     const auto seq = a.seqs[tile.sequence];
-    const Mask mask{mc, seq.T, seq.S};
+    const Mask mask = bind_mask<Mask>(mc, seq, tile.sequence);
     const QueryWork w(a, mask, seq, kM, kN, tile.head, tile.tile, tile.sequence);
     if (w.rows > 0) body(seq, mask, w);
   }
@@ -586,7 +586,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   T* sV = sK + 2 * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
+  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
   const QueryWork w(a, mask, seq, kM, kN);
   if (w.rows <= 0) return;
   const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
@@ -676,7 +676,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   T* sV = sK + 2 * Tile::kK;
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
+  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
   const QueryWork w(a, mask, seq, kM, kN);
   if (w.rows <= 0) return;
   const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
@@ -799,7 +799,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
   float* sScale = sDelta + 2 * kM;                              // [2][kM]: P factor (AttnArgs::d_o_scale)
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
+  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
   const DkvWork w(a, mask, seq, kN, kM);
   if (w.keys <= 0) return;
   const i64 j0 = w.j0;

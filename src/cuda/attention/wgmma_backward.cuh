@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   float* sScale = sDelta + kBuffers * kM;  // [kBuffers][kM]: P factor (AttnArgs::d_o_scale)
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask{mc, seq.T, seq.S};
+  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
   const DkvWork w(a, mask, seq, kN, kM);
   if (w.keys <= 0) return;
   const i64 j0 = w.j0;
