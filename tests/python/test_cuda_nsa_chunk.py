@@ -150,7 +150,7 @@ def test_compressed_attention_chunk(attention_mma, shape, heads, dims):
 
     poison_allocator()
     o_full, (dq_full, dkc_full, dvc_full) = grads(call("cuda", True), (q, kc, vc), chunk.spread(d_o, q[..., :Dv]))
-    _, lse_full = sa.compressed_attention(q, kc, vc, block=32, stride=16)
+    _, lse_full = sa.compressed_attention(q, kc, vc, block=32, stride=16, **chunk.full_kw("cuda"))
     poison_allocator()
     o, (dq, dkc, dvc) = grads(call("cuda", False), (chunk.pick(q), kc, vc), d_o)
     _, lse = sa.compressed_attention(chunk.pick(q), kc, vc, block=32, stride=16,
