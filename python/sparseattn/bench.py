@@ -19,7 +19,8 @@ measurement is a first run (which also gives the peak memory of fwd+bwd: the mos
 inputs), one more to estimate the warm run time if the first was shorter than the target, untimed runs up to
 --warmup-ms, then timed runs up to --rep-ms in total (at least 1, at most --max-reps). "fwd" runs under
 torch.no_grad(); "fwd+bwd" is the forward and torch.autograd.grad of q, k, v (and the NSA gates). NSA fwd+bwd is
-measured with the default recompute="none" and again with recompute="branches" (time and peak memory of both). With
+measured with the default recompute="none" and again with recompute="branches" and "selected_and_window" (time and
+peak memory of each). With
 --time-budget-s the target of each measurement is also capped at its share of the time left, and the cases not
 started within the budget are recorded as skipped.
 
@@ -83,11 +84,15 @@ class Shape:
 
 
 def parse_seqlen(text: str) -> int:
-    """8192, 8K or 8k."""
-    return int(text[:-1]) * 1024 if text[-1] in "kK" else int(text)
+    """8192, 8K or 8k (times 1024), 1M or 1m (times 1024^2)."""
+    units = {"k": 1024, "m": 1024 * 1024}
+    unit = units.get(text[-1].lower())
+    return int(text[:-1]) * unit if unit else int(text)
 
 
 def seqlen_label(seqlen: int) -> str:
+    if seqlen % (1024 * 1024) == 0:
+        return f"{seqlen // (1024 * 1024)}M"
     return f"{seqlen // 1024}K" if seqlen % 1024 == 0 else str(seqlen)
 
 
@@ -300,7 +305,11 @@ def kernel_times(fn: Callable[[], object]) -> dict[str, float]:
 
 
 def measurements_per_case(stages: bool) -> int:
-    return 2 * len(DENSE) + 3 + (len(STAGES) if stages else 0)
+    return 2 * len(DENSE) + 2 + len(RECOMPUTE_MODES) + (len(STAGES) if stages else 0)
+
+
+# The recompute modes of nsa_attention timed beside the default "none" (time and peak memory of fwd+bwd).
+RECOMPUTE_MODES = ("branches", "selected_and_window")
 
 
 INPUTS = ("random", "drifting")
@@ -358,7 +367,8 @@ def run_case(shape: Shape, seqlen: int, dtype: torch.dtype, config: NSAConfig, t
     with torch.no_grad():
         case.measure("nsa_fwd", nsa_forward)
     case.measure("nsa_fwd_bwd", nsa_forward_backward, peak_memory=True)
-    case.measure("nsa_branches_fwd_bwd", lambda: nsa_forward_backward("branches"), peak_memory=True)
+    for mode in RECOMPUTE_MODES:
+        case.measure(f"nsa_{mode}_fwd_bwd", lambda mode=mode: nsa_forward_backward(mode), peak_memory=True)
     if kernels and case.result["times_ms"].get("nsa_fwd_bwd") is not None:
         case.result["kernels_fwd_bwd_ms"] = kernel_times(nsa_forward_backward)
     return summarize(case.result, shape, seqlen, config)
@@ -437,19 +447,23 @@ def markdown(meta: dict, results: list[dict]) -> str:
                   fmt_number(ratio(m.get("nsa"), m.get("sdpa_cudnn")))]
         lines.append("| " + " | ".join(cells) + " |")
 
-    if any("nsa_branches_fwd_bwd" in r["times_ms"] for r in results):
-        lines += ["", "NSA fwd+bwd with recompute='branches' (the forward keeps log-sum-exps, selection and pooled "
-                  "K/V; the backward recomputes the branch outputs): time, its cost over the default, and the peak "
-                  "memory of both (GB above the inputs, gradients included):", "",
-                  "| Hq/Hkv, Dqk/Dv | T | NSA fwd+bwd | branches fwd+bwd | cost | peak GB NSA / branches |",
-                  "|---|---|---|---|---|---|"]
+    if any(f"nsa_{mode}_fwd_bwd" in r["times_ms"] for r in results for mode in RECOMPUTE_MODES):
+        lines += ["", "NSA fwd+bwd with recompute= 'branches' (the forward keeps log-sum-exps, selection and pooled "
+                  "K/V; the backward recomputes the three branch outputs) and 'selected_and_window' (keeps the "
+                  "compressed output too): time, cost over the default 'none', and the peak memory of each (GB "
+                  "above the inputs, gradients included):", "",
+                  "| Hq/Hkv, Dqk/Dv | T | NSA fwd+bwd | branches | cost | selected_and_window | cost "
+                  "| peak GB none / branches / selected_and_window |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in results:
             t, m = r["times_ms"], r["peak_memory_gb"]
-            cost = ratio(t.get("nsa_branches_fwd_bwd"), t.get("nsa_fwd_bwd"))
-            lines.append(f"| {Shape(**r['shape']).label()} | {seqlen_label(r['seqlen'])} | "
-                         f"{time_cell(r, 'nsa_fwd_bwd')} | {time_cell(r, 'nsa_branches_fwd_bwd')} | "
-                         f"{'n/a' if cost is None else f'{100 * (cost - 1):+.1f}%'} | "
-                         f"{fmt_number(m.get('nsa'))} / {fmt_number(m.get('nsa_branches'))} |")
+            cells = [Shape(**r["shape"]).label(), seqlen_label(r["seqlen"]), time_cell(r, "nsa_fwd_bwd")]
+            for mode in RECOMPUTE_MODES:
+                cost = ratio(t.get(f"nsa_{mode}_fwd_bwd"), t.get("nsa_fwd_bwd"))
+                cells += [time_cell(r, f"nsa_{mode}_fwd_bwd"), "n/a" if cost is None else f"{100 * (cost - 1):+.1f}%"]
+            peaks = ("nsa", *(f"nsa_{mode}" for mode in RECOMPUTE_MODES))
+            cells.append(" / ".join(fmt_number(m.get(key)) for key in peaks))
+            lines.append("| " + " | ".join(cells) + " |")
 
     if any(s in r["times_ms"] for r in results for s in STAGES):
         lines += ["", "Forward times of the stages called one by one (ms); sum: all of them, to compare with the "
@@ -545,7 +559,7 @@ def write_reports(stem: str, meta: dict, results: list[dict], with_plot: bool) -
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="Hq/Hkv/Dqk/Dv")
-    parser.add_argument("--seqlens", nargs="+", type=parse_seqlen, default=SEQLENS, help="e.g. 8192 or 8K")
+    parser.add_argument("--seqlens", nargs="+", type=parse_seqlen, default=SEQLENS, help="e.g. 8192, 8K or 1M")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--inputs", choices=INPUTS, default="random",

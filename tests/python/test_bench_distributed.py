@@ -51,7 +51,7 @@ def test_efficiencies_and_bars():
     bars = {b["bar"]: b for b in bd.evaluate_bars(timed, fits)}
     expected = "tokens no, work yes" if work / 8 >= 0.85 else "no"
     assert bars["4 GPUs: throughput >= 0.85 x 4 x one GPU's"]["met"] == expected
-    assert bars["2048K tokens fit on 4 GPUs"]["met"] == "no"
+    assert bars["2M tokens fit on 4 GPUs"]["met"] == "no"
     text = bd.markdown({"gpu": "X", "max_ranks": 4, "commit": "abc", "dtype": "bfloat16", "shape": "4/1/32/32",
                         "tokens_per_gpu": 1000, "repeats": 3, "config": {}, "bars": bd.evaluate_bars(timed, fits)},
                        timed, fits)

@@ -230,11 +230,12 @@ def test_bench_reports_both_modes():
     from sparseattn import bench
     shape = bench.Shape.parse("64/4/128/128")
     result = {"shape": {"heads_q": 64, "heads_kv": 4, "dim_qk": 128, "dim_v": 128}, "seqlen": 262144,
-              "times_ms": {"nsa_fwd": 300.0, "nsa_fwd_bwd": 1000.0, "nsa_branches_fwd_bwd": 1100.0}, "reps": {},
-              "peak_memory_gb": {"nsa": 30.0, "nsa_branches": 15.0}, "errors": {}}
+              "times_ms": {"nsa_fwd": 300.0, "nsa_fwd_bwd": 1000.0, "nsa_branches_fwd_bwd": 1100.0,
+                           "nsa_selected_and_window_fwd_bwd": 1050.0}, "reps": {},
+              "peak_memory_gb": {"nsa": 30.0, "nsa_branches": 15.0, "nsa_selected_and_window": 20.0}, "errors": {}}
     result = bench.summarize(result, shape, 262144, sa.NSAConfig())
     meta = {"gpu": "Test GPU", "date": "2026-01-02", "commit": "abc1234", "torch": "2.11", "dtype": "bfloat16",
             "config": {"window": 512}}
     text = bench.markdown(meta, [result])
-    assert "| 64/4, 128/128 | 256K | 1000 | 1100 | +10.0% | 30.00 / 15.00 |" in text
-    assert bench.measurements_per_case(False) == 2 * len(bench.DENSE) + 3
+    assert "| 64/4, 128/128 | 256K | 1000 | 1100 | +10.0% | 1050 | +5.0% | 30.00 / 15.00 / 20.00 |" in text
+    assert bench.measurements_per_case(False) == 2 * len(bench.DENSE) + 4
