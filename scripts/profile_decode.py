@@ -1,0 +1,72 @@
+"""GPU time of every kernel of one decode step (torch.profiler), for nsa_decode and flash_decode over the same paged
+cache, at given contexts and batches: where a step's time goes, kernel by kernel (the launches' gaps are the rest
+of a graph replay's time, which `python -m sparseattn.bench_inference --sections decode` measures).
+
+    python scripts/profile_decode.py [--contexts 8K 128K] [--batches 1 64] [--heads 64/4] [--head-dim 128]
+
+bf16, NSA defaults, Tq = 1, random inputs; one warm-up step, then the median over --steps profiled steps of each
+kernel's time. Prints one table per (batch, context).
+"""
+import argparse
+import statistics
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import sparseattn as sa
+from sparseattn.bench import parse_seqlen
+from sparseattn.bench_inference import decode_steps, random_gates
+
+
+def kernel_times(step, steps):
+    """{kernel name: median µs per step} and the median sum per step."""
+    step()
+    torch.cuda.synchronize()
+    per_step = []
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        times = defaultdict(float)
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                times[event.name] += getattr(event, "device_time_total", None) or event.cuda_time_total
+        per_step.append(times)
+    names = sorted({n for t in per_step for n in t})
+    return {n: statistics.median(t.get(n, 0.0) for t in per_step) for n in names}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", nargs="+", type=parse_seqlen, default=[8192, 131072])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--heads", default="64/4")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    config = sa.NSAConfig()
+    for batch in args.batches:
+        for context in args.contexts:
+            if batch * context * hkv * args.head_dim * 4 > 40e9:
+                continue
+            opts = dict(device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(batch, 1, hq, args.head_dim, **opts)
+            k = torch.randn(batch, context, hkv, args.head_dim, **opts)
+            v = torch.randn(batch, context, hkv, args.head_dim, **opts)
+            k_cmp, v_cmp = sa.compress_kv(k, v, block=config.cmp_block, stride=config.cmp_stride)
+            gates = random_gates(batch, 1, hq, "cuda", torch.bfloat16)
+            steps = decode_steps(q, k, v, gates, k_cmp, v_cmp, config)
+            print(f"\n## B = {batch}, S = {context}, {args.heads}, D = {args.head_dim}")
+            for method in ("nsa_decode", "flash_decode_paged"):
+                times = kernel_times(steps[method], args.steps)
+                print(f"{method}: sum {sum(times.values()):.1f} us")
+                for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
+                    print(f"  {us:8.1f} us  {name[:110]}")
+            del q, k, v, k_cmp, v_cmp
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""sparseattn.hf on CUDA: generate() of a small bf16 NSA Llama whose decode steps run nsa_decode's CUDA kernels over
+the SparseAttnCache buffer seen as pages; every step's logits against the full forward's rows of the same sequence
+(the prefill and the full forward run nsa_attention's CUDA kernels)."""
+import pytest
+import torch
+
+from helpers import require_sparseattn
+
+require_sparseattn()
+transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+import sparseattn  # noqa: E402
+from sparseattn import hf  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not sparseattn._C.built_with_cuda(),
+                       reason="needs a CUDA GPU and a CUDA build of sparseattn"),
+]
+
+
+def small_model(seed, heads, kv_heads, head_dim):
+    torch.manual_seed(seed)
+    config = hf.NSALlamaConfig(vocab_size=96, hidden_size=heads * head_dim, intermediate_size=256,
+                               num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                               nsa_cmp_block=32, nsa_cmp_stride=16, nsa_sel_block=64, nsa_num_selected=4,
+                               nsa_num_init=1, nsa_num_local=2, nsa_window=64, pad_token_id=0, eos_token_id=None,
+                               bos_token_id=None)
+    return hf.NSALlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (16, 1)], ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_generate_decodes_through_nsa_decode_with_the_full_forwards_logits(monkeypatch, heads, head_dim):
+    model = small_model(11, *heads, head_dim)
+    batch, prompt, new_tokens = 2, 301, 40  # past compression, selection-block and window boundaries
+    ids = torch.randint(1, 96, (batch, prompt), device="cuda")
+    calls = []
+    real = hf.nsa_decode
+
+    def recording(q, k_pages, v_pages, **kwargs):
+        calls.append(q.shape[1])
+        return real(q, k_pages, v_pages, **kwargs)
+
+    monkeypatch.setattr(hf, "nsa_decode", recording)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                             past_key_values=hf.SparseAttnCache(), output_logits=True, return_dict_in_generate=True)
+    assert len(calls) == (new_tokens - 1) * model.config.num_hidden_layers and set(calls) == {1}
+    assert all(layer.self_attn.decode_unsupported is None for layer in model.model.layers)
+    sequence = out.sequences
+    with torch.no_grad():
+        full = model(sequence[:, :-1], use_cache=False).logits[:, prompt - 1:].float()
+    steps = torch.stack(out.logits, dim=1).float()
+    assert steps.shape == full.shape and torch.isfinite(steps).all()
+    err = (steps - full).abs().max().item()
+    assert err <= 0.05 * full.abs().max().item() + 0.05, f"max logit error {err:.3g}"
