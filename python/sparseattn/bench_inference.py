@@ -39,14 +39,14 @@ Heads --heads (64/4), head dim --head-dim (128) for q, k and v, dtype --dtype (b
             the chunk included, so S - C cached keys before it), batch --prefill-batch (1), under torch.no_grad():
               chunk           nsa_attention(q[:, S-C:], k, v, gates[:, S-C:]): one chunk call;
               full            nsa_attention(q, k, v, gates) on all S tokens: the training forward of the sequence;
+              full_before     the same on the first S - C tokens;
               chunked         the S tokens as S/C chunk calls in order, chunk i against keys [0, (i+1)C).
-            The training forward's cost per token of its last C rows cannot be measured apart (its kernels run all
-            rows together, and the compression of the keys is shared by all rows), so the comparison is of
-            throughputs: chunk tokens/s = B*C / chunk time, full-forward tokens/s = B*S / full time. A chunk at
-            the end of the sequence does more than the average row of the full forward (its queries see the most
-            compressed blocks, and it pools all S keys for C rows), so the ratio is <= 1 where the kernels are
-            equally efficient. chunked tokens/s = B*S / chunked time is the whole prefill done in chunks.
-            Bar: chunk tokens/s / full-forward tokens/s >= 0.9.
+            The training forward's time on the chunk's tokens is its marginal time, full - full_before: what its
+            last C rows add (their keys' compression included). A chunk at the end of the sequence does more than
+            the average row (its queries see the most compressed blocks), so the average throughputs (chunk
+            tokens/s = B*C / chunk time against B*S / full time, also reported) differ even where the kernels are
+            equally efficient; chunked tokens/s = B*S / chunked time is the whole prefill done in chunks.
+            Bar: chunk speed / the training forward's on the same tokens = (full - full_before) / chunk >= 0.9.
   generate  model.generate() of a random-initialised Llama of about 1B parameters (--generate-model 1b: hidden
             2048, 12 layers, MLP 5632, vocabulary 32000, --heads and --head-dim attention) with NSA attention
             (sparseattn.hf.NSALlamaForCausalLM, SparseAttnCache) and with SDPA attention (transformers'
@@ -110,7 +110,7 @@ DENSE_DECODE_METHODS = ("flash_decode", "sdpa_cudnn", "sdpa_flash", "flash_decod
 DECODE_PAGE_SIZE = 64
 SDPA_METHODS = ("sdpa_cudnn", "sdpa_flash")
 MODES = ("graph", "eager")
-PREFILL_METHODS = ("chunk", "full", "chunked")
+PREFILL_METHODS = ("chunk", "full", "full_before", "chunked")
 MODELS = ("nsa", "sdpa")
 METHOD_LABELS = {
     "nsa": "NSA",
@@ -122,6 +122,7 @@ METHOD_LABELS = {
     "flash_decode_paged": "sparseattn flash_decode, paged",
     "chunk": "one chunk",
     "full": "full forward",
+    "full_before": "full forward of the first S - C tokens",
     "chunked": "all chunks in order",
 }
 MODEL_LABELS = {"nsa": "NSA (NSALlamaForCausalLM, SparseAttnCache)", "sdpa": "SDPA (LlamaForCausalLM, DynamicCache)"}
@@ -188,8 +189,8 @@ def decode_bars(method: str, variant: bool, dense: str = "flash_decode") -> tupl
 
 BARS = (decode_bars("nsa", False) + decode_bars("nsa_cmp_given", True)
         + decode_bars("nsa_decode", False, "flash_decode_paged") + (
-    Bar("prefill", "prefill: chunk tokens/s / full-forward tokens/s >= 0.9", ("tokens_per_s_vs_full", "chunk"), (),
-        0.9, True, ("chunk", "full")),
+    Bar("prefill", "prefill: chunk speed / the training forward's speed on the same tokens >= 0.9",
+        ("chunk_vs_marginal",), (), 0.9, True, ("chunk", "full", "full_before")),
     Bar("generate", "generate: NSA decode tokens/s / SDPA decode tokens/s at a 64K prompt >= 3",
         ("nsa_vs_sdpa_decode_tokens_per_s",), (("prompt", 65536),), 3.0, True, ("nsa_generate", "sdpa_generate")),
 ))
@@ -292,11 +293,17 @@ def summarize(result: dict, element_bytes: int) -> dict:
                     result["kv_bytes_per_s"][key] = None if ms is None else result["kv_bytes"] / (ms * 1e-3)
     elif section == "prefill":
         tokens = {"chunk": result["batch"] * result["chunk"], "full": result["batch"] * result["context"],
+                  "full_before": result["batch"] * (result["context"] - result["chunk"]),
                   "chunked": result["batch"] * result["context"]}
         result["tokens_per_s"] = {m: None if times.get(m) is None else tokens[m] / (times[m] * 1e-3)
                                   for m in PREFILL_METHODS}
         result["tokens_per_s_vs_full"] = {m: ratio(result["tokens_per_s"][m], result["tokens_per_s"]["full"])
                                           for m in PREFILL_METHODS}
+        # The training forward's time on the chunk's tokens: its time on all S tokens less its time on the first
+        # S - C (what the last C rows add, their keys' compression included).
+        full, before = times.get("full"), times.get("full_before")
+        result["marginal_ms"] = None if full is None or before is None else full - before
+        result["chunk_vs_marginal"] = ratio(result["marginal_ms"], times.get("chunk"))
     else:
         prefill_tokens = result["batch"] * (result["prompt"] - 1)
         decode_tokens = result["batch"] * result["new_tokens"]
@@ -496,6 +503,10 @@ def run_prefill(case: Case, args, config: NSAConfig, device: str) -> None:
                      peak_memory=device == "cuda")
         case.measure("full", guarded(lambda: nsa_attention(q, k, v, *gates, config=config)),
                      peak_memory=device == "cuda")
+        before = context - chunk
+        if before > 0:
+            head = [t[:, :before].contiguous() for t in (q, k, v, *gates)]
+            case.measure("full_before", guarded(lambda: nsa_attention(*head[:3], *head[3:], config=config)))
         case.measure("chunked", guarded(chunked))
 
 
@@ -703,6 +714,9 @@ def prefill_table(results: list[dict]) -> list[str]:
                         f"| {fmt_rate(r.get('tokens_per_s', {}).get(method))} "
                         f"| {fmt_number(r.get('tokens_per_s_vs_full', {}).get(method), 3)} "
                         f"| {fmt_number(r['peak_memory_gb'].get(method))} |")
+        if r.get("chunk_vs_marginal") is not None:
+            rows.append(f"| {case_label(r)} | the training forward on the chunk's tokens (full - first S - C) "
+                        f"| {r['marginal_ms']:.2f} | chunk / it: {r['chunk_vs_marginal']:.3f} | | |")
     return rows
 
 
