@@ -1,7 +1,8 @@
 // flash_attention's per-element score terms on CUDA: the element mask, the bias, the block-sparse tile map, the
 // bias gradient's workspace, the gate (gate_terms.cuh) and the work counter, carried by one masking policy
 // (FlashTermsMask) so that the plain policies (FlashMask, CompressedMask) compile to the kernels they are without
-// them.
+// them. A mask and bias without query rows and no tile map or work counter take FlashKeyTermsMask, whose kernels
+// add one term per key (key terms, below) and carry none of the per-element code.
 //
 // Kernels see the terms through two things:
 //  - Tile kinds (tile_walk.cuh): a kernel tile of queries [t0, t0 + rows) x keys [j0, j0 + keys) is absent (every
