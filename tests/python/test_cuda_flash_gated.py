@@ -178,6 +178,27 @@ def test_gated_with_mask_bias_tiles(attention_mma, gate, dims, bias_code):
 
 
 @pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"D{d[0]}-{d[1]}")
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=lambda h: f"H{h[0]}-{h[1]}")
+def test_gated_with_key_bias(attention_mma, gate, dims, heads):
+    """The gate with a key bias (and dbias) and a key mask, no tile map (the key-terms kernels)."""
+    (Hq, Hkv), (Dqk, Dv), dtype = heads, dims, torch.bfloat16
+    B, T, S = 2, 150, 203
+    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
+    alpha, delta = gates((B, T, Hq), (B, S, Hkv), dtype, gate_fp32=False)
+    mask = torch.rand(B, 1, 1, S, device="cuda") < 0.8
+    bias = torch.randn(B, Hkv, 1, S, device="cuda").to(dtype)
+
+    def fn(mask):
+        return lambda q, k, v, a, d, b: sparseattn.flash_attention(q, k, v, causal=True, mask=mask, alpha=a, delta=d,
+                                                                    gate=gate, bias=b, return_lse=True)
+
+    compare(fn(mask), fn(cpu_copy(mask)), [q, k, v, alpha, delta, bias], dtype)
+
+
+@pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("dims", [(128, 128), (256, 256)], ids=lambda d: f"D{d[0]}-{d[1]}")
 def test_backward_is_deterministic(attention_mma, gate, dims):
     """Two backward runs give bit-equal dq, dk, dv, dalpha and ddelta (head splits of the dK/dV kernel included:

@@ -160,16 +160,17 @@ def test_packed_mask_bias(attention_mma, dtype, dims, forms):
     compare(fn("cuda", mask), fn("cpu", cpu_copy(mask)), q, k, v, bias, dtype)
 
 
+@pytest.mark.parametrize("mask_code", ["B1TS", "B11S"])
 @pytest.mark.parametrize("bias_code", ["1K1S", "11TS", "1HTS", "BK1S"])
-def test_backward_is_deterministic(attention_mma, bias_code):
+def test_backward_is_deterministic(attention_mma, bias_code, mask_code):
     """Two backward runs give bit-equal dq, dk, dv and dbias (head splits of the dK/dV kernel included: the
-    group of 4 query heads over few key blocks)."""
+    group of 4 query heads over few key blocks); a key mask with a key bias takes the key-terms kernels."""
     B, T, S, Hq, Hkv, D = 2, 300, 260, 8, 2, 128
     dtype = torch.bfloat16
     q = torch.randn(B, T, Hq, D, dtype=dtype, device="cuda")
     k = torch.randn(B, S, Hkv, D, dtype=dtype, device="cuda")
     v = torch.randn(B, S, Hkv, D, dtype=dtype, device="cuda")
-    mask = random_mask([B, 1, T, S])
+    mask = random_mask(shaped(mask_code, B, Hq, Hkv, T, S))
     bias = torch.randn(shaped(bias_code, B, Hq, Hkv, T, S), device="cuda").to(dtype)
     d_o = torch.randn(B, T, Hq, D, dtype=dtype, device="cuda")
 
@@ -181,6 +182,60 @@ def test_backward_is_deterministic(attention_mma, bias_code):
     first, second = grads(), grads()
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), first, second):
         assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+# Key terms (a mask and bias without query rows: FlashKeyTermsMask, or FlashTermsMask's key-term path with a tile
+# map): (B, T, S, Hq, Hkv, causal, window, mask shape, bias shape); odd key counts, every group size, a window.
+KEY_TERMS = [
+    (1, 131, 197, 8, 8, True, (-1, -1), None, "BK1S"),
+    (2, 77, 77, 8, 4, False, (-1, -1), "B11S", "1H1S"),
+    (1, 200, 130, 8, 2, True, (-1, -1), None, "111S"),
+    (2, 64, 301, 8, 1, True, (50, -1), "1K1S", "BK1S"),
+    (1, 300, 257, 8, 1, False, (-1, -1), "111S", None),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"D{d[0]}-{d[1]}")
+@pytest.mark.parametrize("case", KEY_TERMS, ids=lambda c: "B{}T{}S{}H{}-{}c{}w{}m{}b{}".format(*c))
+def test_key_terms(attention_mma, dtype, dims, case):
+    """A key bias (with dbias) and a key mask: o, lse, dq, dk, dv and dbias against the CPU reference."""
+    B, T, S, Hq, Hkv, causal, window, mask_code, bias_code = case
+    Dqk, Dv = dims
+    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
+    mask = None if mask_code is None else random_mask(shaped(mask_code, B, Hq, Hkv, T, S))
+    bias = None if bias_code is None else (2 * torch.randn(shaped(bias_code, B, Hq, Hkv, T, S),
+                                                           device="cuda")).to(dtype)
+
+    def fn(mask):
+        return lambda q, k, v, b: sparseattn.flash_attention(q, k, v, causal=causal, window=window, mask=mask,
+                                                             bias=b, return_lse=True)
+
+    compare(fn(mask), fn(cpu_copy(mask)), q, k, v, bias, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64)], ids=lambda d: f"D{d[0]}-{d[1]}")
+@pytest.mark.parametrize("packed_form", ["key", "keyK", "row1"])
+def test_key_terms_packed(attention_mma, dtype, dims, packed_form):
+    """Packed sequences with a key bias in each packed form and a key mask."""
+    Hq, Hkv, (Dqk, Dv) = 8, 2, dims
+    Nq, Nk, Lk = sum(LENGTHS_Q), sum(LENGTHS_K), max(LENGTHS_K) + 3
+    q = torch.randn(Nq, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(Nk, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(Nk, Hkv, Dv, dtype=dtype, device="cuda")
+    mask = torch.rand(packed_shape("key", Hq, Hkv, Nq, Nk, Lk), device="cuda") < 0.8
+    bias = torch.randn(packed_shape(packed_form, Hq, Hkv, Nq, Nk, Lk), device="cuda").to(dtype)
+
+    def fn(device, mask):
+        cq, ck = cu(LENGTHS_Q, device), cu(LENGTHS_K, device)
+        return lambda q, k, v, b: sparseattn.flash_attention(
+            q, k, v, causal=True, mask=mask, bias=b, cu_seqlens_q=cq, cu_seqlens_k=ck,
+            max_seqlen_q=max(LENGTHS_Q), max_seqlen_k=max(LENGTHS_K), return_lse=True)
+
+    compare(fn("cuda", mask), fn("cpu", cpu_copy(mask)), q, k, v, bias, dtype)
 
 
 def test_fully_masked_rows_and_sequences(attention_mma):
@@ -239,6 +294,32 @@ def test_block_mask_batched(attention_mma, dtype, dims, case):
 
     def fn(mask, blocks):
         return lambda q, k, v, b: ops_flash(q, k, v, mask, b, causal, blocks, (bq, bk))
+
+    compare(fn(mask, blocks), fn(cpu_copy(mask), cpu_copy(blocks)), q, k, v, bias, dtype)
+
+
+# (block_q, block_k, map states, key mask): block sizes that are multiples of the kernel tiles (tiles of one state)
+# and odd ones (tiles that straddle map tiles).
+KEY_TERM_BLOCKS = [(128, 128, "uint8", True), (64, 256, "bool", False), (48, 80, "uint8", True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64), (192, 128), (256, 256)], ids=lambda d: f"D{d[0]}-{d[1]}")
+@pytest.mark.parametrize("case", KEY_TERM_BLOCKS, ids=lambda c: "bq{}bk{}-{}-m{}".format(*c))
+def test_block_mask_key_terms(attention_mma, dtype, dims, case):
+    """A tile map with a key bias (and dbias) and a key mask: the key terms of the tiles of one state, the per-element
+    terms of the others."""
+    bq, bk, states, with_mask = case
+    B, T, S, Hq, Hkv, (Dqk, Dv) = 2, 300, 333, 4, 2, dims
+    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
+    blocks = tile_map(B, Hkv, -(-T // bq), -(-S // bk), states)
+    mask = random_mask([B, 1, 1, S]) if with_mask else None
+    bias = torch.randn(B, Hkv, 1, S, device="cuda").to(dtype)
+
+    def fn(mask, blocks):
+        return lambda q, k, v, b: ops_flash(q, k, v, mask, b, True, blocks, (bq, bk))
 
     compare(fn(mask, blocks), fn(cpu_copy(mask), cpu_copy(blocks)), q, k, v, bias, dtype)
 

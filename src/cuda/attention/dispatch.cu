@@ -1,7 +1,8 @@
 // Host entry points of flash_attention and compressed_attention on CUDA: params -> kernel arguments, head
 // dims -> template constants (the kernels are instantiated in units that CMake generates from
 // instantiation.cu.in, declared in instantiations.h), the backward's workspace and head splits. A flash_attention
-// call with a mask, bias, tile map or work counter runs the FlashTermsMask kernels (score_terms.cuh), with dbias
+// call with a mask, bias, tile map or work counter runs the FlashTermsMask kernels (score_terms.cuh), or, where
+// the mask and bias depend on the key alone and there is no tile map or work counter, FlashKeyTermsMask's; dbias is
 // summed through the workspace (bias_gradient.h); one with a gate and none of those runs FlashGateMask's; the gate's
 // copies and ddelta partials live in the workspace too (gate_gradient.h); the others run FlashMask's. No host
 // synchronisation.
@@ -21,6 +22,7 @@ namespace sparseattn::cuda {
 using attention::AttnArgs;
 using attention::CompressedMask;
 using attention::FlashGateMask;
+using attention::FlashKeyTermsMask;
 using attention::FlashMask;
 using attention::FlashTermsMask;
 using attention::i64;
@@ -221,6 +223,20 @@ FlashTermsMask::Config terms_config(const P& p) {
   return c;
 }
 
+// Whether a call with terms takes them all by key (FlashKeyTermsMask): neither its mask nor its bias has query rows
+// (its bias gradient is then a key sum, bias_gradient.h), and it has no tile map and no work counter.
+template <class P>
+bool takes_key_terms(const P& p, const FlashTermsMask::Config& c) {
+  return c.terms.rows_shared && !p.blocks.block_mask.present() && !p.work_counter.present();
+}
+
+FlashKeyTermsMask::Config key_terms_config(const FlashTermsMask::Config& c) {
+  FlashKeyTermsMask::Config k{};
+  static_cast<FlashMask::Config&>(k) = c;
+  k.terms = c.terms;
+  return k;
+}
+
 // Compressed: key j of sequence b is row cu_seqlens_cmp[b] + j (packed) or j of Tc (batched).
 template <class P>
 SeqPairTable compressed_seqs(const P& p) {
@@ -264,7 +280,12 @@ void flash_attention(const FlashAttentionParams& p) {
     a.seqs = flash_seqs(p);
     const i64 dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
     if (uses_terms(p)) {
-      dispatch<T, FlashTermsMask>(true, dqk, dv, a, terms_config(p), l);
+      const FlashTermsMask::Config config = terms_config(p);
+      if (takes_key_terms(p, config)) {
+        dispatch<T, FlashKeyTermsMask>(true, dqk, dv, a, key_terms_config(config), l);
+      } else {
+        dispatch<T, FlashTermsMask>(true, dqk, dv, a, config, l);
+      }
     } else if (p.gates.alpha.present()) {
       dispatch<T, FlashGateMask>(true, dqk, dv, a,
                                  gate_config(p.causal, p.window_left, p.window_right, attention::gate_terms(p.gates)),
@@ -326,7 +347,11 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p, const detai
       FlashTermsMask::Config config = terms_config(p);
       config.terms.dbias = plan.sink(dbias_workspace);
       config.terms.gate = gate_plan.terms(p, gate_workspace);
-      dispatch<T, FlashTermsMask>(false, dqk, dv, a, config, l);
+      if (takes_key_terms(p, config)) {
+        dispatch<T, FlashKeyTermsMask>(false, dqk, dv, a, key_terms_config(config), l);
+      } else {
+        dispatch<T, FlashTermsMask>(false, dqk, dv, a, config, l);
+      }
     } else if (gate_plan.present) {
       const attention::GateTerms gate = gate_plan.terms(p, gate_workspace);
       dispatch<T, FlashGateMask>(false, dqk, dv, a, gate_config(p.causal, p.window_left, p.window_right, gate), l);

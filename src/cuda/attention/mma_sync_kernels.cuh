@@ -386,13 +386,18 @@ __device__ __forceinline__ unsigned long long query_tile_work(const typename Mas
 }
 
 // The mma.sync query-row kernels' scores of a warp's kMT row tiles (rows row0 + 16 mt) against keys [j0, j0 + kN)
-// (a kernel tile of this kind) before S = Q K^T accumulates onto them: 0, or with FlashTermsMask the terms
-// (init_scores).
+// (a kernel tile of this kind) before S = Q K^T accumulates onto them: 0, or with terms the terms: from key_terms
+// (the tile's key terms, stage_query_key_terms) under FlashKeyTermsMask, from init_scores under FlashTermsMask.
 template <class T, int kN, int kMT, class Mask, class Seq>
 __device__ __forceinline__ void init_query_scores(float (&s)[kMT][kN / 8][4], const typename Mask::Config& mc,
                                                   const Seq& seq, const QueryWork& w, i64 row0, i64 j0,
-                                                  [[maybe_unused]] int kind) {
-  if constexpr (kHasTerms<Mask>) {
+                                                  [[maybe_unused]] int kind,
+                                                  [[maybe_unused]] const float* key_terms) {
+  if constexpr (kHasKeyTerms<Mask>) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) add_key_terms<kN, false>(s[mt], key_terms);
+    return;
+  } else if constexpr (kHasTerms<Mask>) {
     const QueryTileTerms tt(mc.terms, kind);
     if (tt.needs) {
 #pragma unroll
@@ -491,12 +496,21 @@ __device__ __forceinline__ unsigned long long dkv_work(const typename Mask::Conf
 }
 
 // The dK/dV kernels' transposed scores S^T of a warp's 16 keys (from key0) against the query tile [t0, t0 + kM) of
-// head h (a kernel tile of this kind), before S^T = K Q^T accumulates onto them: 0, or with FlashTermsMask the
-// terms (init_scores).
+// head h (a kernel tile of this kind), before S^T = K Q^T accumulates onto them: 0, or with terms the terms (the
+// key terms of the thread's two key rows under FlashKeyTermsMask, else init_scores).
 template <class T, int kM, class Mask, class Seq>
 __device__ __forceinline__ void init_key_scores(float (&s)[kM / 8][4], const typename Mask::Config& mc,
                                                 const Seq& seq, i64 h, i64 t0, i64 key0, [[maybe_unused]] int kind) {
-  if constexpr (kHasTerms<Mask>) {
+  if constexpr (kHasKeyTerms<Mask>) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float x = key_term<T>(mc.terms, seq, h, key0 + lane / 4 + 8 * half, kTileExists);
+#pragma unroll
+      for (int n = 0; n < kM / 8; ++n) s[n][2 * half] = s[n][2 * half + 1] = x;
+    }
+    return;
+  } else if constexpr (kHasTerms<Mask>) {
     if (tile_needs_terms(mc.terms, kind)) {
       init_scores<T, kM, false>(s, mc.terms, seq, blockIdx.z, h, key0, t0, kind);
       return;
@@ -576,8 +590,9 @@ struct FwdTile {
   static constexpr int kM = 16 * kMT * kWarps;
   static constexpr int kN = kMT == 2 || Dqk > 192 ? 32 : 64;  // 32 with two row tiles: 64 spills registers
   static constexpr int kQ = kM * ld_of<Dqk>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
-  // Q, 2 x K, 2 x V (2-byte elements), then the key tile's gate delta (kN floats; policies with a gate).
-  static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV) + kN * sizeof(float);
+  // Q, 2 x K, 2 x V (2-byte elements), then the key tile's gate delta and key terms (kN floats each; policies with
+  // a gate, with terms).
+  static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV) + 2 * kN * sizeof(float);
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -589,6 +604,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   T* sK = sQ + Tile::kQ;
   T* sV = sK + 2 * Tile::kK;
   [[maybe_unused]] float* sGateKeys = reinterpret_cast<float*>(sV + 2 * Tile::kV);  // [kN]: delta of the key tile
+  [[maybe_unused]] float* sKeyTerms = sGateKeys + kN;  // [kN]: the key tile's key terms (stage_query_key_terms)
 
   const auto seq = a.seqs[blockIdx.z];
   const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
@@ -627,6 +643,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
         load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, next * kN, hk);
       });
       stage_query_gate<T, kN, Mask>(sGateKeys, mc, seq, it * kN, hk, threadIdx.x, kThreads);  // read after the barrier
+      stage_query_key_terms<T, kN, Mask>(sKeyTerms, mc, seq, h, it * kN, threadIdx.x, kThreads);
       __syncthreads();
       const T* k_tile = sK + buf * Tile::kK;
       const T* v_tile = sV + buf * Tile::kV;
@@ -634,7 +651,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
       it = next;
 
       float s[kMT][kN / 8][4];
-      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0, kind);
+      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0, kind, sKeyTerms);
       gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
       with_gate_of<Mask>(mc, [&](auto gate) {
         if constexpr (decltype(gate)::value != kNoGate) {
@@ -681,8 +698,9 @@ struct DqTile {
   static constexpr int kM = 16 * kMT * kWarps;
   static constexpr int kN = kMT == 2 || Dqk > 128 ? 32 : 64;
   static constexpr int kQ = kM * ld_of<Dqk>(), kDO = kM * ld_of<Dv>(), kK = kN * ld_of<Dqk>(), kV = kN * ld_of<Dv>();
-  // Q, dO, 2 x K, 2 x V, then the key tile's gate delta (kN floats; policies with a gate).
-  static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + 2 * kK + 2 * kV) + kN * sizeof(float);
+  // Q, dO, 2 x K, 2 x V, then the key tile's gate delta and key terms (kN floats each; policies with a gate, with
+  // terms).
+  static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + 2 * kK + 2 * kV) + 2 * kN * sizeof(float);
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -695,6 +713,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   T* sK = sDO + Tile::kDO;
   T* sV = sK + 2 * Tile::kK;
   [[maybe_unused]] float* sGateKeys = reinterpret_cast<float*>(sV + 2 * Tile::kV);  // [kN]: delta of the key tile
+  [[maybe_unused]] float* sKeyTerms = sGateKeys + kN;  // [kN]: the key tile's key terms (stage_query_key_terms)
 
   const auto seq = a.seqs[blockIdx.z];
   const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
@@ -726,7 +745,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
         row_stats(a, seq, h, t0 + warp_row0 + 16 * mt + lane / 4 + half * 8, lse2[mt][half], delta[mt][half],
                   p_scale[mt][half]);
         delta[mt][half] *= p_scale[mt][half];  // dS = g P (dP - delta) = P (g dP - g delta)
-        if constexpr (kHasTerms<Mask>) lse2[mt][half] = finite_lse(lse2[mt][half]);
+        if constexpr (kHasAnyTerms<Mask>) lse2[mt][half] = finite_lse(lse2[mt][half]);
       }
     }
     load_tile<kM, Dqk>(sQ, a.q, seq.batch, seq.q_begin + t0, rows, h);
@@ -742,6 +761,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
         load_kv_tiles<kN, Dqk, Dv>(sK + (buf ^ 1) * Tile::kK, sV + (buf ^ 1) * Tile::kV, a, seq, next * kN, hk);
       });
       stage_query_gate<T, kN, Mask>(sGateKeys, mc, seq, it * kN, hk, threadIdx.x, kThreads);  // read after the barrier
+      stage_query_key_terms<T, kN, Mask>(sKeyTerms, mc, seq, h, it * kN, threadIdx.x, kThreads);
       __syncthreads();
       const T* k_tile = sK + buf * Tile::kK;
       const T* v_tile = sV + buf * Tile::kV;
@@ -749,7 +769,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
       it = next;
 
       float s[kMT][kN / 8][4], dp[kMT][kN / 8][4];
-      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0, kind);
+      init_query_scores<T, kN, kMT, Mask>(s, mc, seq, w, t0 + warp_row0, j0, kind, sKeyTerms);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) zero(dp[mt]);
       gemm_ss_nk<T, kN, Dqk, ld_of<Dqk>(), ld_of<Dqk>(), kMT>(s, sQ, warp_row0, k_tile);
@@ -913,7 +933,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-          const float row_lse = kHasTerms<Mask> ? finite_lse(lse[col]) : lse[col];
+          const float row_lse = kHasAnyTerms<Mask> ? finite_lse(lse[col]) : lse[col];
           const float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -row_lse * kLog2e)) * p_scale[col];
           s[n][i] = full || (t0 + col >= q_first[i / 2] && t0 + col < q_end[i / 2]) ? p : 0.f;
         }
@@ -939,10 +959,14 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
             }
           }
         });
-        if constexpr (kHasTerms<Mask>) {
+        if constexpr (kHasAnyTerms<Mask>) {
           const BiasGradientSink& sink = mc.terms.dbias;
           if (sink.data != nullptr) {
-            add_bias_gradient<kM>(sink, s, key_sums, seq, h, j0 + warp * 16, t0);
+            if constexpr (kHasKeyTerms<Mask>) {  // a key sum (dispatch.cu)
+              add_key_sums<kM>(s, key_sums);
+            } else {
+              add_bias_gradient<kM>(sink, s, key_sums, seq, h, j0 + warp * 16, t0);
+            }
             if (sink.key_sums && (next >= w.steps || w.head(next) != h)) {
               flush_key_sums(sink, key_sums, seq, h, j0 + warp * 16);
             }

@@ -1,7 +1,8 @@
 // flash_attention's per-element score terms on CUDA: the element mask, the bias, the block-sparse tile map, the
 // bias gradient's workspace, the gate (gate_terms.cuh) and the work counter, carried by one masking policy
 // (FlashTermsMask) so that the plain policies (FlashMask, CompressedMask) compile to the kernels they are without
-// them.
+// them. A mask and bias without query rows and no tile map or work counter take FlashKeyTermsMask, whose kernels
+// add one term per key (key terms, below) and carry none of the per-element code.
 //
 // Kernels see the terms through two things:
 //  - Tile kinds (tile_walk.cuh): a kernel tile of queries [t0, t0 + rows) x keys [j0, j0 + keys) is absent (every
@@ -105,6 +106,22 @@ struct FlashTermsMask : FlashMask {
 template <class Mask>
 inline constexpr bool kHasTerms = std::is_same_v<Mask, FlashTermsMask>;
 
+// flash_attention whose mask and bias depend on the key alone (rows_shared: a key bias, a key mask), without a tile
+// map or work counter: FlashMask's bounds plus ScoreTerms, whose kernels take every tile's terms by key (key terms
+// below) and carry none of the per-element reads, the tile walk or their registers. The bias gradient is a key sum.
+struct FlashKeyTermsMask : FlashMask {
+  struct Config : FlashMask::Config {
+    ScoreTerms terms;
+  };
+  __device__ __forceinline__ FlashKeyTermsMask(const Config& config, i64 T_, i64 S_) : FlashMask{config, T_, S_} {}
+};
+
+template <class Mask>
+inline constexpr bool kHasKeyTerms = std::is_same_v<Mask, FlashKeyTermsMask>;
+// The policies with ScoreTerms (mc.terms).
+template <class Mask>
+inline constexpr bool kHasAnyTerms = kHasTerms<Mask> || kHasKeyTerms<Mask>;
+
 // flash_attention with a gate and none of the other terms (no mask, bias, tile map, bias gradient or work counter):
 // FlashMask's bounds plus the gate alone, so that its kernels carry none of the terms' per-element code and
 // registers.
@@ -117,11 +134,11 @@ struct FlashGateMask : FlashMask {
 
 // The policies that may carry a gate, and their gate.
 template <class Mask>
-inline constexpr bool kHasGate = kHasTerms<Mask> || std::is_same_v<Mask, FlashGateMask>;
+inline constexpr bool kHasGate = kHasAnyTerms<Mask> || std::is_same_v<Mask, FlashGateMask>;
 
 template <class Mask>
 __device__ __forceinline__ const GateTerms& gate_of(const typename Mask::Config& mc) {
-  if constexpr (kHasTerms<Mask>) {
+  if constexpr (kHasAnyTerms<Mask>) {
     return mc.terms.gate;
   } else {
     return mc.gate;
@@ -274,9 +291,76 @@ __device__ __forceinline__ void init_scores(float (&s)[kCols / 8][4], const Scor
   }
 }
 
+// Key terms: where neither the mask nor the bias depends on the query row (rows_shared: a key bias, a key mask) and
+// the tile is not mixed, every row of a kernel tile adds the same term per key. The kernels then take one term per
+// key instead of reading the mask and bias per element: a query-row kernel stages the terms of a key tile in
+// shared memory (one global read per key, stage_key_terms or a consumer thread per key) and adds each thread's
+// columns from there (add_key_terms); a dK/dV kernel, whose threads hold fixed key rows, keeps its two rows' terms
+// in registers.
+__device__ __forceinline__ bool tile_uses_key_terms(const ScoreTerms& terms, int kind) {
+  return terms.rows_shared && kind != kTileMixed;
+}
+
+// The term of key `key` (of the sequence) for query head h in a tile of this kind (rows shared, not mixed): bias /
+// scale where the key is kept, -inf where the mask drops it, 0 past the sequence.
+template <class T, class Seq>
+__device__ __forceinline__ float key_term(const ScoreTerms& terms, const Seq& seq, i64 h, i64 key, int kind) {
+  if (key >= seq.S) return 0.f;
+  if (terms.mask.data != nullptr && kind != kTileFull &&
+      static_cast<const std::uint8_t*>(terms.mask.data)[terms.mask.row_offset(seq, h, 0) + key] == 0) {
+    return -INFINITY;
+  }
+  if (terms.bias.data == nullptr) return 0.f;
+  const std::uint16_t bits = static_cast<const std::uint16_t*>(terms.bias.data)[terms.bias.row_offset(seq, h, 0) + key];
+  return bias_value<T>(bits) * terms.inv_scale;
+}
+
+// Thread `index` of `count` writes its share of the key terms of keys [j0, j0 + kN) (query head h, a tile of this
+// kind) into dst[kN]; a barrier of the `count` threads must follow before the entries are read.
+template <class T, int kN, class Seq>
+__device__ __forceinline__ void stage_key_terms(float* dst, const ScoreTerms& terms, const Seq& seq, i64 h, i64 j0,
+                                                int kind, int index, int count) {
+  for (int i = index; i < kN; i += count) dst[i] = key_term<T>(terms, seq, h, j0 + i, kind);
+}
+
+// A query-row thread's scores s [kCols / 8][4] (columns: keys; key_terms[c]: the term of column c of the tile) gain
+// their columns' terms (kAdd, onto q.k) or start from them (before the score MMA accumulates q.k onto them).
+template <int kCols, bool kAdd>
+__device__ __forceinline__ void add_key_terms(float (&s)[kCols / 8][4], const float* key_terms) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+    const float2 x = *reinterpret_cast<const float2*>(key_terms + n * 8 + 2 * (lane % 4));
+    if constexpr (kAdd) {
+      s[n][0] += x.x, s[n][1] += x.y, s[n][2] += x.x, s[n][3] += x.y;
+    } else {
+      s[n][0] = x.x, s[n][1] = x.y, s[n][2] = x.x, s[n][3] = x.y;
+    }
+  }
+}
+
+// An mma.sync query-row kernel's staging of the key terms of keys [j0, j0 + kN) (query head h) into dst by thread
+// `index` of `count` (stage_key_terms) under FlashKeyTermsMask; nothing for the other policies (FlashTermsMask's
+// mma.sync kernels read their terms per element, init_scores, which keeps their registers as they are).
+template <class T, int kN, class Mask, class Seq>
+__device__ __forceinline__ void stage_query_key_terms(float* dst, const typename Mask::Config& mc, const Seq& seq,
+                                                      i64 h, i64 j0, int index, int count) {
+  if constexpr (kHasKeyTerms<Mask>) stage_key_terms<T, kN>(dst, mc.terms, seq, h, j0, kTileExists, index, count);
+}
+
 // An lse of -inf (a row without a kept key) read as +inf by the backward with terms: exp2(s - lse) is then 0 for a
 // masked element's s = -inf instead of NaN.
 __device__ __forceinline__ float finite_lse(float lse) { return lse == -INFINITY ? INFINITY : lse; }
+
+// Key sums of a dK/dV thread: adds each of its two key rows' elements of ds [kCols / 8][4] (dS^T) to sums[half].
+template <int kCols>
+__device__ __forceinline__ void add_key_sums(const float (&ds)[kCols / 8][4], float (&sums)[2]) {
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+    sums[0] += ds[n][0] + ds[n][1];
+    sums[1] += ds[n][2] + ds[n][3];
+  }
+}
 
 // The bias gradient of a dK/dV thread: ds [kCols / 8][4] holds dS^T (its two key rows key0 + lane / 4 + 8 half
 // against queries t0 + 8 n + 2 (lane % 4) + j) of query head h.
@@ -286,11 +370,7 @@ template <int kCols, class Seq>
 __device__ __forceinline__ void add_bias_gradient(const BiasGradientSink& sink, const float (&ds)[kCols / 8][4],
                                                   float (&sums)[2], const Seq& seq, i64 h, i64 key0, i64 t0) {
   if (sink.key_sums) {
-#pragma unroll
-    for (int n = 0; n < kCols / 8; ++n) {
-      sums[0] += ds[n][0] + ds[n][1];
-      sums[1] += ds[n][2] + ds[n][3];
-    }
+    add_key_sums<kCols>(ds, sums);
     return;
   }
   const int lane = threadIdx.x % 32;

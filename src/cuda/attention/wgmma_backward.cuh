@@ -147,8 +147,10 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     cp_async_commit();
     float s[kM / 8][4], dp[kM / 8][4];
     std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
-    // FlashTermsMask: the step's scores start from its terms (init_scores) instead of 0.
+    // FlashTermsMask: the step's scores start from its terms (init_scores) instead of 0. FlashKeyTermsMask: the
+    // step's P^T and dS^T add the key terms of the thread's two key rows, read once per step.
     [[maybe_unused]] bool scores_initialized = false;
+    [[maybe_unused]] float key_term_rows[2] = {0.f, 0.f};
     // Step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of step i - 1 (its
     // elementwise part done one step earlier) are in flight, and loads step i + 1 into buffer (i + 1) % 3,
     // whose last reader (the update of step i - 2) every thread waited for before this step's barrier.
@@ -165,6 +167,14 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
           // The step's terms into s (free since the last step's P^T went into p_a), which S^T accumulates onto.
           scores_initialized = tile_needs_terms(mc.terms, kind);
           if (scores_initialized) init_scores<T, kM, false>(s, mc.terms, seq, blockIdx.z, h, j0 + warp * 16, t0, kind);
+        }
+      } else if constexpr (kHasKeyTerms<Mask>) {
+        if (step < steps) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            key_term_rows[half] =
+                key_term<T>(mc.terms, seq, w.head(step), j0 + warp * 16 + lane / 4 + 8 * half, kTileExists);
+          }
         }
       }
       if (step + 1 < steps) load_step(kHasTerms<Mask> ? step_next : step + 1, (step + 1) % kBuffers);
@@ -206,7 +216,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
 #pragma unroll
           for (int n = 0; n < kM / 8; ++n) {
             float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
-            if constexpr (kHasTerms<Mask>) l2 = make_float2(finite_lse(l2.x), finite_lse(l2.y));
+            if constexpr (kHasAnyTerms<Mask>) l2 = make_float2(finite_lse(l2.x), finite_lse(l2.y));
             const float2 d2 = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
             const float2 g2 = *reinterpret_cast<const float2*>(p_scale + n * 8 + 2 * (lane % 4));
             [[maybe_unused]] float2 a2 = make_float2(0.f, 0.f);
@@ -215,6 +225,7 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
             for (int i = 0; i < 4; ++i) {
               const int col = n * 8 + 2 * (lane % 4) + (i % 2);
               float score = s[n][i];
+              if constexpr (kHasKeyTerms<Mask>) score += key_term_rows[i / 2];
               [[maybe_unused]] float slope = 0.f;
               if constexpr (kGate != kNoGate) {
                 score += gate_value_slope<kGate>((i % 2 ? a2.y : a2.x) * gate_delta_rows[i / 2], slope);
@@ -230,11 +241,16 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
           }
         });
       });
-      if constexpr (kHasTerms<Mask>) {
+      if constexpr (kHasAnyTerms<Mask>) {
         const BiasGradientSink& sink = mc.terms.dbias;
         if (sink.data != nullptr) {
-          add_bias_gradient<kM>(sink, dp, key_sums, seq, h, j0 + warp * 16, t0);
-          if (sink.key_sums && (step + 1 >= steps || w.head(step_next) != h)) {
+          if constexpr (kHasKeyTerms<Mask>) {  // a key sum (dispatch.cu)
+            add_key_sums<kM>(dp, key_sums);
+          } else {
+            add_bias_gradient<kM>(sink, dp, key_sums, seq, h, j0 + warp * 16, t0);
+          }
+          const i64 following = kHasTerms<Mask> ? step_next : step + 1;
+          if (sink.key_sums && (step + 1 >= steps || w.head(following) != h)) {
             flush_key_sums(sink, key_sums, seq, h, j0 + warp * 16);
           }
         }
@@ -282,11 +298,13 @@ struct WgmmaDqTile : pipeline::ProducerConsumers {
   static constexpr int kBarriers = pipeline::Ring<1>::kBarriers + pipeline::Ring<kStages>::kBarriers;
   // Per consumer, two buffers of a key tile's gate delta (kN floats; policies with a gate).
   static constexpr int kGateKeys = kConsumers * 2 * kN;
-  // Q, dO, the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, the gate buffers,
-  // plus room to align the start to a swizzle atom: 193 KB at 128/128, 201 KB at 192/128.
+  // Per consumer, two buffers of a key tile's key terms (kN floats; FlashTermsMask, score_terms.cuh).
+  static constexpr int kKeyTerms = kConsumers * 2 * kN;
+  // Q, dO, the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, the gate and
+  // key-term buffers, plus room to align the start to a swizzle atom: 194 KB at 128/128, 202 KB at 192/128.
   static constexpr std::size_t kSmemBytes = 2 * (kQ + kDO + kStages * (kK + kV)) +
-                                            sizeof(std::uint64_t) * kBarriers + sizeof(float) * kGateKeys +
-                                            wgmma::kTileAlignment;
+                                            sizeof(std::uint64_t) * kBarriers +
+                                            sizeof(float) * (kGateKeys + kKeyTerms) + wgmma::kTileAlignment;
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -303,6 +321,8 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
   auto* barriers = reinterpret_cast<std::uint64_t*>(sV + kStages * Tile::kV);
   // [consumer][2][kN]: the gate delta of a consumer's key tiles (step parity), staged by the consumer itself.
   [[maybe_unused]] float* sGateKeys = reinterpret_cast<float*>(barriers + Tile::kBarriers);
+  // [consumer][2][kN]: the key terms of a consumer's key tiles (step parity), staged by the consumer itself.
+  [[maybe_unused]] float* sKeyTerms = sGateKeys + Tile::kGateKeys;
   // Both roles walk the same tiles and, within each, the same key tiles: the CTA's n-th key tile is use n of the
   // K/V ring, its n-th query tile with keys to see use n of the Q/dO ring.
   const pipeline::Ring<1> q_ring(barriers);
@@ -374,13 +394,17 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
       for (int half = 0; half < 2; ++half) {
         row_stats(a, seq, w.h, t0 + warp_row0 + lane / 4 + half * 8, lse2[half], g_delta[half], p_scale[half]);
         g_delta[half] *= p_scale[half];
-        if constexpr (kHasTerms<Mask>) lse2[half] = finite_lse(lse2[half]);
+        if constexpr (kHasAnyTerms<Mask>) lse2[half] = finite_lse(lse2[half]);
       }
       // FlashTermsMask: the key tile of the current step (absent tiles are skipped), its kind and whether the
       // elementwise part adds terms to its scores (init_scores).
       [[maybe_unused]] i64 key_tile = tile_begin;
       [[maybe_unused]] int terms_kind = kTileExists;
       [[maybe_unused]] bool terms_needed = false;
+      // Whether the step's tile takes its terms by key (tile_uses_key_terms): the first kN threads of each consumer
+      // then stage the term of one key each into the consumer's key-term buffer, ordered like the gate delta.
+      [[maybe_unused]] bool terms_by_key = false;
+      [[maybe_unused]] float key_term_value = 0.f;
       float s[kN / 8][4], dp[kN / 8][4];
       std::uint32_t ds[kN / 16][4];
       // Step i (key tile tile_begin + i) computes S and dP of its tile while dQ += dS K of the tile before (dS
@@ -396,6 +420,15 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
             const QueryTileTerms tt(mc.terms, walk.kind(mc, key_tile));
             terms_kind = tt.kind;
             terms_needed = tt.needs;
+            terms_by_key = tt.needs && tile_uses_key_terms(mc.terms, tt.kind);
+            if (terms_by_key && threadIdx.x % 128 < kN) {
+              key_term_value = key_term<T>(mc.terms, seq, w.h, key_tile * kN + threadIdx.x % 128, tt.kind);
+            }
+          }
+        } else if constexpr (kHasKeyTerms<Mask>) {
+          if (step < steps && threadIdx.x % 128 < kN) {
+            terms_by_key = true;
+            key_term_value = key_term<T>(mc.terms, seq, w.h, (tile_begin + step) * kN + threadIdx.x % 128, kTileExists);
           }
         }
         if constexpr (kHasGate<Mask>) {
@@ -406,6 +439,11 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
         }
         if (step == 0) q_ring.wait_full(q_use);
         if (step < steps) kv_ring.wait_full(key_tiles + step);
+        if constexpr (kHasAnyTerms<Mask>) {
+          if (terms_by_key && step < steps && threadIdx.x % 128 < kN) {
+            sKeyTerms[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = key_term_value;
+          }
+        }
         if constexpr (kHasGate<Mask>) {
           if (gate_of<Mask>(mc).on() && step < steps && threadIdx.x % 128 < kN) {
             sGateKeys[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = gate_key_delta;
@@ -434,8 +472,12 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
         wgmma::fence_operand(wgmma::flat<kN>(dp));
         if (step == steps - 1) q_ring.release(q_use);
         const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
-        if constexpr (kHasTerms<Mask>) {
-          if (terms_needed) {
+        if constexpr (kHasKeyTerms<Mask>) {
+          add_key_terms<kN, true>(s, sKeyTerms + (consumer * 2 + (step & 1)) * kN);
+        } else if constexpr (kHasTerms<Mask>) {
+          if (terms_by_key) {
+            add_key_terms<kN, true>(s, sKeyTerms + (consumer * 2 + (step & 1)) * kN);
+          } else if (terms_needed) {
             init_scores<T, kN, true, true>(s, mc.terms, seq, w.sequence, w.h, t0 + warp_row0, j0, terms_kind);
           }
         }

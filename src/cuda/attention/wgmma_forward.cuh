@@ -39,11 +39,13 @@ struct WgmmaFwdTile : pipeline::ProducerConsumers {
   static constexpr int kBarriers = pipeline::Ring<kQBuffers>::kBarriers + 2 * pipeline::Ring<kStages>::kBarriers;
   // Per consumer, two buffers of a key tile's gate delta (kN floats; policies with a gate).
   static constexpr int kGateKeys = kConsumers * 2 * kN;
+  // Per consumer, two buffers of a key tile's key terms (kN floats; FlashTermsMask, score_terms.cuh).
+  static constexpr int kKeyTerms = kConsumers * 2 * kN;
   // The Q buffers and the K/V stages (2-byte elements, every tile a multiple of 1024 bytes), the barriers, the gate
-  // buffers, plus room to align the start to a swizzle atom. 194 KB at 128/128, 210 KB at 192/128.
+  // and key-term buffers, plus room to align the start to a swizzle atom. 195 KB at 128/128, 211 KB at 192/128.
   static constexpr std::size_t kSmemBytes = 2 * (kQBuffers * kQ + kStages * (kK + kV)) +
-                                            sizeof(std::uint64_t) * kBarriers + sizeof(float) * kGateKeys +
-                                            wgmma::kTileAlignment;
+                                            sizeof(std::uint64_t) * kBarriers +
+                                            sizeof(float) * (kGateKeys + kKeyTerms) + wgmma::kTileAlignment;
 };
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -59,6 +61,8 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   auto* barriers = reinterpret_cast<std::uint64_t*>(sV + kStages * Tile::kV);
   // [consumer][2][kN]: the gate delta of a consumer's key tiles (step parity), staged by the consumer itself.
   [[maybe_unused]] float* sGateKeys = reinterpret_cast<float*>(barriers + Tile::kBarriers);
+  // [consumer][2][kN]: the key terms of a consumer's key tiles (step parity), staged by the consumer itself.
+  [[maybe_unused]] float* sKeyTerms = sGateKeys + Tile::kGateKeys;
   // Both roles walk the same tiles and, within each, the same key tiles: the CTA's n-th key tile is use n of the
   // K and V rings, its n-th query tile with keys to see use n of the Q ring.
   const pipeline::Ring<kQBuffers> q_ring(barriers);
@@ -133,6 +137,10 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
       [[maybe_unused]] i64 key_tile = tile_begin;
       [[maybe_unused]] int terms_kind = kTileExists;
       [[maybe_unused]] bool terms_needed = false;
+      // Whether the step's tile takes its terms by key (tile_uses_key_terms): each consumer thread then stages the
+      // term of one key into the consumer's key-term buffer (step parity), ordered like the gate delta below.
+      [[maybe_unused]] bool terms_by_key = false;
+      [[maybe_unused]] float key_term_value = 0.f;
       // Step i (key tile tile_begin + i) computes the scores of its tile while O += P V of the tile before
       // (its softmax done one step earlier) is in flight; a last step adds the last tile's P V. A K stage is
       // released once its scores have landed, a V stage once its P V has, Q after the last scores.
@@ -147,6 +155,15 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
             const QueryTileTerms tt(mc.terms, walk.kind(mc, key_tile));
             terms_kind = tt.kind;
             terms_needed = tt.needs;
+            terms_by_key = tt.needs && tile_uses_key_terms(mc.terms, tt.kind);
+            if (terms_by_key) {
+              key_term_value = key_term<T>(mc.terms, seq, w.h, key_tile * kN + threadIdx.x % 128, tt.kind);
+            }
+          }
+        } else if constexpr (kHasKeyTerms<Mask>) {
+          if (step < steps) {
+            terms_by_key = true;
+            key_term_value = key_term<T>(mc.terms, seq, w.h, (tile_begin + step) * kN + threadIdx.x % 128, kTileExists);
           }
         }
         if constexpr (kHasGate<Mask>) {
@@ -158,6 +175,11 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
         if (step == 0) q_ring.wait_full(q_use);
         if (step < steps) k_ring.wait_full(key_tiles + step);
         if (step > 0) v_ring.wait_full(key_tiles + step - 1);
+        if constexpr (kHasAnyTerms<Mask>) {
+          if (terms_by_key && step < steps) {
+            sKeyTerms[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = key_term_value;
+          }
+        }
         if constexpr (kHasGate<Mask>) {
           if (gate_of<Mask>(mc).on() && step < steps) {
             sGateKeys[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = gate_key_delta;
@@ -190,8 +212,12 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
         k_ring.release(key_tiles + step);
         if (step == steps - 1) q_ring.release(q_use);
         const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
-        if constexpr (kHasTerms<Mask>) {
-          if (terms_needed) {
+        if constexpr (kHasKeyTerms<Mask>) {
+          add_key_terms<kN, true>(s, sKeyTerms + (consumer * 2 + (step & 1)) * kN);
+        } else if constexpr (kHasTerms<Mask>) {
+          if (terms_by_key) {
+            add_key_terms<kN, true>(s, sKeyTerms + (consumer * 2 + (step & 1)) * kN);
+          } else if (terms_needed) {
             init_scores<T, kN, true, true>(s, mc.terms, seq, w.sequence, w.h, t0 + warp_row0, j0, terms_kind);
           }
         }
