@@ -60,7 +60,11 @@ void launch_combine(const decode::DecodeArgs<T>& args, int dqk, int dv, cudaStre
   const std::int64_t rows = std::int64_t{args.batch} * args.q_heads * args.q_len;
   dispatch_head_dims(dqk, dv, [&](auto, auto dim_v) {
     constexpr int Dv = decltype(dim_v)::value;
-    decode::flash_decode_combine_kernel<T, Dv><<<static_cast<unsigned>(rows), Dv, 0, stream>>>(c);
+    int device = 0;
+    cudaGetDevice(&device);
+    // Starts as the split kernel drains; it waits for the split kernel's partials before reading them.
+    launch_dependent(dependent_launch_supported(device), decode::flash_decode_combine_kernel<T, Dv>,
+                     dim3(static_cast<unsigned>(rows)), dim3(Dv), 0, stream, c);
     check_launch("flash_decode_combine_kernel");
   });
 }

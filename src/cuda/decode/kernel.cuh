@@ -300,6 +300,7 @@ __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a)
   }
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is free for the epilogue
+  allow_next_grid();  // the combine (if any) may be scheduled while the epilogues run
 
   // Epilogue: every warp's accumulators, row maxima and sums to shared memory, [kWarpsN][kRows] rows.
   float* const sAcc = reinterpret_cast<float*>(sPipe);
@@ -394,6 +395,7 @@ struct CombineArgs {
 template <class T, int Dv>
 __global__ void __launch_bounds__(Dv) flash_decode_combine_kernel(CombineArgs<T> a) {
   __shared__ float lse_of_split[kMaxSplits], weight[kMaxSplits];
+  wait_for_previous_grid();  // the split kernel's partials
   const i64 rows = i64{a.batch} * a.q_heads * a.q_len;
   const i64 row = blockIdx.x;
   const int column = threadIdx.x;

@@ -7,10 +7,11 @@
 //     split's scaled logits in shared memory and, with the split's final max and sum, pools the split-local
 //     probabilities onto the selection blocks the split covers (overlap(j, b) / d weights): partial scores.
 //  2. nsa_decode_select_kernel: a CTA per (KV head, query, sequence). The global lse of each head from the splits'
-//     lse (fixed split order), then block b's score S[b] = sum over the splits p touching b and the heads h of
+//     lse (a fixed merge order), then block b's score S[b] = sum over the splits p touching b and the heads h of
 //     exp(lse_{p,h} - lse_h) * partial score (p, h, b): the same sum as semantics.md section 4's, regrouped. Then
-//     the forced blocks and n - forced rounds of an arg-max over the other candidates in the order (score
-//     descending, index ascending): the reference's tie rule, deterministic. The list is sorted and padded with -1.
+//     the forced blocks and the top n - forced of the other candidates in the order (score descending, index
+//     ascending): the reference's tie rule, deterministic. Each warp takes the top of its share with warp-wide
+//     arg-max rounds (no block barrier), warp 0 the top of the warps' picks. The list is sorted and padded with -1.
 //  3. nsa_decode_sparse_kernel: a CTA per (piece, KV head, query, sequence): the selected blocks' keys (16-key
 //     chunks of the listed blocks, looked up in the block table) or the window's keys [a - w + 1, a] (16-key
 //     chunks from the aligned chunk holding a - w + 1), the same tile loop as 1; partial o and lse per head.
@@ -312,6 +313,7 @@ __global__ void __launch_bounds__(kThreads) nsa_decode_compressed_kernel(NsaDeco
     return ref;
   };
   attend_tiles<T, Dqk, Dv, true>(a, b, t, kv_head, tiles, chunk, smem, logits, a.split_rows);
+  allow_next_grid();
   merge_rows<Dv>(smem, Dqk, state);
   const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
   const i64 row0 = split * rows_q + a.row_of(b, t, kv_head * a.group);
@@ -347,14 +349,51 @@ __device__ __forceinline__ bool ranks_before(float s, int i, float s_other, int 
   return s > s_other || (s == s_other && i < i_other);
 }
 
+// Merges (max, sum of exp(x - max)) pairs: the pair of the union of both sets.
+__device__ __forceinline__ void merge_max_sum(float& m, float& sum, float m_other, float sum_other) {
+  const float merged = fmaxf(m, m_other);
+  if (merged == -INFINITY) return;
+  sum = (m == -INFINITY ? 0.f : sum * expf(m - merged)) +
+        (m_other == -INFINITY ? 0.f : sum_other * expf(m_other - merged));
+  m = merged;
+}
+
+// The best candidate of a warp in the order ranks_before, among those ranking after (previous_score,
+// previous_index); every lane gets it (best_index INT_MAX: none).
+template <class Load>
+__device__ __forceinline__ void warp_best_after(int begin, int end, int step, Load&& load, float previous_score,
+                                                int previous_index, float& best_score, int& best_index) {
+  best_score = -INFINITY;
+  best_index = INT_MAX;
+  for (int blk = begin; blk < end; blk += step) {
+    const float s = load(blk);
+    if (!ranks_before(previous_score, previous_index, s, blk)) continue;  // taken in an earlier round
+    if (best_index == INT_MAX || ranks_before(s, blk, best_score, best_index)) {
+      best_score = s;
+      best_index = blk;
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float s = __shfl_xor_sync(0xffffffffu, best_score, offset);
+    const int i = __shfl_xor_sync(0xffffffffu, best_index, offset);
+    if (i != INT_MAX && (best_index == INT_MAX || ranks_before(s, i, best_score, best_index))) {
+      best_score = s;
+      best_index = i;
+    }
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDecodeArgs<T> a) {
+  constexpr int kWarps = kSelectThreads / 32;
   __shared__ float lse_of_head[kRows];
-  __shared__ float warp_score[kSelectThreads / 32];
-  __shared__ int warp_index[kSelectThreads / 32];
   __shared__ int chosen[64];
-  __shared__ float round_score;
-  __shared__ int round_index;
+  // Each warp's picks, best first (at most 64 rounds), and the candidates' scores where they fit.
+  __shared__ float pick_score[kWarps][64];
+  __shared__ int pick_index[kWarps][64];
+  __shared__ float shared_scores[kSelectSharedScores];
+  wait_for_previous_grid();  // the compressed splits' partials
   i64 block = blockIdx.x;
   const int kv_head = static_cast<int>(block % a.kv_heads);
   block /= a.kv_heads;
@@ -365,17 +404,24 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   const int used = (visible + a.split_rows - 1) / a.split_rows;
   const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
   const i64 head_row0 = a.row_of(b, t, kv_head * a.group);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  if (threadIdx.x < a.group) {
-    float row_max = -INFINITY;
-    for (int p = 0; p < used; ++p) row_max = fmaxf(row_max, a.cmp_lse[p * rows_q + head_row0 + threadIdx.x]);
-    float lse = -INFINITY;
-    if (row_max != -INFINITY) {
-      float sum = 0.f;
-      for (int p = 0; p < used; ++p) sum += expf(a.cmp_lse[p * rows_q + head_row0 + threadIdx.x] - row_max);
-      lse = row_max + logf(sum);
+  // Each head's lse over the splits: 16 threads per head (kSelectThreads = 16 x kRows) take every 16th split, then
+  // merge their (max, sum) pairs in a fixed butterfly order.
+  {
+    static_assert(kSelectThreads == 16 * kRows, "16 threads per head of the group");
+    const int h = threadIdx.x / 16, part = threadIdx.x % 16;
+    float m = -INFINITY, sum = 0.f;
+    if (h < a.group) {
+      for (int p = part; p < used; p += 16) merge_max_sum(m, sum, a.cmp_lse[p * rows_q + head_row0 + h], 1.f);
     }
-    lse_of_head[threadIdx.x] = lse;
+#pragma unroll
+    for (int offset = 8; offset > 0; offset /= 2) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, m, offset);
+      const float sum_other = __shfl_xor_sync(0xffffffffu, sum, offset);
+      merge_max_sum(m, sum, m_other, sum_other);
+    }
+    if (h < a.group && part == 0) lse_of_head[h] = m == -INFINITY ? -INFINITY : m + logf(sum);
   }
   __syncthreads();
 
@@ -394,7 +440,8 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   __syncthreads();
 
   const int candidates = pos >= 0 ? pos / a.sel_block + 1 : 0;
-  float* const scores = a.scores + a.list_of(b, t, kv_head) * a.max_blocks;
+  float* const scores =
+      candidates <= kSelectSharedScores ? shared_scores : a.scores + a.list_of(b, t, kv_head) * a.max_blocks;
   const i64 span_blocks = i64{a.split_rows} * a.cmp_stride / a.sel_block;  // blocks per split
   for (int blk = threadIdx.x; blk < candidates; blk += kSelectThreads) {
     const i64 block_begin = i64{blk} * a.sel_block, block_end = block_begin + a.sel_block;
@@ -423,53 +470,65 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   const int rounds = max(take - forced, 0);
   __syncthreads();  // the scores are written
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float previous_score = INFINITY;
-  int previous_index = -1;
-  for (int round = 0; round < rounds; ++round) {
-    float best_score = -INFINITY;
-    int best_index = INT_MAX;
-    for (int blk = init_end + threadIdx.x; blk < local_begin; blk += kSelectThreads) {
-      const float s = scores[blk];
-      if (!ranks_before(previous_score, previous_index, s, blk)) continue;  // taken in an earlier round
-      if (best_index == INT_MAX || ranks_before(s, blk, best_score, best_index)) {
-        best_score = s;
-        best_index = blk;
+  // The top `rounds` of the other candidates in the order (score descending, index ascending). Each warp first
+  // takes the top `rounds` of its own share (every kWarps-th group of 32 candidates) with warp-wide arg-max rounds
+  // and no block barrier; the overall top `rounds` are among the warps' picks, and warp 0 takes them from there.
+  const auto load_score = [&](int blk) { return scores[blk]; };
+  {
+    float previous_score = INFINITY, best_score;
+    int previous_index = -1, best_index;
+    for (int round = 0; round < rounds; ++round) {
+      warp_best_after(init_end + warp * 32 + lane, local_begin, kSelectThreads, load_score, previous_score,
+                      previous_index, best_score, best_index);
+      if (lane == 0) {
+        pick_score[warp][round] = best_score;
+        pick_index[warp][round] = best_index;
+      }
+      previous_score = best_score;
+      previous_index = best_index;
+      if (best_index == INT_MAX) {  // the warp's share is exhausted: the rest of its picks are empty
+        for (int r = round + 1 + lane; r < rounds; r += 32) pick_index[warp][r] = INT_MAX;
+        break;
       }
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float s = __shfl_xor_sync(0xffffffffu, best_score, offset);
-      const int i = __shfl_xor_sync(0xffffffffu, best_index, offset);
-      if (i != INT_MAX && (best_index == INT_MAX || ranks_before(s, i, best_score, best_index))) {
-        best_score = s;
-        best_index = i;
-      }
-    }
-    if (lane == 0) {
-      warp_score[warp] = best_score;
-      warp_index[warp] = best_index;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float s = warp_score[0];
-      int i = warp_index[0];
-      for (int w = 1; w < kSelectThreads / 32; ++w) {
-        if (warp_index[w] != INT_MAX && (i == INT_MAX || ranks_before(warp_score[w], warp_index[w], s, i))) {
-          s = warp_score[w];
-          i = warp_index[w];
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const auto load_pick = [&](int i) { return pick_score[i / rounds][i % rounds]; };
+    const auto pick_at = [&](int i) { return pick_index[i / rounds][i % rounds]; };
+    float previous_score = INFINITY, best_score = -INFINITY;
+    int previous_index = -1, best_index = INT_MAX;
+    for (int round = 0; round < rounds; ++round) {
+      // Candidate i of the picks holds block pick_at(i): the arg-max runs over (score, block) pairs.
+      best_score = -INFINITY;
+      best_index = INT_MAX;
+      for (int i = lane; i < kWarps * rounds; i += 32) {
+        const int blk = pick_at(i);
+        if (blk == INT_MAX) continue;
+        const float s = load_pick(i);
+        if (!ranks_before(previous_score, previous_index, s, blk)) continue;
+        if (best_index == INT_MAX || ranks_before(s, blk, best_score, best_index)) {
+          best_score = s;
+          best_index = blk;
         }
       }
-      round_score = s;
-      round_index = i;
-      chosen[round] = i;
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        const float s = __shfl_xor_sync(0xffffffffu, best_score, offset);
+        const int i = __shfl_xor_sync(0xffffffffu, best_index, offset);
+        if (i != INT_MAX && (best_index == INT_MAX || ranks_before(s, i, best_score, best_index))) {
+          best_score = s;
+          best_index = i;
+        }
+      }
+      if (lane == 0) chosen[round] = best_index;
+      previous_score = best_score;
+      previous_index = best_index;
     }
-    __syncthreads();
-    previous_score = round_score;
-    previous_index = round_index;
-    __syncthreads();  // round_score is read by all before the next round overwrites it
   }
+  __syncthreads();
 
+  allow_next_grid();
   if (threadIdx.x == 0) {
     // The list: forced and chosen blocks, ascending, then -1.
     int list[64];
@@ -502,6 +561,7 @@ template <class T, int Dqk, int Dv>
 __global__ void __launch_bounds__(kThreads) nsa_decode_sparse_kernel(NsaDecodeArgs<T> a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ RowState state;
+  wait_for_previous_grid();  // the selection
   const int pieces = a.sel_pieces + a.swa_pieces;
   i64 block = blockIdx.x;
   const int piece = static_cast<int>(block % pieces);
@@ -558,6 +618,7 @@ __global__ void __launch_bounds__(kThreads) nsa_decode_sparse_kernel(NsaDecodeAr
     return ref;
   };
   attend_tiles<T, Dqk, Dv, false>(a, b, t, kv_head, tiles, chunk, smem, nullptr, 0);
+  allow_next_grid();
   merge_rows<Dv>(smem, Dqk, state);
   const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
   write_partials<Dv>(smem, Dqk, state, a.group, a.piece_o, a.piece_lse,
@@ -565,19 +626,46 @@ __global__ void __launch_bounds__(kThreads) nsa_decode_sparse_kernel(NsaDecodeAr
 }
 
 // o of one row from `count` partials at partial_o[p * rows_q * Dv + row * Dv], p = first .. first + count - 1 in
-// order, for column c: M = max lse_p, o = sum_p exp(lse_p - M) o_p / sum_p exp(lse_p - M). The lse values go
-// through shared memory (up to kMergeShared partials; beyond, each thread reads them itself), and
-// every thread forms M and the sum in the same order, so all agree.
+// order, for column c: M = max lse_p, o = sum_p exp(lse_p - M) o_p / sum_p exp(lse_p - M), the sums in the order of
+// p. Up to kMergeShared partials, the CTA stages the weights exp(lse_p - M) in shared memory (M from a block-wide
+// max), and each thread's loop keeps several partials' loads in flight; beyond, each thread reads the lse values
+// itself. Every thread forms the same weights and sums them in the same order, so all agree.
 template <int Dv>
 __device__ __forceinline__ float merge_partials(const float* partial_o, const float* partial_lse, i64 rows_q, i64 row,
-                                                int first, int count, int c, float* staged_lse) {
-  const bool shared = count <= kMergeShared;
-  if (shared) {
-    __syncthreads();  // the previous branch's staged lse values are read
-    for (int p = c; p < count; p += Dv) staged_lse[p] = partial_lse[(first + p) * rows_q + row];
+                                                int first, int count, int c, float* staged_weight) {
+  constexpr int kWarps = Dv / 32;
+  __shared__ float warp_max[kWarps];
+  if (count <= kMergeShared) {
+    __syncthreads();  // the previous branch's weights and maxima are read
+    float lse_max = -INFINITY;
+    for (int p = c; p < count; p += Dv) {
+      staged_weight[p] = partial_lse[(first + p) * rows_q + row];
+      lse_max = fmaxf(lse_max, staged_weight[p]);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
+    }
+    if (c % 32 == 0) warp_max[c / 32] = lse_max;
     __syncthreads();
+    float row_max = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) row_max = fmaxf(row_max, warp_max[w]);
+    if (row_max == -INFINITY) return 0.f;
+    for (int p = c; p < count; p += Dv) staged_weight[p] = expf(staged_weight[p] - row_max);
+    __syncthreads();
+    float sum = 0.f, out = 0.f;
+    const float* o = partial_o + (first * rows_q + row) * Dv + c;
+    const i64 step = rows_q * Dv;
+#pragma unroll 16
+    for (int p = 0; p < count; ++p) {
+      const float w = staged_weight[p];
+      sum += w;
+      out += w * o[p * step];
+    }
+    return out / sum;
   }
-  const auto lse_at = [&](int p) { return shared ? staged_lse[p] : partial_lse[(first + p) * rows_q + row]; };
+  const auto lse_at = [&](int p) { return partial_lse[(first + p) * rows_q + row]; };
   float row_max = -INFINITY;
   for (int p = 0; p < count; ++p) row_max = fmaxf(row_max, lse_at(p));
   if (row_max == -INFINITY) return 0.f;
@@ -592,7 +680,8 @@ __device__ __forceinline__ float merge_partials(const float* partial_o, const fl
 
 template <class T, int Dv>
 __global__ void __launch_bounds__(Dv) nsa_decode_combine_kernel(NsaDecodeArgs<T> a) {
-  __shared__ float staged_lse[kMergeShared];
+  __shared__ float staged_weight[kMergeShared];
+  wait_for_previous_grid();  // every branch's partials
   const i64 row = blockIdx.x;  // (b, t, h)
   const int h = static_cast<int>(row % a.q_heads);
   const int t = static_cast<int>(row / a.q_heads % a.q_len);
@@ -604,15 +693,15 @@ __global__ void __launch_bounds__(Dv) nsa_decode_combine_kernel(NsaDecodeArgs<T>
     const int pos = a.length(b) - a.q_len + t;
     const int used = (a.visible_cmp(pos) + a.split_rows - 1) / a.split_rows;
     out += to_float(a.gate[0].at(b, t, h)) *
-           merge_partials<Dv>(a.cmp_o, a.cmp_lse, rows_q, row, 0, used, c, staged_lse);
+           merge_partials<Dv>(a.cmp_o, a.cmp_lse, rows_q, row, 0, used, c, staged_weight);
   }
   if (a.has_sel) {
     out += to_float(a.gate[1].at(b, t, h)) *
-           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, 0, a.sel_pieces, c, staged_lse);
+           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, 0, a.sel_pieces, c, staged_weight);
   }
   if (a.has_swa) {
     out += to_float(a.gate[2].at(b, t, h)) *
-           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, a.sel_pieces, a.swa_pieces, c, staged_lse);
+           merge_partials<Dv>(a.piece_o, a.piece_lse, rows_q, row, a.sel_pieces, a.swa_pieces, c, staged_weight);
   }
   a.o.row(b, t, h)[c] = from_float<T>(out);
 }

@@ -19,6 +19,9 @@ inline constexpr int kChunks = kTileKeys / kChunkKeys;
 inline constexpr int kSelectThreads = 256;
 // Split weights of the select kernel kept in shared memory (splits x group); more are recomputed where used.
 inline constexpr int kSplitWeights = 4096;
+// Candidate blocks whose scores the select kernel keeps in shared memory (256K tokens at l' = 64); longer
+// sequences keep them in the workspace.
+inline constexpr int kSelectSharedScores = 4096;
 // Partials whose lse the combine kernel stages in shared memory per branch.
 inline constexpr int kMergeShared = 1024;
 // The compressed split's logits stay in shared memory for the pooling (16 rows x split_rows floats).

@@ -78,6 +78,23 @@ LseView<T> lse_of(const TensorView& view) {
           view.stride[packed ? 0 : 1]};
 }
 
+// Programmatic dependent launch (sm_90 and later; nothing on older GPUs). A kernel that launch_dependent
+// (launch.cuh) starts may begin while the kernel before it on the stream still runs: it calls
+// wait_for_previous_grid() before it reads or writes anything, which returns once that kernel has finished and its
+// writes are visible. The kernel before it calls allow_next_grid() when its CTAs are near their end, so that the
+// next kernel's CTAs are scheduled while the last ones finish instead of after the grid has drained.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Throws if the last launch failed to start (bad configuration). Asynchronous faults surface later, at
 // the caller's next synchronisation, as with every CUDA library; no host sync happens here.
 inline void check_launch(const char* kernel) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "sparseattn/head_dims.h"
 #include "cuda/primitives/common.cuh"
@@ -44,6 +45,35 @@ void dispatch_16bit(DType dtype, Body&& body) {
     case DType::bfloat16: body(TypeTag<__nv_bfloat16>{}); break;
     default: throw std::logic_error("sparseattn: the attention kernels take float16 or bfloat16 (the API validates this)");
   }
+}
+
+// Whether `device` runs programmatic dependent launches (compute capability 9.0 or later).
+inline bool dependent_launch_supported(int device) {
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major >= 9;
+}
+
+// Launches `kernel` on `stream` so that it may start while the stream's previous kernel finishes (programmatic
+// dependent launch, where `dependent` is true and the device supports it): the kernel must call
+// wait_for_previous_grid() (common.cuh) before it touches memory. Otherwise an ordinary launch.
+template <class... Params, class... Args>
+void launch_dependent(bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem,
+                      cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = dependent ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // Lets `kernel` take `bytes` of dynamic shared memory: above 48 KB a kernel needs the opt-in.
