@@ -161,9 +161,11 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
             }
           }
         } else if constexpr (kHasKeyTerms<Mask>) {
-          if (step < steps) {
-            terms_by_key = true;
-            key_term_value = key_term<T>(mc.terms, seq, w.h, (tile_begin + step) * kN + threadIdx.x % 128, kTileExists);
+          // The term of step 0's key here; every later step's was read one step ahead (below), so that its global
+          // load's latency overlaps a step instead of stalling the consumer before its MMAs.
+          terms_by_key = true;
+          if (step == 0) {
+            key_term_value = key_term<T>(mc.terms, seq, w.h, tile_begin * kN + threadIdx.x % 128, kTileExists);
           }
         }
         if constexpr (kHasGate<Mask>) {
@@ -178,6 +180,12 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
         if constexpr (kHasAnyTerms<Mask>) {
           if (terms_by_key && step < steps) {
             sKeyTerms[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = key_term_value;
+          }
+        }
+        if constexpr (kHasKeyTerms<Mask>) {
+          if (step + 1 < steps) {
+            key_term_value =
+                key_term<T>(mc.terms, seq, w.h, (tile_begin + step + 1) * kN + threadIdx.x % 128, kTileExists);
           }
         }
         if constexpr (kHasGate<Mask>) {
