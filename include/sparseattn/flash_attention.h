@@ -69,9 +69,12 @@ struct FlashBlockMask {
   }
 };
 
-// Per-head windows (CPU only for now): optional int32 [Hq] tensors on q's device replacing window_left /
-// window_right for their side (which must then stay -1); query head h keeps keys in
-// [a - left[h], a + right[h]], -1 meaning unbounded.
+// Per-head windows (CPU and CUDA, forward and backward): optional int32 [Hq] tensors on q's device (any stride)
+// replacing window_left / window_right for their side (which must then stay -1); query head h keeps keys in
+// [a - left[h], a + right[h]], -1 meaning unbounded. The CPU rejects entries below -1; on CUDA the entries stay on
+// the device (no host synchronisation, no check of their values) and a negative entry is unbounded. On CUDA each
+// kernel CTA reads its query head's bounds, so tile skipping follows every head's own window (the dK/dV kernels
+// skip a head's query tiles outside its window).
 struct FlashHeadWindows {
   TensorView left;
   TensorView right;

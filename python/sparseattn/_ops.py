@@ -547,19 +547,20 @@ def flash_attention_work(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
                          causal: bool = False, window_left: int = -1, window_right: int = -1,
                          scale: Optional[float] = None, block_mask: Optional[Tensor] = None, block_q: int = 0,
                          block_k: int = 0, d_o: Optional[Tensor] = None, alpha: Optional[Tensor] = None,
-                         delta: Optional[Tensor] = None,
-                         gate: str = "logsigmoid") -> tuple[Tensor, Optional[Tensor]]:
+                         delta: Optional[Tensor] = None, gate: str = "logsigmoid",
+                         window_left_heads: Optional[Tensor] = None,
+                         window_right_heads: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """Test diagnostic of the CUDA kernels' tile skipping (not a custom op, not differentiable): runs the forward
     and, given d_o, the backward of flash_attention (block_mask: bool or uint8 tile states; alpha, delta: the gate)
-    with a work counter,
-    and returns (forward, backward) int64 [1] tensors: the query x key elements of the kernel tiles computed (each
-    tile's query rows x keys, clipped to its sequence), summed over the CTAs; the backward counts its dQ and dK/dV
-    kernels (twice the forward's). backward is None without d_o. The counters stay 0 on the CPU."""
+    with a work counter (window_left_heads, window_right_heads: per-head windows, int32 [Hq], replacing that
+    side's int), and returns (forward, backward) int64 [1] tensors: the query x key elements of the kernel tiles
+    computed (each tile's query rows x keys, clipped to its sequence), summed over the CTAs; the backward counts its
+    dQ and dK/dV kernels (twice the forward's). backward is None without d_o. The counters stay 0 on the CPU."""
     packed = cu_seqlens_q is not None
     o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
     lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
     forward = torch.zeros(1, dtype=torch.int64, device=q.device)
-    blocks = _flash_blocks(block_mask, None, None, None, None, block_q, block_k, None, None)
+    blocks = _flash_blocks(block_mask, None, None, None, None, block_q, block_k, window_left_heads, window_right_heads)
     _C.flash_attention(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(cu_seqlens_q),
                        _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
                        _arr(alpha), _arr(delta), gate, None, None, 128, 128, *blocks, _stream(q),

@@ -437,8 +437,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         v: [B, S, Hkv, Dv] (packed [Nk, Hkv, Dv]).
         causal: a bool; keep keys at or before the aligned position a = t + S - T.
         window: (left, right): keep keys in [a - left, a + right]; a negative side (-1) is unbounded. Each
-            side is an int, or an int32 [Hq] tensor of per-head bounds (-1 unbounded; CPU only for now).
-            None is (-1, -1).
+            side is an int, or an int32 [Hq] tensor of per-head bounds on q's device (-1 unbounded; CPU and
+            CUDA, forward and backward; on CUDA the entries are not checked, a negative one is unbounded, and
+            short no-grad calls with them do not take the decode kernel). None is (-1, -1).
         mask: bool, broadcast as [B|1, Hq|Hkv|1, T|1, S]; True keeps. Packed: the row
             form [Hm|1, Nq|1, Lk] (column j is key j of the row's own sequence; Lk at least every key count)
             or the key form [Hm|1, Nk] (entry m applies to packed key m for every query of its sequence),
@@ -481,9 +482,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             unknown gate, softmax_threshold outside (0, 1], a non-positive threshold_block; a block-sparse mask
             in two forms, without block_size, of the wrong shape or with bad list contents (out-of-range,
             repeated or descending tiles, a tile both partial and full).
-        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (softmax_threshold,
-            per-head windows, and a gate_threshold whose threshold_block differs from block_size on CUDA
-            included).
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (softmax_threshold and a
+            gate_threshold whose threshold_block differs from block_size on CUDA included).
 
     Example:
         >>> import torch, sparseattn

@@ -303,7 +303,9 @@ void check_blocks(const detail::Check& check, const FlashBlockMask& blocks, cons
   }
 }
 
-// Per-head windows: int32 [Hq] on q's device, replacing that side's int (which stays -1); entries >= -1 (CPU).
+// Per-head windows: int32 [Hq] on q's device (any stride), replacing that side's int (which stays -1). The entries
+// are checked (>= -1) on the CPU only: on CUDA reading them would synchronise with the device, and the kernels read
+// any negative entry as unbounded.
 void check_head_windows(const detail::Check& check, const FlashHeadWindows& windows, const TensorView& q,
                         const FlashShapes& shapes, std::int64_t window_left, std::int64_t window_right) {
   const std::pair<const TensorView*, std::int64_t> sides[2] = {{&windows.left, window_left},
@@ -403,10 +405,6 @@ void check_cuda_flash(const detail::Check& check, const Params& params, const Fl
                 "full_kv_num_blocks",
                 "(FlexAttention's block lists) is not supported on CUDA: pass the dense tile map block_mask "
                 "[B|1, Hb|1, nQ, nK] instead (uint8: 2 marks a full tile)");
-  check.require(!params.head_windows.left.present(), ErrorKind::unsupported, "window_left",
-                "as a per-head tensor is not supported on CUDA yet; use an int or CPU tensors");
-  check.require(!params.head_windows.right.present(), ErrorKind::unsupported, "window_right",
-                "as a per-head tensor is not supported on CUDA yet; use an int or CPU tensors");
   detail::check_cuda_half(check, params.q);
   detail::check_cuda_head_dims(check, shapes.dim_qk, shapes.dim_v);
   detail::check_cuda_rows(check, params.q, "q");

@@ -188,11 +188,18 @@ SeqPairTable flash_seqs(const P& p) {
 
 FlashMask::Config flash_mask(bool causal, std::int64_t left, std::int64_t right) { return {causal, left, right}; }
 
-// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter or bias gradient); a gate
-// alone takes FlashGateMask.
+// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter, bias gradient or per-head
+// windows, whose dK/dV steps FlashTermsMask's step walk skips per head); a gate alone takes FlashGateMask.
 template <class P>
 bool uses_terms(const P& p) {
-  return p.mask.present() || p.bias.present() || p.blocks.block_mask.present() || p.work_counter.present();
+  return p.mask.present() || p.bias.present() || p.blocks.block_mask.present() || p.work_counter.present() ||
+         p.head_windows.present();
+}
+
+// A per-head window tensor (int32 [Hq] on the device) as the kernels read it; absent: null.
+attention::HeadBounds head_bounds(const TensorView& t) {
+  if (!t.present()) return {};
+  return {static_cast<const std::int32_t*>(t.data), t.stride[0]};
 }
 
 FlashGateMask::Config gate_config(bool causal, std::int64_t left, std::int64_t right, const attention::GateTerms& g) {
@@ -211,6 +218,8 @@ FlashTermsMask::Config terms_config(const P& p) {
   c.causal = p.causal;
   c.window_left = p.window_left;
   c.window_right = p.window_right;
+  c.head_left = head_bounds(p.head_windows.left);
+  c.head_right = head_bounds(p.head_windows.right);
   const i64 q_heads = p.q.shape[p.q.rank - 2], group = q_heads / p.k.shape[p.k.rank - 2];
   attention::ScoreTerms& t = c.terms;
   t.mask = attention::broadcast_view(p.mask, q_heads, group);

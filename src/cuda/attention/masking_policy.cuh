@@ -12,12 +12,22 @@ namespace sparseattn::cuda::attention {
 
 using i64 = std::int64_t;
 
+// flash_attention's per-head window bounds on the device: int32 [Hq] (any stride), -1 (any negative) unbounded.
+struct HeadBounds {
+  const std::int32_t* data = nullptr;  // null: the scalar bound for every head
+  i64 stride = 0;
+  __device__ __forceinline__ i64 at(i64 h) const { return data[h * stride]; }
+};
+
 // Dense attention: causal bottom-right aligned (a = t + S - T, keys <= a) and window [a - left, a + right]
-// (negative = unbounded).
+// (negative = unbounded). With per-head bounds (head_left / head_right) a side's bound is the query head's entry
+// instead: for_head binds a policy to one head; the kernels call it where the head is known (a query-tile CTA
+// once at its start, a dK/dV CTA per (query head, query tile) step).
 struct FlashMask {
   struct Config {
     bool causal;
     i64 window_left, window_right;
+    HeadBounds head_left, head_right;
   };
   Config c;
   i64 T, S;
@@ -92,6 +102,67 @@ __device__ __forceinline__ Mask bind_mask(const typename Mask::Config& config, c
     }
   }
   return Mask{config, seq.T, seq.S};
+}
+
+template <class Mask>
+inline constexpr bool kFlashWindows = std::is_base_of_v<FlashMask, Mask>;
+
+// Whether the policy's window depends on the query head (flash_attention's per-head windows).
+template <class Mask>
+__device__ __forceinline__ bool has_head_windows(const Mask& m) {
+  if constexpr (kFlashWindows<Mask>) {
+    return m.c.head_left.data != nullptr || m.c.head_right.data != nullptr;
+  } else {
+    return false;
+  }
+}
+
+// The policy of query head h: the per-head bounds read into the scalar ones (the policy itself without them).
+template <class Mask>
+__device__ __forceinline__ Mask for_head(const Mask& m, i64 h) {
+  if constexpr (kFlashWindows<Mask>) {
+    if (has_head_windows(m)) {
+      Mask bound = m;
+      if (m.c.head_left.data != nullptr) bound.c.window_left = m.c.head_left.at(h);
+      if (m.c.head_right.data != nullptr) bound.c.window_right = m.c.head_right.at(h);
+      return bound;
+    }
+  }
+  return m;
+}
+
+// The queries [first, end) of query head h that see some key of [j_first, j_last] (end <= first: none).
+template <class Mask>
+__device__ __forceinline__ void head_query_range(const Mask& m, i64 h, i64 j_first, i64 j_last, i64& first,
+                                                 i64& end) {
+  const Mask hm = for_head(m, h);
+  first = hm.first_query(j_first);
+  end = hm.end_query(j_last);
+}
+
+// The queries [first, end) of any query head of [h_begin, h_begin + h_count) that see some key of [j_first, j_last]
+// (the union of the heads' ranges, as one range; first = end = 0 when no head has any). Without per-head windows
+// every head has the same range, read once.
+template <class Mask>
+__device__ __forceinline__ void group_query_range(const Mask& m, i64 h_begin, i64 h_count, i64 j_first, i64 j_last,
+                                                  i64& first, i64& end) {
+  if (!has_head_windows(m)) {
+    first = m.first_query(j_first);
+    end = m.end_query(j_last);
+    return;
+  }
+  first = end = 0;
+  for (i64 h = h_begin; h < h_begin + h_count; ++h) {
+    i64 f, e;
+    head_query_range(m, h, j_first, j_last, f, e);
+    if (e <= f) continue;
+    if (end <= first) {
+      first = f, end = e;
+    } else {
+      first = f < first ? f : first;
+      end = e > end ? e : end;
+    }
+  }
 }
 
 // Every element of queries [t0, t0 + rows) x keys [j0, j0 + cols) visible (lo, hi monotone).

@@ -312,7 +312,7 @@ __device__ __forceinline__ void for_each_query_tile(const AttnArgs<T>& a, const 
   for (i64 index = blockIdx.x; index < order.count; index += gridDim.x) {
     const auto tile = order[index];
     const auto seq = a.seqs[tile.sequence];
-    const Mask mask = bind_mask<Mask>(mc, seq, tile.sequence);
+    const Mask mask = for_head(bind_mask<Mask>(mc, seq, tile.sequence), tile.head);
     const QueryWork w(a, mask, seq, kM, kN, tile.head, tile.tile, tile.sequence);
     if (w.rows > 0) body(seq, mask, w);
   }
@@ -411,7 +411,8 @@ __device__ __forceinline__ void init_query_scores(float (&s)[kMT][kN / 8][4], co
 
 // What a dK/dV CTA covers: keys [j0, j0 + keys) of KV head hk (grid x: KV head x head split; y: key blocks of
 // kN; z: sequence) and, for its share of the group's query heads, the query tiles of kM rows that can see
-// them; its steps run over (query head, query tile) pairs.
+// them (with per-head windows, those of any of its heads: DkvStepWalk skips a head's steps outside its own);
+// its steps run over (query head, query tile) pairs.
 struct DkvWork {
   i64 j0, keys, hk, split, first_head, tile_begin, tiles, steps;
 
@@ -424,7 +425,8 @@ struct DkvWork {
     const i64 g_begin = split * a.group / a.head_splits;
     const i64 g_count = (split + 1) * a.group / a.head_splits - g_begin;
     first_head = hk * a.group + g_begin;
-    const i64 q_begin = keys > 0 ? mask.first_query(j0) : 0, q_end = keys > 0 ? mask.end_query(j0 + keys - 1) : 0;
+    i64 q_begin = 0, q_end = 0;
+    if (keys > 0) group_query_range(mask, first_head, g_count, j0, j0 + keys - 1, q_begin, q_end);
     tile_begin = q_begin / kM;
     tiles = q_end > q_begin ? (q_end - 1) / kM + 1 - tile_begin : 0;
     steps = tiles * g_count;
@@ -438,9 +440,51 @@ struct DkvWork {
   }
 };
 
+// FlashTermsMask's dK/dV steps that need a walk: those of a tile map or of per-head windows (flash_attention
+// routes per-head windows to FlashTermsMask, dispatch.cu).
+template <class Mask>
+__device__ __forceinline__ bool walks_dkv_steps(const typename Mask::Config& mc) {
+  if constexpr (kHasTerms<Mask>) {
+    return mc.terms.tiles.states != nullptr || mc.head_left.data != nullptr || mc.head_right.data != nullptr;
+  } else {
+    return false;
+  }
+}
+
+// This lane's kinds (TileWindow's two bits per candidate) of dK/dV steps first + kTileWindowPerLane lane + i
+// (< end): the tile map's (every step exists without one), absent where the step's query tile lies outside the
+// query range of its head's window (per-head windows).
+template <class Mask, class Seq>
+__device__ __forceinline__ unsigned classify_dkv_window_steps(const typename Mask::Config& mc, const Seq& seq,
+                                                              const DkvWork& w, int kM, i64 first, i64 end) {
+  constexpr int kPerLane = kTileWindowPerLane;
+  const i64 lane_first = first + kPerLane * (threadIdx.x % 32);
+  unsigned kinds = 0;
+  if (mc.terms.tiles.states != nullptr) {
+    kinds = classify_dkv_steps(mc.terms, seq, w, kM, blockIdx.z, first, end);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      kinds |= lane_first + i < end ? static_cast<unsigned>(kTileExists) << (2 * i) : 0u;
+    }
+  }
+  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
+  if (!has_head_windows(mask)) return kinds;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const i64 step = lane_first + i;
+    if (step >= end) continue;
+    i64 q_first, q_end;
+    head_query_range(mask, w.head(step), w.j0, w.j0 + w.keys - 1, q_first, q_end);
+    const i64 t0 = w.tile(step) * kM;
+    if (!(q_end > q_first && t0 < q_end && t0 + kM > q_first)) kinds &= ~(3u << (2 * i));
+  }
+  return kinds;
+}
+
 // The (query head, query tile) steps a dK/dV CTA computes, in order, walked by one warp (every lane together):
-// with a tile map (FlashTermsMask) the steps whose kernel tile of kM queries is not absent, with their kinds
-// (tile_walk.cuh); the other policies compute every step, of kind exists.
+// with a tile map or per-head windows (FlashTermsMask) the steps whose kernel tile of kM queries is not absent
+// and lies in its head's query range, with their kinds (tile_walk.cuh); otherwise every step, of kind exists.
 template <class Mask>
 class DkvStepWalk {
  public:
@@ -449,9 +493,9 @@ class DkvStepWalk {
   __device__ __forceinline__ i64 next(const typename Mask::Config& mc, const Seq& seq, const DkvWork& w, i64 step,
                                       int kM) {
     if constexpr (kHasTerms<Mask>) {
-      if (mc.terms.tiles.states != nullptr) {
+      if (walks_dkv_steps<Mask>(mc)) {
         return window_.next(step, w.steps, [&](i64 first, i64 end) {
-          return classify_dkv_steps(mc.terms, seq, w, kM, blockIdx.z, first, end);
+          return classify_dkv_window_steps<Mask>(mc, seq, w, kM, first, end);
         });
       }
     }
@@ -461,9 +505,9 @@ class DkvStepWalk {
   template <class Seq>
   __device__ __forceinline__ int count(const typename Mask::Config& mc, const Seq& seq, const DkvWork& w, int kM) {
     if constexpr (kHasTerms<Mask>) {
-      if (mc.terms.tiles.states != nullptr) {
+      if (walks_dkv_steps<Mask>(mc)) {
         return window_.count(0, w.steps, [&](i64 first, i64 end) {
-          return classify_dkv_steps(mc.terms, seq, w, kM, blockIdx.z, first, end);
+          return classify_dkv_window_steps<Mask>(mc, seq, w, kM, first, end);
         });
       }
     }
@@ -472,7 +516,7 @@ class DkvStepWalk {
   // The kind (tile_walk.cuh) of step `step`, as the last next() returned it.
   __device__ __forceinline__ int kind(const typename Mask::Config& mc, i64 step) const {
     if constexpr (kHasTerms<Mask>) {
-      if (mc.terms.tiles.states != nullptr) return window_.kind(step);
+      if (walks_dkv_steps<Mask>(mc)) return window_.kind(step);
     }
     return kTileExists;
   }
@@ -607,7 +651,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
   [[maybe_unused]] float* sKeyTerms = sGateKeys + kN;  // [kN]: the key tile's key terms (stage_query_key_terms)
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
+  const Mask mask = for_head(bind_mask<Mask>(mc, seq, blockIdx.z), blockIdx.x);  // the CTA's query head
   const QueryWork w(a, mask, seq, kM, kN);
   if (w.rows <= 0) return;
   const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
@@ -716,7 +760,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(AttnArgs<T> a, t
   [[maybe_unused]] float* sKeyTerms = sGateKeys + kN;  // [kN]: the key tile's key terms (stage_query_key_terms)
 
   const auto seq = a.seqs[blockIdx.z];
-  const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
+  const Mask mask = for_head(bind_mask<Mask>(mc, seq, blockIdx.z), blockIdx.x);  // the CTA's query head
   const QueryWork w(a, mask, seq, kM, kN);
   if (w.rows <= 0) return;
   const i64 t0 = w.t0, h = w.h, hk = w.hk, rows = w.rows, tile_begin = w.tile_begin, tile_end = w.tile_end;
@@ -918,10 +962,16 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
 
       // S^T (keys x queries) = K Q^T; this warp's 16 keys.
       float s[kM / 8][4];
-      [[maybe_unused]] const i64 h = w.head(step);
+      const i64 h = w.head(step);
       init_key_scores<T, kM, Mask>(s, mc, seq, h, t0, j0 + warp * 16, kind);
       gemm_ss_nk<T, kM, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sK, warp * 16, q_tile);
-      const bool full = tile_full(mask, t0, kM, j0, kN);
+      const Mask step_mask = for_head(mask, h);  // per-head windows: the step's head's bounds
+      if (has_head_windows(mask)) {
+        for (int half = 0; half < 2; ++half) {
+          visible_queries(step_mask, j0 + warp * 16 + lane / 4 + half * 8, q_first[half], q_end[half]);
+        }
+      }
+      const bool full = tile_full(step_mask, t0, kM, j0, kN);
       [[maybe_unused]] const float* gate_alpha = sGateAlpha + buf * kM;
       with_gate_of<Mask>(mc, [&](auto gate) {
         if constexpr (decltype(gate)::value != kNoGate) {

@@ -1,7 +1,7 @@
 // CUDA entry points of the attention kernels (flash_attention, compressed_attention); torch-free. The API
 // (src/api) validates params before these run: bf16/fp16, head dims (Dqk, Dv) from sparseattn/head_dims.h,
-// 16-byte aligned rows, the shapes of flash_attention's mask, bias and dense tile map (no gates, thresholds,
-// block lists or per-head windows). Each function only enqueues work on params.stream.
+// 16-byte aligned rows, the shapes of flash_attention's mask, bias, dense tile map, gates and per-head windows (no
+// thresholds or block lists). Each function only enqueues work on params.stream.
 #pragma once
 
 #include <cstddef>
