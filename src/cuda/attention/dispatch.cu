@@ -233,10 +233,12 @@ FlashTermsMask::Config terms_config(const P& p) {
 }
 
 // Whether a call with terms takes them all by key (FlashKeyTermsMask): neither its mask nor its bias has query rows
-// (its bias gradient is then a key sum, bias_gradient.h), and it has no tile map and no work counter.
+// (its bias gradient is then a key sum, bias_gradient.h), and it has no tile map, no work counter and no per-head
+// windows (FlashKeyTermsMask's bounds are the scalar window's).
 template <class P>
 bool takes_key_terms(const P& p, const FlashTermsMask::Config& c) {
-  return c.terms.rows_shared && !p.blocks.block_mask.present() && !p.work_counter.present();
+  return c.terms.rows_shared && !p.blocks.block_mask.present() && !p.work_counter.present() &&
+         !p.head_windows.present();
 }
 
 FlashKeyTermsMask::Config key_terms_config(const FlashTermsMask::Config& c) {
