@@ -452,9 +452,13 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
       for (int p = static_cast<int>(j_lo / a.split_rows); p <= static_cast<int>(j_hi / a.split_rows); ++p) {
         const i64 local = blk - p * span_blocks;
         const float* const partial = a.cmp_score + (p * rows_q + head_row0) * a.score_span + local;
-        for (int h = 0; h < a.group; ++h) {
-          const float w = weights_shared ? split_weight[p * a.group + h] : weight_of(p, h);
-          score += w * partial[h * a.score_span];
+        // The group's partial scores are loaded together (one latency), then summed in head order.
+        float value[kRows];
+#pragma unroll
+        for (int h = 0; h < kRows; ++h) value[h] = h < a.group ? partial[h * a.score_span] : 0.f;
+#pragma unroll
+        for (int h = 0; h < kRows; ++h) {
+          if (h < a.group) score += (weights_shared ? split_weight[p * a.group + h] : weight_of(p, h)) * value[h];
         }
       }
     }

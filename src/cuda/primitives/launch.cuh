@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
@@ -47,8 +48,11 @@ void dispatch_16bit(DType dtype, Body&& body) {
   }
 }
 
-// Whether `device` runs programmatic dependent launches (compute capability 9.0 or later).
+// Whether launch_dependent uses programmatic dependent launch on `device`: compute capability 9.0 or later, unless
+// the environment sets SPARSEATTN_DEPENDENT_LAUNCH=0 (every launch is then an ordinary one).
 inline bool dependent_launch_supported(int device) {
+  const char* choice = std::getenv("SPARSEATTN_DEPENDENT_LAUNCH");
+  if (choice != nullptr && choice[0] == '0') return false;
   int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
     cudaGetLastError();
