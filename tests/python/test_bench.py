@@ -176,3 +176,9 @@ def test_the_commit_can_be_named_for_a_copy_of_the_tree(monkeypatch):
     assert bench.git_commit() == "abc1234"
     monkeypatch.delenv("SPARSEATTN_COMMIT")
     assert bench.git_commit() != "abc1234"
+
+
+def test_sequence_lengths_take_k_and_m_suffixes():
+    assert [bench.parse_seqlen(s) for s in ("8192", "8K", "8k", "1M", "2m")] == [8192, 8192, 8192, 1 << 20, 2 << 20]
+    assert [bench.seqlen_label(n) for n in (8192, 1 << 20, 3 << 20, 1000, 1536 * 1024)] == ["8K", "1M", "3M", "1000",
+                                                                                           "1536K"]
