@@ -1,4 +1,4 @@
-"""Shared helpers of the GPU attention tests (test_cuda_flash.py, test_cuda_compressed.py).
+"""Shared helpers of the GPU attention tests (test_cuda_flash*.py, test_cuda_compressed.py).
 
 Reference: the same math in float64 (naive torch, on the GPU), checked once against sparseattn's float64
 CPU reference. Bound: the kernel's error (vs float64) <= 2 x the error of the same naive math done by torch in
@@ -15,6 +15,36 @@ def poison_allocator():
     block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     block.fill_(0xFF)
     del block
+
+def check_close(name, got, ref, dtype, factor):
+    """|got - ref| <= factor * eps(dtype) * max|ref| + 1e-4, no NaN (unwritten outputs are poisoned): the bound of
+    the flash_attention tests that compare with the CPU reference on float32 copies."""
+    got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(got).any(), f"{name}: NaN or unwritten elements"
+    if ref.numel() == 0:
+        return
+    err = (got - ref).abs().max().item()
+    bound = factor * EPS[dtype] * ref.abs().max().item() + 1e-4
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
+
+
+def check_lse(got, ref):
+    """lse against the reference's: no NaN, the same -inf positions, |diff| <= 2e-3 (1 + |ref|)."""
+    got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
+    assert not torch.isnan(got).any(), "lse: NaN or unwritten elements"
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)), "lse: -inf positions differ"
+    fin = torch.isfinite(ref)
+    if fin.any():
+        diff = (got[fin] - ref[fin]).abs()
+        assert (diff <= 2e-3 * (1 + ref[fin].abs())).all(), f"lse: max error {diff.max().item():.3e}"
+
+
+def cpu_copy(t):
+    """A float32 CPU copy of a floating tensor (other dtypes as they are), detached; None stays None."""
+    if t is None:
+        return None
+    return t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
 
 
 def naive_attention(q, k, v, visible, scale):

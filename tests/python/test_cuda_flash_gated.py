@@ -9,7 +9,7 @@ import torch
 
 import sparseattn
 from sparseattn import _ops, _tiles
-from attention_check import poison_allocator
+from attention_check import check_close, check_lse, cpu_copy, poison_allocator
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,36 +20,7 @@ pytestmark = [
 DTYPES = [torch.bfloat16, torch.float16]
 DIMS = [(64, 64), (128, 128), (192, 128), (256, 256)]
 GATES = ["logsigmoid", "product"]
-EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 NAMES = ("dq", "dk", "dv", "dalpha", "ddelta", "dbias")
-
-
-def check_close(name, got, ref, dtype, factor):
-    """|got - ref| <= factor * eps(dtype) * max|ref| + 1e-4, no NaN (unwritten outputs are poisoned)."""
-    got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert not torch.isnan(got).any(), f"{name}: NaN or unwritten elements"
-    if ref.numel() == 0:
-        return
-    err = (got - ref).abs().max().item()
-    bound = factor * EPS[dtype] * ref.abs().max().item() + 1e-4
-    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
-
-
-def check_lse(got, ref):
-    got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
-    assert not torch.isnan(got).any(), "lse: NaN or unwritten elements"
-    assert torch.equal(torch.isinf(got), torch.isinf(ref)), "lse: -inf positions differ"
-    fin = torch.isfinite(ref)
-    if fin.any():
-        diff = (got[fin] - ref[fin]).abs()
-        assert (diff <= 2e-3 * (1 + ref[fin].abs())).all(), f"lse: max error {diff.max().item():.3e}"
-
-
-def cpu_copy(t):
-    if t is None:
-        return None
-    return t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
 
 
 def run(fn, tensors, d_o, device):
