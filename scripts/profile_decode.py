@@ -4,37 +4,24 @@ of a graph replay's time, which `python -m sparseattn.bench_inference --sections
 
     python scripts/profile_decode.py [--contexts 8K 128K] [--batches 1 64] [--heads 64/4] [--head-dim 128]
 
-bf16, NSA defaults, Tq = 1, random inputs; one warm-up step, then the median over --steps profiled steps of each
-kernel's time. Prints one table per (batch, context).
+bf16, NSA defaults, Tq = 1, random inputs; the median over --steps profiled steps (each after a warm-up step) of
+each kernel's time. Prints one table per (batch, context).
 """
 import argparse
 import statistics
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import sparseattn as sa
-from sparseattn.bench import parse_seqlen
+from sparseattn.bench import kernel_times, parse_seqlen
 from sparseattn.bench_inference import decode_steps, random_gates
 
 
-def kernel_times(step, steps):
-    """{kernel name: median µs per step} and the median sum per step."""
-    step()
-    torch.cuda.synchronize()
-    per_step = []
-    for _ in range(steps):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        times = defaultdict(float)
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                times[event.name] += getattr(event, "device_time_total", None) or event.cuda_time_total
-        per_step.append(times)
-    names = sorted({n for t in per_step for n in t})
-    return {n: statistics.median(t.get(n, 0.0) for t in per_step) for n in names}
+def median_kernel_us(step, steps):
+    """{kernel name: median us per step} over `steps` profiled steps (bench.kernel_times, each after a warm-up)."""
+    runs = [kernel_times(step) for _ in range(steps)]
+    names = sorted({name for run in runs for name in run})
+    return {name: 1000 * statistics.median(run.get(name, 0.0) for run in runs) for name in names}
 
 
 def main():
@@ -60,7 +47,7 @@ def main():
             steps = decode_steps(q, k, v, gates, k_cmp, v_cmp, config)
             print(f"\n## B = {batch}, S = {context}, {args.heads}, D = {args.head_dim}")
             for method in ("nsa_decode", "flash_decode_paged"):
-                times = kernel_times(steps[method], args.steps)
+                times = median_kernel_us(steps[method], args.steps)
                 print(f"{method}: sum {sum(times.values()):.1f} us")
                 for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
                     print(f"  {us:8.1f} us  {name[:110]}")
