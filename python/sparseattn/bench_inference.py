@@ -506,7 +506,7 @@ def run_prefill(case: Case, args, config: NSAConfig, device: str) -> None:
         before = context - chunk
         if before > 0:
             head = [t[:, :before].contiguous() for t in (q, k, v, *gates)]
-            case.measure("full_before", guarded(lambda: nsa_attention(*head[:3], *head[3:], config=config)))
+            case.measure("full_before", guarded(lambda: nsa_attention(*head, config=config)))
         case.measure("chunked", guarded(chunked))
 
 
