@@ -1,8 +1,9 @@
 // Host entry points of flash_attention and compressed_attention on CUDA: params -> kernel arguments, head
 // dims -> template constants (the kernels are instantiated in units that CMake generates from
 // instantiation.cu.in, declared in instantiations.h), the backward's workspace and head splits. A flash_attention
-// call with a mask, bias, tile map or work counter runs the FlashTermsMask kernels (score_terms.cuh), or, where
-// the mask and bias depend on the key alone and there is no tile map or work counter, FlashKeyTermsMask's; dbias is
+// call with a mask, bias, tile map, work counter or per-head windows runs the FlashTermsMask kernels
+// (score_terms.cuh; FlashTermsHeadMask's with per-head windows), or, where the mask and bias depend on the key alone
+// and there is no tile map, work counter or per-head window, FlashKeyTermsMask's; dbias is
 // summed through the workspace (bias_gradient.h); one with a gate and none of those runs FlashGateMask's; the gate's
 // copies and ddelta partials live in the workspace too (gate_gradient.h); the others run FlashMask's. No host
 // synchronisation.
@@ -24,6 +25,7 @@ using attention::CompressedMask;
 using attention::FlashGateMask;
 using attention::FlashKeyTermsMask;
 using attention::FlashMask;
+using attention::FlashTermsHeadMask;
 using attention::FlashTermsMask;
 using attention::i64;
 using attention::Launch;
@@ -218,8 +220,6 @@ FlashTermsMask::Config terms_config(const P& p) {
   c.causal = p.causal;
   c.window_left = p.window_left;
   c.window_right = p.window_right;
-  c.head_left = head_bounds(p.head_windows.left);
-  c.head_right = head_bounds(p.head_windows.right);
   const i64 q_heads = p.q.shape[p.q.rank - 2], group = q_heads / p.k.shape[p.k.rank - 2];
   attention::ScoreTerms& t = c.terms;
   t.mask = attention::broadcast_view(p.mask, q_heads, group);
@@ -230,6 +230,16 @@ FlashTermsMask::Config terms_config(const P& p) {
   t.work_counter = p.work_counter.present() ? static_cast<unsigned long long*>(p.work_counter.data) : nullptr;
   t.gate = attention::gate_terms(p.gates);  // the backward replaces it with its fp32 copies (gate_gradient.h)
   return c;
+}
+
+// FlashTermsHeadMask's configuration: the call's FlashTermsMask configuration and its per-head bounds.
+template <class P>
+FlashTermsHeadMask::Config head_terms_config(const P& p, const FlashTermsMask::Config& c) {
+  FlashTermsHeadMask::Config h{};
+  static_cast<FlashTermsMask::Config&>(h) = c;
+  h.head_left = head_bounds(p.head_windows.left);
+  h.head_right = head_bounds(p.head_windows.right);
+  return h;
 }
 
 // Whether a call with terms takes them all by key (FlashKeyTermsMask): neither its mask nor its bias has query rows
@@ -294,6 +304,8 @@ void flash_attention(const FlashAttentionParams& p) {
       const FlashTermsMask::Config config = terms_config(p);
       if (takes_key_terms(p, config)) {
         dispatch<T, FlashKeyTermsMask>(true, dqk, dv, a, key_terms_config(config), l);
+      } else if (p.head_windows.present()) {
+        dispatch<T, FlashTermsHeadMask>(true, dqk, dv, a, head_terms_config(p, config), l);
       } else {
         dispatch<T, FlashTermsMask>(true, dqk, dv, a, config, l);
       }
@@ -360,6 +372,8 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p, const detai
       config.terms.gate = gate_plan.terms(p, gate_workspace);
       if (takes_key_terms(p, config)) {
         dispatch<T, FlashKeyTermsMask>(false, dqk, dv, a, key_terms_config(config), l);
+      } else if (p.head_windows.present()) {
+        dispatch<T, FlashTermsHeadMask>(false, dqk, dv, a, head_terms_config(p, config), l);
       } else {
         dispatch<T, FlashTermsMask>(false, dqk, dv, a, config, l);
       }

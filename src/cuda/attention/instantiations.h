@@ -19,6 +19,7 @@ namespace sparseattn::cuda::attention {
 #define SPARSEATTN_ATTENTION_DECLARE(DQK, DV)                  \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashMask, DQK, DV)         \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashTermsMask, DQK, DV)    \
+  SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashTermsHeadMask, DQK, DV) \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashKeyTermsMask, DQK, DV) \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashGateMask, DQK, DV)     \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, CompressedMask, DQK, DV)

@@ -441,11 +441,13 @@ struct DkvWork {
 };
 
 // FlashTermsMask's dK/dV steps that need a walk: those of a tile map or of per-head windows (flash_attention
-// routes per-head windows to FlashTermsMask, dispatch.cu).
+// routes per-head windows to FlashTermsHeadMask, dispatch.cu).
 template <class Mask>
 __device__ __forceinline__ bool walks_dkv_steps(const typename Mask::Config& mc) {
-  if constexpr (kHasTerms<Mask>) {
+  if constexpr (kPerHeadWindows<Mask>) {
     return mc.terms.tiles.states != nullptr || mc.head_left.data != nullptr || mc.head_right.data != nullptr;
+  } else if constexpr (kHasTerms<Mask>) {
+    return mc.terms.tiles.states != nullptr;
   } else {
     return false;
   }
@@ -482,6 +484,18 @@ __device__ __forceinline__ unsigned classify_dkv_window_steps(const typename Mas
   return kinds;
 }
 
+// The kinds of steps first + kTileWindowPerLane lane + i for this lane: classify_dkv_window_steps where the policy has
+// per-head windows, the tile map's classify_dkv_steps otherwise (the code FlashTermsMask compiles to).
+template <class Mask, class Seq>
+__device__ __forceinline__ unsigned classify_walked_dkv_steps(const typename Mask::Config& mc, const Seq& seq,
+                                                              const DkvWork& w, int kM, i64 first, i64 end) {
+  if constexpr (kPerHeadWindows<Mask>) {
+    return classify_dkv_window_steps<Mask>(mc, seq, w, kM, first, end);
+  } else {
+    return classify_dkv_steps(mc.terms, seq, w, kM, blockIdx.z, first, end);
+  }
+}
+
 // The (query head, query tile) steps a dK/dV CTA computes, in order, walked by one warp (every lane together):
 // with a tile map or per-head windows (FlashTermsMask) the steps whose kernel tile of kM queries is not absent
 // and lies in its head's query range, with their kinds (tile_walk.cuh); otherwise every step, of kind exists.
@@ -495,7 +509,7 @@ class DkvStepWalk {
     if constexpr (kHasTerms<Mask>) {
       if (walks_dkv_steps<Mask>(mc)) {
         return window_.next(step, w.steps, [&](i64 first, i64 end) {
-          return classify_dkv_window_steps<Mask>(mc, seq, w, kM, first, end);
+          return classify_walked_dkv_steps<Mask>(mc, seq, w, kM, first, end);
         });
       }
     }
@@ -507,7 +521,7 @@ class DkvStepWalk {
     if constexpr (kHasTerms<Mask>) {
       if (walks_dkv_steps<Mask>(mc)) {
         return window_.count(0, w.steps, [&](i64 first, i64 end) {
-          return classify_dkv_window_steps<Mask>(mc, seq, w, kM, first, end);
+          return classify_walked_dkv_steps<Mask>(mc, seq, w, kM, first, end);
         });
       }
     }

@@ -103,8 +103,21 @@ struct FlashTermsMask : FlashMask {
   __device__ __forceinline__ FlashTermsMask(const Config& config, i64 T_, i64 S_) : FlashMask{config, T_, S_} {}
 };
 
+// FlashTermsMask for calls with per-head windows (int32 [Hq] bounds, masking_policy.cuh): the same kernels, whose
+// CTAs bind the bounds of their query head (for_head) and walk each head's query range in dK/dV. A separate policy,
+// so that FlashTermsMask's kernels carry none of the per-head code and registers.
+struct FlashTermsHeadMask : FlashTermsMask {
+  struct Config : FlashTermsMask::Config {
+    HeadBounds head_left, head_right;  // null where that side's bound is the scalar one
+  };
+  static constexpr bool kHeadWindows = true;
+  HeadBounds head_left, head_right;
+  __device__ __forceinline__ FlashTermsHeadMask(const Config& config, i64 T_, i64 S_)
+      : FlashTermsMask{config, T_, S_}, head_left{config.head_left}, head_right{config.head_right} {}
+};
+
 template <class Mask>
-inline constexpr bool kHasTerms = std::is_same_v<Mask, FlashTermsMask>;
+inline constexpr bool kHasTerms = std::is_same_v<Mask, FlashTermsMask> || std::is_same_v<Mask, FlashTermsHeadMask>;
 
 // flash_attention whose mask and bias depend on the key alone (rows_shared: a key bias, a key mask), without a tile
 // map or work counter: FlashMask's bounds plus ScoreTerms, whose kernels take every tile's terms by key (key terms
