@@ -26,6 +26,39 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Sets the scores s outside the visible columns [col_lo, col_hi] of each of the thread's two rows to -inf.
+template <int kN>
+__device__ __forceinline__ void mask_columns(float (&s)[kN / 8][4], const int (&col_lo)[2], const int (&col_hi)[2]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int n = 0; n < kN / 8; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+      if (col < col_lo[i / 2] || col > col_hi[i / 2]) s[n][i] = -INFINITY;
+    }
+  }
+}
+
+// The sparse-softmax threshold's vote of the thread's two rows on a key tile whose raw scores s are masked (-inf
+// outside the visible columns): whether some row's largest score, log2e-prescaled like the running max m, reaches
+// m + log2(tau_row) (log2_tau). A row with no visible score sets no condition; a row whose m is still -inf votes
+// for any tile where it sees a key. The four threads of a quad return the same.
+template <int kN>
+__device__ __forceinline__ bool tile_reaches_bar(const float (&s)[kN / 8][4], const float (&m)[2],
+                                                 const float (&log2_tau)[2], float scale_log2) {
+  bool reaches = false;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float raw_max = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kN / 8; ++n) raw_max = fmaxf(raw_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+    const float row_max = quad_max(raw_max);
+    reaches = reaches || (row_max != -INFINITY && !(row_max * scale_log2 < m[half] + log2_tau[half]));
+  }
+  return reaches;
+}
+
 // One key tile of the online softmax for a warp's 16-row tile, without the output: masks the raw scores s to
 // the visible columns [col_lo, col_hi] of each of the thread's two rows (kMasked; a tile whose every element is
 // visible skips it), turns them into exp2-probabilities against the updated running max m (log2e-prescaled:
@@ -37,17 +70,7 @@ template <int kN, bool kMasked>
 __device__ __forceinline__ void softmax_probabilities(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
                                                       const int (&col_lo)[2], const int (&col_hi)[2],
                                                       float scale_log2, float (&correction)[2]) {
-  const int lane = threadIdx.x % 32;
-  if constexpr (kMasked) {
-#pragma unroll
-    for (int n = 0; n < kN / 8; ++n) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = n * 8 + 2 * (lane % 4) + (i % 2);
-        if (col < col_lo[i / 2] || col > col_hi[i / 2]) s[n][i] = -INFINITY;
-      }
-    }
-  }
+  if constexpr (kMasked) mask_columns<kN>(s, col_lo, col_hi);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float raw_max = -INFINITY;
