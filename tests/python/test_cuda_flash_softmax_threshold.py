@@ -184,7 +184,8 @@ def run_case(fn_kwargs, tensors, names, dtype, decisions_expected, cuda_decision
     gradients."""
     kept_ref, margin = decisions_expected
     clear = margin > MARGIN
-    assert cuda_decisions.shape == kept_ref.shape, f"decisions: {tuple(cuda_decisions.shape)} != {tuple(kept_ref.shape)}"
+    assert cuda_decisions.shape == kept_ref.shape, (
+        f"decisions: {tuple(cuda_decisions.shape)} != {tuple(kept_ref.shape)}")
     got = cuda_decisions.cpu()
     assert torch.equal(got[clear], kept_ref[clear]), (
         f"decisions differ at {int((got[clear] != kept_ref[clear]).sum())} clear pairs")
