@@ -402,6 +402,15 @@ void check_threshold_tiles(const detail::Check& check, const FlashAttentionParam
   check.require(t.present(), ErrorKind::config, "threshold_tiles",
                 "is required on CUDA with softmax_threshold (the forward records its decisions there)");
   check.tensor(t, "threshold_tiles", DType::uint8, params.q, "q");
+  if (shapes.layout_q.packed) {
+    // cu_seqlens is not read on the host: max_seqlen_q and max_seqlen_k bound the tile counts, as the backward's
+    // tile map needs them too.
+    for (const auto& [seqs, arg] :
+         {std::pair{&params.seqs_q, "max_seqlen_q"}, std::pair{&params.seqs_k, "max_seqlen_k"}}) {
+      check.require(seqs->max_seqlen > 0, ErrorKind::config, arg,
+                    "must be given with softmax_threshold on CUDA (cu_seqlens is not read on the host)");
+    }
+  }
   const auto longest = [](const detail::TokenLayout& layout, const Sequences& seqs) {
     if (!layout.packed) return layout.rows;
     return seqs.max_seqlen > 0 ? std::min(seqs.max_seqlen, layout.rows) : layout.rows;

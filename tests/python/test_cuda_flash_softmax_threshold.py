@@ -463,6 +463,12 @@ def test_errors_on_cuda(attention_mma):
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="softmax_threshold"):
         _ops.flash_attention_backward(q, q, q, None, None, o, lse, o, None, None, 0, 0, False, -1, -1, None, False,
                                       softmax_threshold=0.5, threshold_block_q=tb[0], threshold_block_k=tb[1])
+    # packed calls need max_seqlen_q and max_seqlen_k (the decision map's size; the backward's tile map needs them)
+    qp = q[0]
+    cu_q = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    with pytest.raises(sparseattn.SparseAttnError, match="max_seqlen_q"):
+        sparseattn.flash_attention(qp, qp, qp, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, softmax_threshold=0.5,
+                                   threshold_block=tb)
     # the decision map is the CUDA forward's output: its shape is checked
     bad = torch.zeros(1, 2, 1, 0, dtype=torch.uint8, device="cuda")
     with pytest.raises(sparseattn.SparseAttnError, match="threshold_tiles"):

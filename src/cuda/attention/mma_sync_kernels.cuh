@@ -21,6 +21,9 @@
 // With FlashTermsMask (score_terms.cuh: flash_attention's mask, bias, tile map) the loops visit only the key tiles
 // (forward, dQ) or (query head, query tile) steps (dK/dV) that are not absent, the scores start from the terms
 // instead of 0, and the dK/dV kernels write the bias gradient's contributions.
+// With the sparse-softmax threshold (the forward's kThreshold instantiation, FlashTermsMask) the forward CTA, the
+// query tile of the decisions, votes on each key tile before its softmax step (warp ballots, a shared word,
+// __syncthreads) and runs neither the softmax step nor P V of a skipped tile.
 // With a gate (FlashTermsMask or FlashGateMask, gate_terms.cuh; the wgmma kernels alike) the raw scores gain
 // g(alpha delta) before the softmax or the recomputation of P, the dQ kernels write dalpha and the dK/dV kernels
 // their ddelta partials.
@@ -747,7 +750,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
             visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
             mask_columns<kN>(s[mt], col_lo, col_hi);
           }
-          reaches = tile_reaches_bar<kN>(s[mt], m[mt], threshold_log2_tau_rows[mt], a.scale_log2) || reaches;
+          float row_max[2];
+          tile_row_maxima<kN>(s[mt], row_max);
+          reaches = rows_reach_bar(row_max, m[mt], threshold_log2_tau_rows[mt], a.scale_log2) || reaches;
         }
         keep_tile = cta_votes(reaches, vote_words, static_cast<unsigned>(computed) + 1);
         if (keep_tile && threadIdx.x == 0) record_kept_tile(mc.terms.threshold, w.sequence, h, t0 / kM, j0 / kN);

@@ -13,6 +13,12 @@
 //    next tile's softmax runs (wgmma::overlapped_steps). The two consumers take turns to issue their MMAs
 //    (pipeline::Turns), so one's softmax overlaps the other's MMAs.
 //
+// With flash_attention's sparse-softmax threshold (the kThreshold instantiation, FlashTermsMask; score_terms.cuh)
+// the consumers decide each key tile before its softmax: every warp's ballot of its rows' votes lands in a shared
+// word, then a named barrier of the two consumers' 256 threads (not the producer's) makes the decision of the
+// 128-row query tile common. A skipped tile's softmax step leaves m and l as they are and gives P = 0; the producer
+// loads every tile as before.
+//
 // Why the producer and the turns: with both warpgroups loading, a CTA barrier per key tile and the consumers in
 // lockstep, the same loop is bound by instruction issue and leaves the tensor pipe idle about half of the time.
 // The producer takes the copies and their address arithmetic off the consumers, and the turns let one
@@ -265,23 +271,20 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
         if constexpr (kThreshold) {
           // The threshold's decision on this key tile from the 128 rows of both consumers, on the scores masked to
           // the visible columns. A skipped tile leaves m and l as they are and its P (to_a_fragments of s in land)
-          // is 0, so its P V adds nothing.
+          // is 0, so its P V adds nothing (threshold_softmax_probabilities).
           int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
           if (!tile_full(mask, t0, kM, j0, kN)) {
             visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
             mask_columns<kN>(s, col_lo, col_hi);
           }
-          const bool keep = consumers_vote(tile_reaches_bar<kN>(s, m, threshold_log2_tau_rows, a.scale_log2),
+          float row_max[2];
+          tile_row_maxima<kN>(s, row_max);
+          const bool keep = consumers_vote(rows_reach_bar(row_max, m, threshold_log2_tau_rows, a.scale_log2),
                                            vote_words, key_tiles + static_cast<unsigned>(step) + 1);
-          if (keep) {
-            if (threadIdx.x == Tile::kProducerThreads) {
-              record_kept_tile(mc.terms.threshold, w.sequence, w.h, t0 / kM, j0 / kN);
-            }
-            softmax_probabilities<kN, false>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
-          } else {
-            zero(s);
-            correction[0] = correction[1] = 1.f;
+          if (keep && threadIdx.x == Tile::kProducerThreads) {
+            record_kept_tile(mc.terms.threshold, w.sequence, w.h, t0 / kM, j0 / kN);
           }
+          threshold_softmax_probabilities<kN>(s, m, l, row_max, keep, a.scale_log2, correction);
         } else {
           with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
             int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
