@@ -582,3 +582,78 @@ def test_rule_matches_the_cpu_reference(causal, tau):
                                                 return_lse=True)
     torch.testing.assert_close(o, o_map, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, lse_map, rtol=1e-12, atol=1e-12)
+
+
+def fake_cuda():
+    """Fake CUDA tensors (no GPU needed): the Python layer's CUDA-side logic runs on their shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode()
+
+
+def test_cuda_python_checks_without_a_gpu():
+    """On (fake) CUDA tensors the Python function requires a block-sparse mask in threshold_block's tiles, before any
+    device code."""
+    with fake_cuda():
+        q = torch.empty(1, 64, 2, 64, dtype=torch.bfloat16, device="cuda")
+        blocks = torch.ones(1, 2, 4, 4, dtype=torch.bool, device="cuda")
+        with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="threshold_block"):
+            sparseattn.flash_attention(q, q, q, softmax_threshold=0.5, threshold_block=(128, 128), block_mask=blocks,
+                                       block_size=(16, 16))
+
+
+class _Ctx:
+    """A stand-in for autograd's ctx: what setup_context saves."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        self.non_differentiable = tensors
+
+
+def test_fake_decisions_and_the_backward_tile_map():
+    """The op's fake implementation gives the decision map's shape on CUDA, and the autograd setup turns the map
+    into the backward's tile map (the given map with the skipped pairs absent) in threshold_block's tiles, with no
+    threshold left for the CUDA backward."""
+    with fake_cuda():
+        q = torch.empty(2, 300, 8, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 333, 2, 64, dtype=torch.bfloat16, device="cuda")
+        args = (q, k, k, None, None, None, None, 0, 0, True, -1, -1, None)
+        kw = dict(softmax_threshold=0.5, threshold_block_q=128, threshold_block_k=32)
+        o, lse, decisions = _ops.flash_attention_with_decisions(*args, **kw)
+        assert tuple(decisions.shape) == (2, 8, 3, 11) and decisions.dtype == torch.uint8
+        _, _, none = _ops.flash_attention_with_decisions(*args)
+        assert none.numel() == 0
+        given = torch.ones(1, 2, 3, 11, dtype=torch.uint8, device="cuda")
+        inputs = (*args, None, None, "logsigmoid", None, 0.5, 128, 32, given, None, None, None, None, 128, 32, None,
+                  None)
+        ctx = _Ctx()
+        _ops._flash_attention_setup(ctx, inputs, (o, lse, decisions))
+        block_mask = ctx.saved_tensors[11]
+        assert tuple(block_mask.shape) == (2, 8, 3, 11) and block_mask.dtype == torch.uint8
+        assert ctx.block_sizes == (128, 32)
+        assert ctx.gate_args[2] is None  # no softmax_threshold for the backward
+        ctx = _Ctx()
+        _ops._flash_attention_setup(ctx, (*args, None, None, "logsigmoid", None, 0.5, 128, 32, None, None, None,
+                                          None, None, 0, 0, None, None), (o, lse, decisions))
+        assert ctx.saved_tensors[11] is decisions and ctx.block_sizes == (128, 32)
+
+
+def test_mask_summary_uses_threshold_tiles(monkeypatch):
+    """With softmax_threshold on CUDA, a batched element mask is summarised in threshold_block's tiles (the kernels
+    take one tile map, in the decisions' tiles)."""
+    seen = {}
+    real = _ops.flash_attention
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs, block_mask_arg=args[20] if len(args) > 20 else kwargs.get("block_mask"))
+        seen["block_sizes"] = (args[25], args[26]) if len(args) > 26 else (kwargs["block_q"], kwargs["block_k"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_ops, "flash_attention", spy)
+    with fake_cuda():
+        q = torch.empty(1, 300, 2, 64, dtype=torch.bfloat16, device="cuda")
+        mask = torch.ones(1, 2, 300, 300, dtype=torch.bool, device="cuda")
+        sparseattn.flash_attention(q, q, q, mask=mask, softmax_threshold=0.5, threshold_block=(128, 32))
+    assert seen["block_sizes"] == (128, 32)
+    assert tuple(seen["block_mask_arg"].shape[-2:]) == (3, 10)
