@@ -11,6 +11,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cuda/attention/bias_gradient.h"
 #include "cuda/attention/gate_gradient.h"
@@ -190,12 +191,38 @@ SeqPairTable flash_seqs(const P& p) {
 
 FlashMask::Config flash_mask(bool causal, std::int64_t left, std::int64_t right) { return {causal, left, right}; }
 
-// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter, bias gradient or per-head
-// windows, whose dK/dV steps FlashTermsMask's step walk skips per head); a gate alone takes FlashGateMask.
+// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter, bias gradient, per-head
+// windows, whose dK/dV steps FlashTermsMask's step walk skips per head, or the forward's softmax threshold); a gate
+// alone takes FlashGateMask.
 template <class P>
 bool uses_terms(const P& p) {
   return p.mask.present() || p.bias.present() || p.blocks.block_mask.present() || p.work_counter.present() ||
-         p.head_windows.present();
+         p.head_windows.present() || (std::is_same_v<P, FlashAttentionParams> && p.gates.softmax_threshold);
+}
+
+// The forward's sparse-softmax threshold (score_terms.cuh): its decision map (threshold_tiles, validated by the API)
+// and log2(tau); none without it.
+attention::SoftmaxThreshold softmax_threshold(const FlashAttentionParams& p) {
+  attention::SoftmaxThreshold t{};
+  if (!p.gates.softmax_threshold || !p.threshold_tiles.present()) return t;
+  t.decisions = static_cast<std::uint8_t*>(p.threshold_tiles.data);
+  t.heads = p.threshold_tiles.shape[1];
+  t.query_tiles = p.threshold_tiles.shape[2];
+  t.key_tiles = p.threshold_tiles.shape[3];
+  t.log2_tau = static_cast<float>(std::log2(*p.gates.softmax_threshold));
+  return t;
+}
+
+// Clears the decision map of the threshold: the kernels write the kept pairs only.
+void clear_threshold_tiles(const FlashAttentionParams& p, cudaStream_t stream) {
+  const TensorView& t = p.threshold_tiles;
+  const std::size_t bytes = static_cast<std::size_t>(t.shape[0] * t.shape[1] * t.shape[2] * t.shape[3]);
+  if (bytes == 0) return;
+  const cudaError_t status = cudaMemsetAsync(t.data, 0, bytes, stream);
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("sparseattn: cudaMemsetAsync of threshold_tiles failed: ") +
+                             cudaGetErrorString(status));
+  }
 }
 
 // A per-head window tensor (int32 [Hq] on the device) as the kernels read it; absent: null.
@@ -248,7 +275,7 @@ FlashTermsHeadMask::Config head_terms_config(const P& p, const FlashTermsMask::C
 template <class P>
 bool takes_key_terms(const P& p, const FlashTermsMask::Config& c) {
   return c.terms.rows_shared && !p.blocks.block_mask.present() && !p.work_counter.present() &&
-         !p.head_windows.present();
+         !p.head_windows.present() && c.terms.threshold.decisions == nullptr;
 }
 
 FlashKeyTermsMask::Config key_terms_config(const FlashTermsMask::Config& c) {
@@ -301,7 +328,9 @@ void flash_attention(const FlashAttentionParams& p) {
     a.seqs = flash_seqs(p);
     const i64 dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
     if (uses_terms(p)) {
-      const FlashTermsMask::Config config = terms_config(p);
+      FlashTermsMask::Config config = terms_config(p);
+      config.terms.threshold = softmax_threshold(p);
+      if (config.terms.threshold.decisions != nullptr) clear_threshold_tiles(p, l.stream);
       if (takes_key_terms(p, config)) {
         dispatch<T, FlashKeyTermsMask>(true, dqk, dv, a, key_terms_config(config), l);
       } else if (p.head_windows.present()) {
@@ -317,6 +346,24 @@ void flash_attention(const FlashAttentionParams& p) {
       dispatch<T, FlashMask>(true, dqk, dv, a, flash_mask(p.causal, p.window_left, p.window_right), l);
     }
   });
+}
+
+FlashThresholdTiles flash_attention_threshold_tiles(const FlashAttentionParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  const i64 dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+  FlashThresholdTiles tiles;
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+#define SPARSEATTN_THRESHOLD_TILES(DQK, DV)                                          \
+  if (dqk == DQK && dv == DV) {                                                      \
+    const attention::ForwardTiles f = attention::forward_tiles<T, DQK, DV, FlashTermsMask>(); \
+    tiles.block_q = f.rows;                                                          \
+    tiles.block_k = f.keys;                                                          \
+  }
+    SPARSEATTN_HEAD_DIMS(SPARSEATTN_THRESHOLD_TILES)
+#undef SPARSEATTN_THRESHOLD_TILES
+  });
+  return tiles;
 }
 
 namespace {
