@@ -26,9 +26,14 @@ namespace sparseattn {
 // logits are scale * (q.k + g), g = logsigmoid(alpha_t * delta_s) (GateMode::logsigmoid) or alpha_t * delta_s
 // (GateMode::product). The gate runs on the CPU and on CUDA (forward and backward, both kernel families, every head
 // dim; alpha and delta of q's dtype or float32, any strides; on CUDA dalpha and ddelta are summed in fp32 in a
-// fixed order, deterministic, and the backward's workspace holds fp32 copies of alpha and delta). The thresholds
-// are CPU only here (CUDA tensors raise ErrorKind::unsupported naming them); the Python function takes the gate
-// threshold on CUDA by passing its decisions as the tile map `blocks` (python/sparseattn/_tiles.py).
+// fixed order, deterministic, and the backward's workspace holds fp32 copies of alpha and delta). The gate
+// threshold is CPU only here (CUDA tensors raise ErrorKind::unsupported naming it); the Python function takes it on
+// CUDA by passing its decisions as the tile map `blocks` (python/sparseattn/_tiles.py). softmax_threshold runs in
+// the CUDA forward when threshold_block is the forward kernel's (query tile, key tile) (128 x 128 on sm_90a for
+// head dims up to (192, 128); the mma.sync kernels' tiles otherwise, see FlashAttentionParams::threshold_tiles;
+// other sizes raise ErrorKind::unsupported naming threshold_block): the kernel decides per key tile and records
+// its decisions in threshold_tiles; the CUDA backward takes those decisions as the tile map `blocks` instead of the
+// threshold (softmax_threshold there raises ErrorKind::unsupported).
 // gate_threshold skips a (query tile, key tile) pair whose upper bound on g is below it; softmax_threshold (tau in
 // (0, 1]) skips a key tile whose largest logit is below every row's running maximum + log(tau_row). Tiles are
 // threshold_block_q queries x threshold_block_k keys, aligned to each sequence's start; the result depends on them.
@@ -104,8 +109,23 @@ struct FlashAttentionParams {
   // atomicAdd per CTA; the backward adds its dQ and dK/dV kernels' counts (twice the forward's). Not written on
   // the CPU. Absent: no cost.
   TensorView work_counter;
+  // Out, CUDA with gates.softmax_threshold (required there, absent otherwise): uint8 [B, Hq, nQ, nK], contiguous,
+  // B counting sequences when packed, nQ and nK at least ceil(longest sequence / threshold_block) (packed:
+  // max_seqlen_q / max_seqlen_k when given, else the packed rows). Every entry is written: 1 where the forward
+  // kept the (query tile, key tile) pair of query head h, 0 where the threshold skipped it or no key of the pair
+  // is visible. Passed to the backward as blocks.block_mask (with block_q, block_k = threshold_block), it makes
+  // dQ, dK and dV follow the forward's decisions. The tile sizes the kernels take: threshold_tile_sizes below.
+  TensorView threshold_tiles;
   Stream stream = nullptr;
 };
+
+// The (query tile, key tile) sizes the CUDA forward decides softmax_threshold in for these params (q, k, v and
+// the optional terms as given; the kernel family that the device and build run), which threshold_block must equal;
+// (0, 0) for CPU tensors, or where the head dims or dtype do not run on CUDA.
+struct FlashThresholdTiles {
+  std::int64_t block_q = 0, block_k = 0;
+};
+FlashThresholdTiles flash_attention_threshold_tiles(const FlashAttentionParams& params);
 
 struct FlashAttentionBackwardParams {
   TensorView q, k, v, mask, bias, o, lse;  // as in the forward

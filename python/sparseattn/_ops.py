@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from . import _tiles
 from . import _topk_mask
 
 Tensors = tuple[Tensor, ...]
@@ -380,8 +381,27 @@ def _flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, ful
             block_q, block_k, _arr(window_left_heads), _arr(window_right_heads))
 
 
+def _threshold_tiles_shape(q: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int, k: Tensor,
+                           max_seqlen_k: int, threshold_block_q: int, threshold_block_k: int) -> list:
+    """The shape of the CUDA forward's softmax-threshold decisions: [B, Hq, nQ, nK] in tiles of threshold_block
+    (B counts sequences when packed; nQ, nK those of the longest sequence, packed: max_seqlen when given)."""
+    if cu_seqlens_q is not None:
+        batch = cu_seqlens_q.shape[0] - 1
+        rows = min(max_seqlen_q, q.shape[0]) if max_seqlen_q > 0 else q.shape[0]
+        keys = min(max_seqlen_k, k.shape[0]) if max_seqlen_k > 0 else k.shape[0]
+        heads = q.shape[1]
+    else:
+        batch, rows, heads, keys = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+    return [batch, heads, -(-rows // threshold_block_q), -(-keys // threshold_block_k)]
+
+
+def _records_threshold(q: Tensor, softmax_threshold: Optional[float]) -> bool:
+    """Whether the forward records softmax_threshold's decisions (CUDA; the CPU backward recomputes them)."""
+    return softmax_threshold is not None and q.device.type == "cuda"
+
+
 @torch.library.custom_op("sparseattn::flash_attention", mutates_args=())
-def flash_attention(
+def _flash_attention_op(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -411,27 +431,55 @@ def flash_attention(
     block_k: int = 0,
     window_left_heads: Optional[Tensor] = None,
     window_right_heads: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (o, lse, threshold_tiles): the last is, on CUDA with softmax_threshold, the forward's decisions
+    (uint8 [B, Hq, nQ, nK] in tiles of threshold_block: 1 kept, 0 skipped), which the backward takes as its tile
+    map; an empty uint8 tensor otherwise."""
     packed = cu_seqlens_q is not None
     o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
     lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
+    if _records_threshold(q, softmax_threshold):
+        tiles = torch.empty(_threshold_tiles_shape(q, cu_seqlens_q, max_seqlen_q, k, max_seqlen_k, threshold_block_q,
+                                                   threshold_block_k), dtype=torch.uint8, device=q.device)
+    else:
+        tiles = q.new_empty((0,), dtype=torch.uint8)
     _C.flash_attention(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(cu_seqlens_q),
                        _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
                        _arr(alpha), _arr(delta), gate, gate_threshold, softmax_threshold, threshold_block_q,
                        threshold_block_k, *_flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks,
                                                          full_kv_indices, block_q, block_k, window_left_heads,
-                                                         window_right_heads), _stream(q))
-    return o, lse
+                                                         window_right_heads), _stream(q),
+                       threshold_tiles=tiles if tiles.dim() == 4 else None)
+    return o, lse, tiles
 
 
-@flash_attention.register_fake
+@_flash_attention_op.register_fake
 def _(q, k, v, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
       window_right, scale, alpha=None, delta=None, gate="logsigmoid", gate_threshold=None, softmax_threshold=None,
       threshold_block_q=128, threshold_block_k=128, block_mask=None, kv_num_blocks=None, kv_indices=None,
       full_kv_num_blocks=None, full_kv_indices=None, block_q=0, block_k=0, window_left_heads=None,
       window_right_heads=None):
     packed = cu_seqlens_q is not None
-    return q.new_empty(_out_shape(q, v.shape[-1])), q.new_empty(_lse_shape(q, packed), dtype=_lse_dtype(q.dtype))
+    if _records_threshold(q, softmax_threshold):
+        tiles = q.new_empty(_threshold_tiles_shape(q, cu_seqlens_q, max_seqlen_q, k, max_seqlen_k, threshold_block_q,
+                                                   threshold_block_k), dtype=torch.uint8)
+    else:
+        tiles = q.new_empty((0,), dtype=torch.uint8)
+    return (q.new_empty(_out_shape(q, v.shape[-1])), q.new_empty(_lse_shape(q, packed), dtype=_lse_dtype(q.dtype)),
+            tiles)
+
+
+def flash_attention(*args, **kwargs) -> tuple[Tensor, Tensor]:
+    """The forward op sparseattn::flash_attention (its arguments), returning (o, lse); differentiable through the
+    op's autograd."""
+    o, lse, _ = _flash_attention_op(*args, **kwargs)
+    return o, lse
+
+
+def flash_attention_with_decisions(*args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
+    """Like flash_attention, also returning the op's third output: on CUDA with softmax_threshold the forward's
+    decisions (uint8 [B, Hq, nQ, nK], 1 kept, 0 skipped), else an empty tensor (tests, diagnostics)."""
+    return _flash_attention_op(*args, **kwargs)
 
 
 @torch.library.custom_op("sparseattn::flash_attention_backward", mutates_args=())
@@ -514,8 +562,17 @@ def _flash_attention_setup(ctx, inputs, output):
      window_right, scale, alpha, delta, gate, gate_threshold, softmax_threshold, threshold_block_q,
      threshold_block_k, block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q, block_k,
      window_left_heads, window_right_heads) = inputs
-    o, lse = output
-    ctx.mark_non_differentiable(lse)
+    o, lse, decisions = output
+    ctx.mark_non_differentiable(lse, decisions)
+    recorded = _records_threshold(q, softmax_threshold)
+    if recorded:
+        # The CUDA backward follows the forward's decisions: its tile map is the given one (same tiles, required
+        # by functional.flash_attention on CUDA) with the skipped pairs made absent, or the decisions alone.
+        if block_mask is not None and block_mask.dtype == torch.bool:
+            block_mask = _tiles.from_bool(block_mask)
+        block_mask = decisions if block_mask is None else _tiles.keep_where(block_mask, decisions)
+        block_q, block_k = threshold_block_q, threshold_block_k
+        softmax_threshold = None
     ctx.save_for_backward(q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k, alpha, delta, block_mask,
                           kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, window_left_heads,
                           window_right_heads)
@@ -524,7 +581,7 @@ def _flash_attention_setup(ctx, inputs, output):
     ctx.gate_args = (gate, gate_threshold, softmax_threshold, threshold_block_q, threshold_block_k)
 
 
-def _flash_attention_backward(ctx, d_o, d_lse):
+def _flash_attention_backward(ctx, d_o, d_lse, d_decisions):
     (q, k, v, mask, bias, o, lse, cu_seqlens_q, cu_seqlens_k, alpha, delta, block_mask, kv_num_blocks, kv_indices,
      full_kv_num_blocks, full_kv_indices, window_left_heads, window_right_heads) = ctx.saved_tensors
     compute_dbias = bias is not None and ctx.needs_input_grad[4]
@@ -538,7 +595,7 @@ def _flash_attention_backward(ctx, d_o, d_lse):
             None, None, None, None, None, None, None, None, None)
 
 
-flash_attention.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)
+_flash_attention_op.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)
 
 
 def flash_attention_work(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
@@ -549,24 +606,38 @@ def flash_attention_work(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
                          block_k: int = 0, d_o: Optional[Tensor] = None, alpha: Optional[Tensor] = None,
                          delta: Optional[Tensor] = None, gate: str = "logsigmoid",
                          window_left_heads: Optional[Tensor] = None,
-                         window_right_heads: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+                         window_right_heads: Optional[Tensor] = None, softmax_threshold: Optional[float] = None,
+                         threshold_block: tuple[int, int] = (128, 128)) -> tuple[Tensor, Optional[Tensor]]:
     """Test diagnostic of the CUDA kernels' tile skipping (not a custom op, not differentiable): runs the forward
     and, given d_o, the backward of flash_attention (block_mask: bool or uint8 tile states; alpha, delta: the gate)
     with a work counter (window_left_heads, window_right_heads: per-head windows, int32 [Hq], replacing that
     side's int), and returns (forward, backward) int64 [1] tensors: the query x key elements of the kernel tiles
     computed (each tile's query rows x keys, clipped to its sequence), summed over the CTAs; the backward counts its
-    dQ and dK/dV kernels (twice the forward's). backward is None without d_o. The counters stay 0 on the CPU."""
+    dQ and dK/dV kernels (twice the forward's). backward is None without d_o. The counters stay 0 on the CPU.
+    With softmax_threshold (CUDA) the forward computes the scores of every tile it walks (skipped ones included)
+    and the backward runs on the forward's decisions (block_mask, if given, must use threshold_block's tiles), so
+    the backward's count shows the skipped tiles."""
     packed = cu_seqlens_q is not None
     o = _alloc(_out_shape(q, v.shape[-1]), q, packed=packed)
     lse = _alloc(_lse_shape(q, packed), q, packed=packed, dtype=_lse_dtype(q.dtype))
     forward = torch.zeros(1, dtype=torch.int64, device=q.device)
+    decisions = None
+    if softmax_threshold is not None:
+        decisions = torch.empty(_threshold_tiles_shape(q, cu_seqlens_q, max_seqlen_q, k, max_seqlen_k,
+                                                       *threshold_block), dtype=torch.uint8, device=q.device)
     blocks = _flash_blocks(block_mask, None, None, None, None, block_q, block_k, window_left_heads, window_right_heads)
     _C.flash_attention(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(cu_seqlens_q),
                        _arr(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
-                       _arr(alpha), _arr(delta), gate, None, None, 128, 128, *blocks, _stream(q),
-                       work_counter=forward)
+                       _arr(alpha), _arr(delta), gate, None, softmax_threshold, *threshold_block, *blocks, _stream(q),
+                       work_counter=forward, threshold_tiles=decisions)
     if d_o is None:
         return forward, None
+    if decisions is not None:
+        if block_mask is not None and block_mask.dtype == torch.bool:
+            block_mask = _tiles.from_bool(block_mask)
+        block_mask = decisions if block_mask is None else _tiles.keep_where(block_mask, decisions)
+        blocks = _flash_blocks(block_mask, None, None, None, None, *threshold_block, window_left_heads,
+                               window_right_heads)
     backward = torch.zeros(1, dtype=torch.int64, device=q.device)
     dq, dk, dv = (_alloc(t.shape, t, packed=packed) for t in (q, k, v))
     _C.flash_attention_backward(_arr(q), _arr(k), _arr(v), _arr(mask), _arr(bias), o, lse, _arr(d_o), dq, dk, dv,

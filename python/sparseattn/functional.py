@@ -419,8 +419,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     Gated attention (``alpha`` and ``delta``; CPU and CUDA, forward and backward) makes the logits
     scale*(q.k + g) with g = logsigmoid(alpha_t*delta_s) (or the product). ``gate_threshold`` (CPU and CUDA,
     where its decisions become a block-sparse tile map; with a block-sparse mask both must use the same tiles) and
-    ``softmax_threshold`` (CPU only for now) skip (query tile, key tile) pairs of ``threshold_block``
-    (docs/semantics.md section 8); the result depends on the tile sizes.
+    ``softmax_threshold`` skip (query tile, key tile) pairs of ``threshold_block`` (docs/semantics.md section 8);
+    the result depends on the tile sizes. On CUDA the forward kernel decides ``softmax_threshold`` in its own tiles,
+    so ``threshold_block`` must be them (128 x 128 on sm_90a for head dims (64, 64), (128, 128), (192, 128); the
+    mma.sync kernels' tiles otherwise: ``sparseattn._C.flash_attention_threshold_tiles(q, v)`` gives them), and
+    equal ``block_size`` with a block-sparse mask; the backward follows the forward's recorded decisions.
 
     Block-sparse masks say which (query tile, key tile) pairs of ``block_size`` exist: a dense tile mask
     ``block_mask`` (bool, or uint8 with 0 absent, 1 exists, 2 exists and full), or FlexAttention's lists (``kv_num_blocks``/``kv_indices``, optionally
@@ -482,8 +485,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             unknown gate, softmax_threshold outside (0, 1], a non-positive threshold_block; a block-sparse mask
             in two forms, without block_size, of the wrong shape or with bad list contents (out-of-range,
             repeated or descending tiles, a tile both partial and full).
-        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (softmax_threshold and a
-            gate_threshold whose threshold_block differs from block_size on CUDA included).
+        SparseAttnUnsupportedError: CUDA tensors this build or its kernels do not take (on CUDA: a threshold
+            whose threshold_block differs from block_size, and softmax_threshold with a threshold_block other than
+            the forward kernel's tiles).
 
     Example:
         >>> import torch, sparseattn
@@ -553,6 +557,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         return _decode.flash_decode(q, k, v, causal=causal, window=(window_left, window_right), scale=scale,
                                     return_lse=return_lse)
     if q.is_cuda:
+        if softmax_threshold is not None and any(t is not None for t in block_tensors) and (
+                (block_q, block_k) != (threshold_block_q, threshold_block_k)):
+            raise make_error(SparseAttnUnsupportedError, "unsupported", op, "threshold_block",
+                             f"{(threshold_block_q, threshold_block_k)} differs from block_size {(block_q, block_k)}: "
+                             "on CUDA softmax_threshold and a block-sparse mask must use the same tiles")
         gate_states = None
         if gate_threshold is not None and _gate_shapes_fit(q, k, alpha, delta, packed):
             # The CUDA kernels take the gate threshold as the tile map of its decisions (see _cuda_gate_threshold).
@@ -561,9 +570,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                 block_q, block_k, packed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             gate_threshold = None
         given_map = gate_states if all(t is None for t in block_tensors) else block_mask
+        # With softmax_threshold the kernels' tile map uses the threshold's tiles (the backward adds its decisions).
+        summary_tiles = _DEFAULT_MASK_TILES if softmax_threshold is None else (threshold_block_q, threshold_block_k)
         block_mask, block_q, block_k = _cuda_tile_states(q, k, mask, given_map, kv_num_blocks, kv_indices,
                                                          full_kv_num_blocks, full_kv_indices, block_q, block_k,
-                                                         packed, max_seqlen_q, max_seqlen_k)
+                                                         packed, max_seqlen_q, max_seqlen_k, summary_tiles)
         if gate_states is not None and given_map is not gate_states:
             block_mask = _tiles.keep_where(block_mask, gate_states)
         kv_num_blocks = kv_indices = full_kv_num_blocks = full_kv_indices = None
@@ -600,9 +611,11 @@ _DECODE_DTYPES = (torch.float16, torch.bfloat16)
 def _cuda_tile_states(q: Tensor, k: Tensor, mask: Optional[Tensor], block_mask: Optional[Tensor],
                       kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
                       full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor], block_q: int,
-                      block_k: int, packed: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int]):
+                      block_k: int, packed: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+                      summary_tiles: tuple[int, int] = (128, 128)):
     """The one tile-state map (uint8, _tiles.py) and tile sizes that the CUDA kernels read, from the block-sparse
-    mask in any of its forms and the summary of a batched element mask; (None, 0, 0) when neither is given."""
+    mask in any of its forms and the summary of a batched element mask (in summary_tiles when no block-sparse mask
+    gives the tiles); (None, 0, 0) when neither is given."""
     if packed:
         rows = max_seqlen_q or q.shape[0]
         keys = max_seqlen_k or k.shape[0]
@@ -617,7 +630,7 @@ def _cuda_tile_states(q: Tensor, k: Tensor, mask: Optional[Tensor], block_mask: 
     if mask is None or mask.dim() != 4:
         return given, block_q, block_k
     if given is None:
-        block_q, block_k = _DEFAULT_MASK_TILES
+        block_q, block_k = summary_tiles
         n_q, n_k = _tiles.tile_counts(rows, block_q), _tiles.tile_counts(keys, block_k)
     else:
         n_q, n_k = given.shape[-2], given.shape[-1]

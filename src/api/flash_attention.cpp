@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 #include <utility>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "api/check.h"
 #include "api/cuda_limits.h"
 #include "reference/reference.h"
+#include "sparseattn/head_dims.h"
 #ifdef SPARSEATTN_WITH_CUDA
 #include "cuda/attention/ops.h"
 #endif
@@ -386,16 +388,84 @@ FlashShapes check_common(const detail::Check& check, const Params& params) {
   return shapes;
 }
 
+// Whether the CUDA kernels take q's dtype and (Dqk, Dv).
+bool cuda_runs(const TensorView& q, std::int64_t dim_qk, std::int64_t dim_v) {
+  return (q.dtype == DType::float16 || q.dtype == DType::bfloat16) && cuda_head_dims_supported(dim_qk, dim_v);
+}
+
+// The decisions of softmax_threshold on CUDA (FlashAttentionParams::threshold_tiles): uint8 [B, Hq, nQ, nK],
+// contiguous (the forward clears it before the kernel writes the kept pairs), nQ x nK at least the tiles of the
+// longest sequence in threshold_block's tiles. The kernels decide in their own tiles, which threshold_block must be.
+void check_threshold_tiles(const detail::Check& check, const FlashAttentionParams& params, const FlashShapes& shapes) {
+  const TensorView& t = params.threshold_tiles;
+  const FlashGateOptions& gates = params.gates;
+  check.require(t.present(), ErrorKind::config, "threshold_tiles",
+                "is required on CUDA with softmax_threshold (the forward records its decisions there)");
+  check.tensor(t, "threshold_tiles", DType::uint8, params.q, "q");
+  if (shapes.layout_q.packed) {
+    // cu_seqlens is not read on the host: max_seqlen_q and max_seqlen_k bound the tile counts, as the backward's
+    // tile map needs them too.
+    for (const auto& [seqs, arg] :
+         {std::pair{&params.seqs_q, "max_seqlen_q"}, std::pair{&params.seqs_k, "max_seqlen_k"}}) {
+      check.require(seqs->max_seqlen > 0, ErrorKind::config, arg,
+                    "must be given with softmax_threshold on CUDA (cu_seqlens is not read on the host)");
+    }
+  }
+  const auto longest = [](const detail::TokenLayout& layout, const Sequences& seqs) {
+    if (!layout.packed) return layout.rows;
+    return seqs.max_seqlen > 0 ? std::min(seqs.max_seqlen, layout.rows) : layout.rows;
+  };
+  const std::int64_t needed_q = tile_count(longest(shapes.layout_q, params.seqs_q), gates.threshold_block_q);
+  const std::int64_t needed_k = tile_count(longest(shapes.layout_k, params.seqs_k), gates.threshold_block_k);
+  const std::string expected = "[" + std::to_string(shapes.layout_q.batch) + ", " + std::to_string(shapes.q_heads) +
+                               ", >= " + std::to_string(needed_q) + ", >= " + std::to_string(needed_k) + "]";
+  check.require(t.rank == 4 && t.shape[0] == shapes.layout_q.batch && t.shape[1] == shapes.q_heads &&
+                    t.shape[2] >= needed_q && t.shape[3] >= needed_k,
+                ErrorKind::shape, "threshold_tiles",
+                "expected a shape " + expected + " (threshold_block " + std::to_string(gates.threshold_block_q) +
+                    " x " + std::to_string(gates.threshold_block_k) + "), got " + t.shape_string());
+  check.require(t.stride[3] == 1 && t.stride[2] == t.shape[3] && t.stride[1] == t.shape[2] * t.shape[3] &&
+                    t.stride[0] == t.shape[1] * t.stride[1],
+                ErrorKind::layout, "threshold_tiles", "must be contiguous");
+}
+
 template <class Params>
 void check_cuda_flash(const detail::Check& check, const Params& params, const FlashShapes& shapes) {
   const FlashGateOptions& gates = params.gates;
   // alpha and delta run on CUDA as check_gates validated them (shapes, q's dtype or float32, q's device, any
-  // strides). The thresholds do not: the Python layer passes the gate threshold's decisions as a tile map
-  // (block_mask), which this API leaves to its caller since it allocates nothing.
+  // strides). The gate threshold does not: the Python layer passes its decisions as a tile map (block_mask),
+  // which this API leaves to its caller since it allocates nothing.
   check.require(!gates.gate_threshold, ErrorKind::unsupported, "gate_threshold",
                 "is not supported on CUDA yet; use CPU tensors");
-  check.require(!gates.softmax_threshold, ErrorKind::unsupported, "softmax_threshold",
-                "is not supported on CUDA yet; use CPU tensors");
+  if constexpr (std::is_same_v<Params, FlashAttentionParams>) {
+    if (gates.softmax_threshold && cuda_runs(params.q, shapes.dim_qk, shapes.dim_v)) {
+      // The forward decides per kernel tile, agreed by the threads that hold the rows of a query tile.
+      const FlashThresholdTiles tiles = flash_attention_threshold_tiles(params);
+      check.require(gates.threshold_block_q == tiles.block_q && gates.threshold_block_k == tiles.block_k,
+                    ErrorKind::unsupported, "threshold_block",
+                    "is " + std::to_string(gates.threshold_block_q) + " x " +
+                        std::to_string(gates.threshold_block_k) + ", but softmax_threshold on CUDA needs the "
+                        "forward kernel's tiles here, " + std::to_string(tiles.block_q) + " x " +
+                        std::to_string(tiles.block_k) + " (queries x keys; they depend on the head dims and on "
+                        "whether the sm_90a kernels run); use CPU tensors for other tile sizes");
+      check_threshold_tiles(check, params, shapes);
+      // The backward's tile map is this one with the decisions' skipped pairs made absent: the same tiles.
+      const FlashBlockMask& blocks = params.blocks;
+      check.require(!blocks.block_mask.present() || (blocks.block_q == gates.threshold_block_q &&
+                                                      blocks.block_k == gates.threshold_block_k),
+                    ErrorKind::unsupported, "threshold_block",
+                    "is " + std::to_string(gates.threshold_block_q) + " x " + std::to_string(gates.threshold_block_k) +
+                        " but the tile map block_mask has tiles of " + std::to_string(blocks.block_q) + " x " +
+                        std::to_string(blocks.block_k) + ": on CUDA softmax_threshold needs the same tiles");
+    } else {
+      check.require(!params.threshold_tiles.present(), ErrorKind::config, "threshold_tiles",
+                    "is given without softmax_threshold");
+    }
+  } else {
+    check.require(!gates.softmax_threshold, ErrorKind::unsupported, "softmax_threshold",
+                  "is not taken by the CUDA backward: pass the forward's decisions (threshold_tiles) as the tile "
+                  "map block_mask with block_q, block_k = threshold_block instead");
+  }
   const FlashBlockMask& blocks = params.blocks;
   check.require(!blocks.kv_num_blocks.present() && !blocks.kv_indices.present(), ErrorKind::unsupported,
                 "kv_num_blocks",
@@ -417,11 +487,29 @@ void check_cuda_flash(const detail::Check& check, const Params& params, const Fl
 
 }  // namespace
 
+FlashThresholdTiles flash_attention_threshold_tiles(const FlashAttentionParams& params) {
+  const TensorView& q = params.q;
+  const TensorView& v = params.v;
+  if (!q.present() || !v.present() || q.device != DeviceType::cuda || q.rank < 3 || v.rank < 3 ||
+      !cuda_runs(q, q.shape[q.rank - 1], v.shape[v.rank - 1])) {
+    return {};
+  }
+#ifdef SPARSEATTN_WITH_CUDA
+  return cuda::flash_attention_threshold_tiles(params);
+#else
+  return {};
+#endif
+}
+
 void flash_attention(const FlashAttentionParams& params) {
   const detail::Check check("flash_attention");
   const FlashShapes shapes = check_common(check, params);
   switch (detail::backend(check, params.q, "q", detail::kCudaBuilt)) {
-    case detail::Backend::cpu: reference::flash_attention(params); break;
+    case detail::Backend::cpu:
+      check.require(!params.threshold_tiles.present(), ErrorKind::config, "threshold_tiles",
+                    "is CUDA's record of softmax_threshold's decisions; the CPU takes none");
+      reference::flash_attention(params);
+      break;
     case detail::Backend::cuda:
       check_cuda_flash(check, params, shapes);
 #ifdef SPARSEATTN_WITH_CUDA

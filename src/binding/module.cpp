@@ -440,7 +440,7 @@ NB_MODULE(_C, m) {
          const OptArray& kv_num_blocks, const OptArray& kv_indices, const OptArray& full_kv_num_blocks,
          const OptArray& full_kv_indices, std::int64_t block_q, std::int64_t block_k,
          const OptArray& window_left_heads, const OptArray& window_right_heads, std::uintptr_t stream,
-         const OptArray& work_counter) {
+         const OptArray& work_counter, const OptArray& threshold_tiles) {
         const OpName op_name("flash_attention");
         FlashAttentionParams p;
         p.blocks = flash_blocks(block_mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_q,
@@ -462,6 +462,7 @@ NB_MODULE(_C, m) {
         p.window_right = window_right;
         p.scale = scale;
         p.work_counter = view(work_counter, "work_counter");
+        p.threshold_tiles = view(threshold_tiles, "threshold_tiles");
         p.stream = as_stream(stream);
         run(flash_attention, p);
       },
@@ -471,7 +472,20 @@ NB_MODULE(_C, m) {
       "softmax_threshold"_a.none(), "threshold_block_q"_a, "threshold_block_k"_a, "block_mask"_a.none(),
       "kv_num_blocks"_a.none(), "kv_indices"_a.none(), "full_kv_num_blocks"_a.none(), "full_kv_indices"_a.none(),
       "block_q"_a, "block_k"_a, "window_left_heads"_a.none(), "window_right_heads"_a.none(), "stream"_a,
-      "work_counter"_a.none() = nb::none());
+      "work_counter"_a.none() = nb::none(), "threshold_tiles"_a.none() = nb::none());
+  m.def(
+      "flash_attention_threshold_tiles",
+      [](const Array& q, const Array& v) {
+        const OpName op_name("flash_attention");
+        FlashAttentionParams p;
+        p.q = view(q, "q");
+        p.v = view(v, "v");
+        const FlashThresholdTiles tiles = flash_attention_threshold_tiles(p);
+        return std::make_pair(tiles.block_q, tiles.block_k);
+      },
+      "q"_a, "v"_a,
+      "The (block_q, block_k) that softmax_threshold's threshold_block must be on CUDA for q's dtype, device and "
+      "head dims and v's head dim; (0, 0) where the CUDA forward does not run them.");
   m.def(
       "flash_attention_backward",
       [](const Array& q, const Array& k, const Array& v, const OptArray& mask, const OptArray& bias,

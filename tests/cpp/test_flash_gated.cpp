@@ -221,6 +221,8 @@ TEST(FlashGated, InvalidArgumentsNameTheArgument) {
       {"tau 1.5", [](auto& p) { p.gates.softmax_threshold = 1.5; }, ErrorKind::config, "softmax_threshold"},
       {"block_q 0", [](auto& p) { p.gates.threshold_block_q = 0; }, ErrorKind::config, "threshold_block_q"},
       {"block_k -1", [](auto& p) { p.gates.threshold_block_k = -1; }, ErrorKind::config, "threshold_block_k"},
+      {"threshold tiles on the cpu", [](auto& p) { p.gates.softmax_threshold = 0.5, p.threshold_tiles = p.lse; },
+       ErrorKind::config, "threshold_tiles"},
       {"gate threshold without gates", [](auto& p) { p.gates.alpha = p.gates.delta = TensorView{}, p.gates.gate_threshold = -1.0; },
        ErrorKind::config, "gate_threshold"},
       {"gate threshold nan", [](auto& p) { p.gates.gate_threshold = std::nan(""); }, ErrorKind::config, "gate_threshold"},
@@ -240,7 +242,7 @@ TEST(FlashGated, InvalidArgumentsNameTheArgument) {
   expect_error([&] { flash_attention_backward(b); }, ErrorKind::config, "dalpha");
 }
 
-TEST(FlashGated, CudaTensorsTakeGatesButNotThresholds) {
+TEST(FlashGated, CudaTensorsTakeGatesAndTheForwardSoftmaxThreshold) {
   if (!built_with_cuda()) GTEST_SKIP() << "CUDA backend not built";
   Gated f({.batch = 1, .q_len = 2, .k_len = 3, .q_heads = 2, .kv_heads = 1, .dim = 2, .dim_v = 2});
   FlashAttentionParams p = f.forward_params();
@@ -255,8 +257,14 @@ TEST(FlashGated, CudaTensorsTakeGatesButNotThresholds) {
   expect_error([&] { flash_attention(p); }, ErrorKind::unsupported, "gate_threshold");
   p.gates.gate_threshold.reset();
   p.gates.alpha = p.gates.delta = TensorView{};
+  // The forward takes softmax_threshold on CUDA (in the kernel's tiles); the float32 q is what the kernels refuse.
   p.gates.softmax_threshold = 0.5;
-  expect_error([&] { flash_attention(p); }, ErrorKind::unsupported, "softmax_threshold");
+  expect_error([&] { flash_attention(p); }, ErrorKind::unsupported, "q");
+  // Tiles of float32 (no CUDA kernels) are none.
+  EXPECT_EQ(flash_attention_threshold_tiles(p).block_q, 0);
+  p.gates.softmax_threshold.reset();
+  p.threshold_tiles = p.lse;
+  expect_error([&] { flash_attention(p); }, ErrorKind::config, "threshold_tiles");
 }
 
 }  // namespace

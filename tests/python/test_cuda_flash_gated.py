@@ -2,8 +2,8 @@
 same function on float32 copies of the same inputs: o, lse, dq, dk, dv, dalpha, ddelta (and dbias), both kernel
 families (attention_mma), every head-dim pair, bf16 and fp16 with 16-bit or float32 gates, GQA groups 1/4/8 and
 MQA, batched and packed, odd sizes, fully masked rows, combined with mask, bias and tile maps; deterministic
-backward; work counts; the gate threshold (its tile map) against the reference, with its work counts; the softmax
-threshold's and bad inputs' errors."""
+backward; work counts; the gate threshold (its tile map) against the reference, with its work counts; bad inputs'
+errors (the softmax threshold on CUDA: test_cuda_flash_softmax_threshold.py)."""
 import pytest
 import torch
 
@@ -305,12 +305,11 @@ def test_gate_threshold_work_counts(attention_mma):
     assert bwd.item() == 2 * fwd.item()
 
 
-def test_thresholds_unsupported_on_cuda():
-    """The softmax threshold, and a gate threshold whose tiles differ from a block-sparse mask's."""
+def test_gate_threshold_tiles_must_match_on_cuda():
+    """A gate threshold whose tiles differ from a block-sparse mask's (softmax_threshold's CUDA errors:
+    test_cuda_flash_softmax_threshold.py)."""
     q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, device="cuda")
     alpha, delta = gates((1, 64, 2), (1, 64, 2), torch.bfloat16, gate_fp32=False)
-    with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="softmax_threshold"):
-        sparseattn.flash_attention(q, q, q, alpha=alpha, delta=delta, softmax_threshold=0.5)
     blocks = torch.ones(1, 2, 1, 1, dtype=torch.bool, device="cuda")
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="threshold_block"):
         sparseattn.flash_attention(q, q, q, alpha=alpha, delta=delta, gate_threshold=-1.0, block_mask=blocks,

@@ -1,8 +1,9 @@
 // Host entry points of flash_attention and compressed_attention on CUDA: params -> kernel arguments, head
 // dims -> template constants (the kernels are instantiated in units that CMake generates from
 // instantiation.cu.in, declared in instantiations.h), the backward's workspace and head splits. A flash_attention
-// call with a mask, bias, tile map or work counter runs the FlashTermsMask kernels (score_terms.cuh), or, where
-// the mask and bias depend on the key alone and there is no tile map or work counter, FlashKeyTermsMask's; dbias is
+// call with a mask, bias, tile map, work counter or per-head windows runs the FlashTermsMask kernels
+// (score_terms.cuh; FlashTermsHeadMask's with per-head windows), or, where the mask and bias depend on the key alone
+// and there is no tile map, work counter or per-head window, FlashKeyTermsMask's; dbias is
 // summed through the workspace (bias_gradient.h); one with a gate and none of those runs FlashGateMask's; the gate's
 // copies and ddelta partials live in the workspace too (gate_gradient.h); the others run FlashMask's. No host
 // synchronisation.
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cuda/attention/bias_gradient.h"
 #include "cuda/attention/gate_gradient.h"
@@ -24,6 +26,7 @@ using attention::CompressedMask;
 using attention::FlashGateMask;
 using attention::FlashKeyTermsMask;
 using attention::FlashMask;
+using attention::FlashTermsHeadMask;
 using attention::FlashTermsMask;
 using attention::i64;
 using attention::Launch;
@@ -188,12 +191,38 @@ SeqPairTable flash_seqs(const P& p) {
 
 FlashMask::Config flash_mask(bool causal, std::int64_t left, std::int64_t right) { return {causal, left, right}; }
 
-// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter, bias gradient or per-head
-// windows, whose dK/dV steps FlashTermsMask's step walk skips per head); a gate alone takes FlashGateMask.
+// Whether a flash_attention call needs FlashTermsMask (mask, bias, tile map, work counter, bias gradient, per-head
+// windows, whose dK/dV steps FlashTermsMask's step walk skips per head, or the forward's softmax threshold); a gate
+// alone takes FlashGateMask.
 template <class P>
 bool uses_terms(const P& p) {
   return p.mask.present() || p.bias.present() || p.blocks.block_mask.present() || p.work_counter.present() ||
-         p.head_windows.present();
+         p.head_windows.present() || (std::is_same_v<P, FlashAttentionParams> && p.gates.softmax_threshold);
+}
+
+// The forward's sparse-softmax threshold (score_terms.cuh): its decision map (threshold_tiles, validated by the API)
+// and log2(tau); none without it.
+attention::SoftmaxThreshold softmax_threshold(const FlashAttentionParams& p) {
+  attention::SoftmaxThreshold t{};
+  if (!p.gates.softmax_threshold || !p.threshold_tiles.present()) return t;
+  t.decisions = static_cast<std::uint8_t*>(p.threshold_tiles.data);
+  t.heads = p.threshold_tiles.shape[1];
+  t.query_tiles = p.threshold_tiles.shape[2];
+  t.key_tiles = p.threshold_tiles.shape[3];
+  t.log2_tau = static_cast<float>(std::log2(*p.gates.softmax_threshold));
+  return t;
+}
+
+// Clears the decision map of the threshold: the kernels write the kept pairs only.
+void clear_threshold_tiles(const FlashAttentionParams& p, cudaStream_t stream) {
+  const TensorView& t = p.threshold_tiles;
+  const std::size_t bytes = static_cast<std::size_t>(t.shape[0] * t.shape[1] * t.shape[2] * t.shape[3]);
+  if (bytes == 0) return;
+  const cudaError_t status = cudaMemsetAsync(t.data, 0, bytes, stream);
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("sparseattn: cudaMemsetAsync of threshold_tiles failed: ") +
+                             cudaGetErrorString(status));
+  }
 }
 
 // A per-head window tensor (int32 [Hq] on the device) as the kernels read it; absent: null.
@@ -218,8 +247,6 @@ FlashTermsMask::Config terms_config(const P& p) {
   c.causal = p.causal;
   c.window_left = p.window_left;
   c.window_right = p.window_right;
-  c.head_left = head_bounds(p.head_windows.left);
-  c.head_right = head_bounds(p.head_windows.right);
   const i64 q_heads = p.q.shape[p.q.rank - 2], group = q_heads / p.k.shape[p.k.rank - 2];
   attention::ScoreTerms& t = c.terms;
   t.mask = attention::broadcast_view(p.mask, q_heads, group);
@@ -232,13 +259,23 @@ FlashTermsMask::Config terms_config(const P& p) {
   return c;
 }
 
+// FlashTermsHeadMask's configuration: the call's FlashTermsMask configuration and its per-head bounds.
+template <class P>
+FlashTermsHeadMask::Config head_terms_config(const P& p, const FlashTermsMask::Config& c) {
+  FlashTermsHeadMask::Config h{};
+  static_cast<FlashTermsMask::Config&>(h) = c;
+  h.head_left = head_bounds(p.head_windows.left);
+  h.head_right = head_bounds(p.head_windows.right);
+  return h;
+}
+
 // Whether a call with terms takes them all by key (FlashKeyTermsMask): neither its mask nor its bias has query rows
 // (its bias gradient is then a key sum, bias_gradient.h), and it has no tile map, no work counter and no per-head
 // windows (FlashKeyTermsMask's bounds are the scalar window's).
 template <class P>
 bool takes_key_terms(const P& p, const FlashTermsMask::Config& c) {
   return c.terms.rows_shared && !p.blocks.block_mask.present() && !p.work_counter.present() &&
-         !p.head_windows.present();
+         !p.head_windows.present() && c.terms.threshold.decisions == nullptr;
 }
 
 FlashKeyTermsMask::Config key_terms_config(const FlashTermsMask::Config& c) {
@@ -291,9 +328,13 @@ void flash_attention(const FlashAttentionParams& p) {
     a.seqs = flash_seqs(p);
     const i64 dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
     if (uses_terms(p)) {
-      const FlashTermsMask::Config config = terms_config(p);
+      FlashTermsMask::Config config = terms_config(p);
+      config.terms.threshold = softmax_threshold(p);
+      if (config.terms.threshold.decisions != nullptr) clear_threshold_tiles(p, l.stream);
       if (takes_key_terms(p, config)) {
         dispatch<T, FlashKeyTermsMask>(true, dqk, dv, a, key_terms_config(config), l);
+      } else if (p.head_windows.present()) {
+        dispatch<T, FlashTermsHeadMask>(true, dqk, dv, a, head_terms_config(p, config), l);
       } else {
         dispatch<T, FlashTermsMask>(true, dqk, dv, a, config, l);
       }
@@ -305,6 +346,24 @@ void flash_attention(const FlashAttentionParams& p) {
       dispatch<T, FlashMask>(true, dqk, dv, a, flash_mask(p.causal, p.window_left, p.window_right), l);
     }
   });
+}
+
+FlashThresholdTiles flash_attention_threshold_tiles(const FlashAttentionParams& p) {
+  const DeviceGuard device(p.q.device_index);
+  const i64 dqk = p.q.shape[p.q.rank - 1], dv = p.v.shape[p.v.rank - 1];
+  FlashThresholdTiles tiles;
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+#define SPARSEATTN_THRESHOLD_TILES(DQK, DV)                                          \
+  if (dqk == DQK && dv == DV) {                                                      \
+    const attention::ForwardTiles f = attention::forward_tiles<T, DQK, DV, FlashTermsMask>(); \
+    tiles.block_q = f.rows;                                                          \
+    tiles.block_k = f.keys;                                                          \
+  }
+    SPARSEATTN_HEAD_DIMS(SPARSEATTN_THRESHOLD_TILES)
+#undef SPARSEATTN_THRESHOLD_TILES
+  });
+  return tiles;
 }
 
 namespace {
@@ -360,6 +419,8 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p, const detai
       config.terms.gate = gate_plan.terms(p, gate_workspace);
       if (takes_key_terms(p, config)) {
         dispatch<T, FlashKeyTermsMask>(false, dqk, dv, a, key_terms_config(config), l);
+      } else if (p.head_windows.present()) {
+        dispatch<T, FlashTermsHeadMask>(false, dqk, dv, a, head_terms_config(p, config), l);
       } else {
         dispatch<T, FlashTermsMask>(false, dqk, dv, a, config, l);
       }

@@ -6,11 +6,12 @@
 #include "sparseattn/head_dims.h"
 #include "cuda/attention/launchers.cuh"
 
-// Instantiates (PREFIX empty) or declares (PREFIX extern) run_forward and run_backward of one policy and head-dim
-// pair, for fp16 and bf16.
+// Instantiates (PREFIX empty) or declares (PREFIX extern) run_forward, run_backward and forward_tiles of one policy
+// and head-dim pair, for fp16 and bf16.
 #define SPARSEATTN_ATTENTION_INSTANTIATE_TYPE(PREFIX, T, DQK, DV, MASK)                                      \
   PREFIX template void run_forward<T, DQK, DV, MASK>(const AttnArgs<T>&, const MASK::Config&, const Launch&); \
-  PREFIX template void run_backward<T, DQK, DV, MASK>(const AttnArgs<T>&, const MASK::Config&, const Launch&);
+  PREFIX template void run_backward<T, DQK, DV, MASK>(const AttnArgs<T>&, const MASK::Config&, const Launch&); \
+  PREFIX template ForwardTiles forward_tiles<T, DQK, DV, MASK>();
 #define SPARSEATTN_ATTENTION_INSTANTIATE(PREFIX, MASK, DQK, DV)        \
   SPARSEATTN_ATTENTION_INSTANTIATE_TYPE(PREFIX, __half, DQK, DV, MASK) \
   SPARSEATTN_ATTENTION_INSTANTIATE_TYPE(PREFIX, __nv_bfloat16, DQK, DV, MASK)
@@ -19,6 +20,7 @@ namespace sparseattn::cuda::attention {
 #define SPARSEATTN_ATTENTION_DECLARE(DQK, DV)                  \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashMask, DQK, DV)         \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashTermsMask, DQK, DV)    \
+  SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashTermsHeadMask, DQK, DV) \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashKeyTermsMask, DQK, DV) \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, FlashGateMask, DQK, DV)     \
   SPARSEATTN_ATTENTION_INSTANTIATE(extern, CompressedMask, DQK, DV)

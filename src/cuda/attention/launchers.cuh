@@ -45,12 +45,13 @@ inline unsigned persistent_ctas(const Launch& l, const QueryTileOrder& order) {
   return static_cast<unsigned>(std::min<i64>(order.count, l.multiprocessors));
 }
 
-// Launches the wgmma forward where it runs; false otherwise.
-template <class T, int Dqk, int Dv, class Mask>
+// Launches the wgmma forward (kThreshold: its variant with the sparse-softmax threshold) where it runs; false
+// otherwise.
+template <class T, int Dqk, int Dv, class Mask, bool kThreshold>
 bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   if constexpr (WgmmaFwdTile<Dqk, Dv>::kSupported) {
     using Tile = WgmmaFwdTile<Dqk, Dv>;
-    auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask>;
+    auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask, kThreshold>;
     if (!wgmma::kernel_runs(kernel)) return false;
     set_dynamic_smem(kernel, Tile::kSmemBytes);
     const QueryTileOrder order = query_tile_order(l, Tile::kM);
@@ -77,16 +78,43 @@ bool launch_dq_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, c
   return false;
 }
 
+// The (query tile, key tile) sizes of the forward kernel that run_forward launches on the current device.
+struct ForwardTiles {
+  int rows, keys;
+};
 template <class T, int Dqk, int Dv, class Mask>
-void run_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+ForwardTiles forward_tiles() {
+  if constexpr (WgmmaFwdTile<Dqk, Dv>::kSupported) {
+    if (wgmma::kernel_runs(attention_forward_wgmma_kernel<T, Dqk, Dv, Mask>)) {
+      return {WgmmaFwdTile<Dqk, Dv>::kM, WgmmaFwdTile<Dqk, Dv>::kN};
+    }
+  }
+  return {FwdTile<Dqk, Dv>::kM, FwdTile<Dqk, Dv>::kN};
+}
+
+// The forward of either family; kThreshold: the kernels' variant with the sparse-softmax threshold (FlashTermsMask),
+// separate so that the others keep their registers.
+template <class T, int Dqk, int Dv, class Mask, bool kThreshold>
+void launch_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   using Tile = FwdTile<Dqk, Dv>;
-  if (l.batch == 0 || l.max_q == 0) return;
-  if (launch_forward_wgmma<T, Dqk, Dv, Mask>(args, mc, l)) return;
-  auto kernel = attention_forward_kernel<T, Dqk, Dv, Mask>;
+  if (launch_forward_wgmma<T, Dqk, Dv, Mask, kThreshold>(args, mc, l)) return;
+  auto kernel = attention_forward_kernel<T, Dqk, Dv, Mask, kThreshold>;
   set_dynamic_smem(kernel, Tile::kSmemBytes);
   const dim3 grid = query_grid(l, Tile::kM);
   kernel<<<grid, kThreads, Tile::kSmemBytes, l.stream>>>(args, mc);
   check_launch("attention_forward_kernel");
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+void run_forward(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  if (l.batch == 0 || l.max_q == 0) return;
+  if constexpr (kHasTerms<Mask>) {
+    if (mc.terms.threshold.decisions != nullptr) {
+      launch_forward<T, Dqk, Dv, Mask, true>(args, mc, l);
+      return;
+    }
+  }
+  launch_forward<T, Dqk, Dv, Mask, false>(args, mc, l);
 }
 
 template <class T, int Dqk, int Dv, class Mask>

@@ -27,8 +27,10 @@ struct FlashMask {
   struct Config {
     bool causal;
     i64 window_left, window_right;
-    HeadBounds head_left, head_right;
   };
+  // Whether the policy carries per-head bounds (head_left, head_right members; FlashTermsHeadMask) that for_head
+  // and group_query_range read: a compile-time property, so that the other policies hold the scalar window alone.
+  static constexpr bool kHeadWindows = false;
   Config c;
   i64 T, S;
 
@@ -105,13 +107,23 @@ __device__ __forceinline__ Mask bind_mask(const typename Mask::Config& config, c
 }
 
 template <class Mask>
-inline constexpr bool kFlashWindows = std::is_base_of_v<FlashMask, Mask>;
+constexpr bool policy_has_head_windows() {
+  if constexpr (std::is_base_of_v<FlashMask, Mask>) {
+    return Mask::kHeadWindows;
+  } else {
+    return false;
+  }
+}
+
+// Whether a policy's kernels read per-head window bounds (FlashTermsHeadMask).
+template <class Mask>
+inline constexpr bool kPerHeadWindows = policy_has_head_windows<Mask>();
 
 // Whether the policy's window depends on the query head (flash_attention's per-head windows).
 template <class Mask>
 __device__ __forceinline__ bool has_head_windows(const Mask& m) {
-  if constexpr (kFlashWindows<Mask>) {
-    return m.c.head_left.data != nullptr || m.c.head_right.data != nullptr;
+  if constexpr (kPerHeadWindows<Mask>) {
+    return m.head_left.data != nullptr || m.head_right.data != nullptr;
   } else {
     return false;
   }
@@ -120,11 +132,11 @@ __device__ __forceinline__ bool has_head_windows(const Mask& m) {
 // The policy of query head h: the per-head bounds read into the scalar ones (the policy itself without them).
 template <class Mask>
 __device__ __forceinline__ Mask for_head(const Mask& m, i64 h) {
-  if constexpr (kFlashWindows<Mask>) {
+  if constexpr (kPerHeadWindows<Mask>) {
     if (has_head_windows(m)) {
       Mask bound = m;
-      if (m.c.head_left.data != nullptr) bound.c.window_left = m.c.head_left.at(h);
-      if (m.c.head_right.data != nullptr) bound.c.window_right = m.c.head_right.at(h);
+      if (m.head_left.data != nullptr) bound.c.window_left = m.head_left.at(h);
+      if (m.head_right.data != nullptr) bound.c.window_right = m.head_right.at(h);
       return bound;
     }
   }

@@ -21,6 +21,9 @@
 // With FlashTermsMask (score_terms.cuh: flash_attention's mask, bias, tile map) the loops visit only the key tiles
 // (forward, dQ) or (query head, query tile) steps (dK/dV) that are not absent, the scores start from the terms
 // instead of 0, and the dK/dV kernels write the bias gradient's contributions.
+// With the sparse-softmax threshold (the forward's kThreshold instantiation, FlashTermsMask) the forward CTA, the
+// query tile of the decisions, votes on each key tile before its softmax step (warp ballots, a shared word,
+// __syncthreads) and runs neither the softmax step nor P V of a skipped tile.
 // With a gate (FlashTermsMask or FlashGateMask, gate_terms.cuh; the wgmma kernels alike) the raw scores gain
 // g(alpha delta) before the softmax or the recomputation of P, the dQ kernels write dalpha and the dK/dV kernels
 // their ddelta partials.
@@ -441,11 +444,13 @@ struct DkvWork {
 };
 
 // FlashTermsMask's dK/dV steps that need a walk: those of a tile map or of per-head windows (flash_attention
-// routes per-head windows to FlashTermsMask, dispatch.cu).
+// routes per-head windows to FlashTermsHeadMask, dispatch.cu).
 template <class Mask>
 __device__ __forceinline__ bool walks_dkv_steps(const typename Mask::Config& mc) {
-  if constexpr (kHasTerms<Mask>) {
+  if constexpr (kPerHeadWindows<Mask>) {
     return mc.terms.tiles.states != nullptr || mc.head_left.data != nullptr || mc.head_right.data != nullptr;
+  } else if constexpr (kHasTerms<Mask>) {
+    return mc.terms.tiles.states != nullptr;
   } else {
     return false;
   }
@@ -482,6 +487,18 @@ __device__ __forceinline__ unsigned classify_dkv_window_steps(const typename Mas
   return kinds;
 }
 
+// The kinds of steps first + kTileWindowPerLane lane + i for this lane: classify_dkv_window_steps where the policy has
+// per-head windows, the tile map's classify_dkv_steps otherwise (the code FlashTermsMask compiles to).
+template <class Mask, class Seq>
+__device__ __forceinline__ unsigned classify_walked_dkv_steps(const typename Mask::Config& mc, const Seq& seq,
+                                                              const DkvWork& w, int kM, i64 first, i64 end) {
+  if constexpr (kPerHeadWindows<Mask>) {
+    return classify_dkv_window_steps<Mask>(mc, seq, w, kM, first, end);
+  } else {
+    return classify_dkv_steps(mc.terms, seq, w, kM, blockIdx.z, first, end);
+  }
+}
+
 // The (query head, query tile) steps a dK/dV CTA computes, in order, walked by one warp (every lane together):
 // with a tile map or per-head windows (FlashTermsMask) the steps whose kernel tile of kM queries is not absent
 // and lies in its head's query range, with their kinds (tile_walk.cuh); otherwise every step, of kind exists.
@@ -495,7 +512,7 @@ class DkvStepWalk {
     if constexpr (kHasTerms<Mask>) {
       if (walks_dkv_steps<Mask>(mc)) {
         return window_.next(step, w.steps, [&](i64 first, i64 end) {
-          return classify_dkv_window_steps<Mask>(mc, seq, w, kM, first, end);
+          return classify_walked_dkv_steps<Mask>(mc, seq, w, kM, first, end);
         });
       }
     }
@@ -507,7 +524,7 @@ class DkvStepWalk {
     if constexpr (kHasTerms<Mask>) {
       if (walks_dkv_steps<Mask>(mc)) {
         return window_.count(0, w.steps, [&](i64 first, i64 end) {
-          return classify_dkv_window_steps<Mask>(mc, seq, w, kM, first, end);
+          return classify_walked_dkv_steps<Mask>(mc, seq, w, kM, first, end);
         });
       }
     }
@@ -626,6 +643,20 @@ __device__ __forceinline__ void store_forward_rows(const float (&acc)[Dv / 8][4]
 
 // ------------------------------------------------------------------------------------------------ forward
 
+// Two shared words of a CTA for the sparse-softmax threshold's agreement (cta_votes, consumers_vote).
+__device__ __forceinline__ unsigned* threshold_vote_words() {
+  __shared__ unsigned words[2];
+  return words;
+}
+
+// Whether some thread of the CTA votes: the warps with a vote write `tag` (unique per decision of the CTA, not 0)
+// into words[0], then a CTA barrier. The caller's next barrier orders these reads before the next decision's writes.
+__device__ __forceinline__ bool cta_votes(bool vote, unsigned* words, unsigned tag) {
+  if (__any_sync(~0u, vote) && threadIdx.x % 32 == 0) words[0] = tag;
+  __syncthreads();
+  return words[0] == tag;
+}
+
 template <int Dqk, int Dv>
 struct FwdTile {
   // Row tiles (16 rows) per warp: two where the output accumulator fits (Dv <= 128: 128 + 64 fp32 registers
@@ -639,8 +670,10 @@ struct FwdTile {
   static constexpr std::size_t kSmemBytes = 2 * (kQ + 2 * kK + 2 * kV) + 2 * kN * sizeof(float);
 };
 
-template <class T, int Dqk, int Dv, class Mask>
+// kThreshold: the variant with flash_attention's sparse-softmax threshold (FlashTermsMask with terms.threshold).
+template <class T, int Dqk, int Dv, class Mask, bool kThreshold = false>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T> a, typename Mask::Config mc) {
+  static_assert(!kThreshold || kHasTerms<Mask>, "the threshold comes with FlashTermsMask");
   using Tile = FwdTile<Dqk, Dv>;
   constexpr int kM = Tile::kM, kN = Tile::kN, kMT = Tile::kMT;
   extern __shared__ __align__(128) unsigned char smem_raw[];  // as the wgmma kernels of this unit declare it
@@ -670,6 +703,18 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
     zero(acc[mt]);
     m[mt][0] = m[mt][1] = -INFINITY;
     l[mt][0] = l[mt][1] = 0.f;
+  }
+  // With the sparse-softmax threshold (score_terms.cuh): log2(tau_row) of the thread's rows; the CTA is the query
+  // tile of the decisions (kM rows) and its key tiles are theirs (kN keys).
+  [[maybe_unused]] float threshold_log2_tau_rows[kMT][2];
+  [[maybe_unused]] unsigned* vote_words = nullptr;
+  if constexpr (kThreshold) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      threshold_rows(mc.terms.threshold, mask, t0 + warp_row0 + 16 * mt, threshold_log2_tau_rows[mt]);
+    }
+    vote_words = threshold_vote_words();
+    if (threadIdx.x == 0) vote_words[0] = 0;  // before the loop's first barrier
   }
 
   KeyTileWalk<Mask> walk;
@@ -707,18 +752,39 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(AttnArgs<T>
       });
 
       const bool full = tile_full(mask, t0, kM, j0, kN);
+      bool keep_tile = true;
+      if constexpr (kThreshold) {
+        // The threshold's decision on this key tile, from every row of the CTA's query tile: the scores masked to
+        // the visible columns here (the softmax's own masking below repeats it), then one vote per thread.
+        bool reaches = false;
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        with_mask(!full, [&](auto masked) {
-          int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-          if constexpr (decltype(masked)::value) {
+        for (int mt = 0; mt < kMT; ++mt) {
+          if (!full) {
+            int col_lo[2], col_hi[2];
             visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
+            mask_columns<kN>(s[mt], col_lo, col_hi);
           }
-          online_softmax_step<kN, Dv, decltype(masked)::value>(s[mt], acc[mt], m[mt], l[mt], col_lo, col_hi,
-                                                               a.scale_log2);
-        });
+          float row_max[2];
+          tile_row_maxima<kN>(s[mt], row_max);
+          reaches = rows_reach_bar(row_max, m[mt], threshold_log2_tau_rows[mt], a.scale_log2) || reaches;
+        }
+        keep_tile = cta_votes(reaches, vote_words, static_cast<unsigned>(computed) + 1);
+        if (keep_tile && threadIdx.x == 0) record_kept_tile(mc.terms.threshold, w.sequence, h, t0 / kM, j0 / kN);
       }
-      gemm_rs_kn<T, Dv, kN, ld_of<Dv>(), kMT>(acc, s, v_tile);
+      if (keep_tile) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          with_mask(!full, [&](auto masked) {
+            int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+            if constexpr (decltype(masked)::value) {
+              visible_columns<kN>(mask, t0 + warp_row0 + 16 * mt, j0, col_lo, col_hi);
+            }
+            online_softmax_step<kN, Dv, decltype(masked)::value>(s[mt], acc[mt], m[mt], l[mt], col_lo, col_hi,
+                                                                 a.scale_log2);
+          });
+        }
+        gemm_rs_kn<T, Dv, kN, ld_of<Dv>(), kMT>(acc, s, v_tile);
+      }
       __syncthreads();
     }
   }

@@ -1,7 +1,8 @@
 // CUDA entry points of the attention kernels (flash_attention, compressed_attention); torch-free. The API
 // (src/api) validates params before these run: bf16/fp16, head dims (Dqk, Dv) from sparseattn/head_dims.h,
-// 16-byte aligned rows, the shapes of flash_attention's mask, bias, dense tile map, gates and per-head windows (no
-// thresholds or block lists). Each function only enqueues work on params.stream.
+// 16-byte aligned rows, the shapes of flash_attention's mask, bias, dense tile map, gates, per-head windows and the
+// forward's softmax-threshold decision map (no gate threshold or block lists). Each function only enqueues work on
+// params.stream.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +15,9 @@
 namespace sparseattn::cuda {
 
 void flash_attention(const FlashAttentionParams& params);
+// The forward kernel's (query tile, key tile) for q's dtype and device and the head dims of q and v: the tiles
+// softmax_threshold decides in (FlashTermsMask's forward on this device).
+FlashThresholdTiles flash_attention_threshold_tiles(const FlashAttentionParams& params);
 std::size_t flash_attention_backward_workspace_size(const FlashAttentionBackwardParams& params);
 // options: the NSA backward's (core/branch_backward_options.h); default: as the public function.
 void flash_attention_backward(const FlashAttentionBackwardParams& params, const detail::BranchBackwardOptions& options);

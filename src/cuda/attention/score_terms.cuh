@@ -83,9 +83,22 @@ struct BiasGradientSink {
   int head_div;
 };
 
+// flash_attention's sparse-softmax threshold in the forward (docs/semantics.md section 8), decided in the forward
+// kernel's own tiles (the API requires threshold_block to be them): the key tiles of a query tile are visited in
+// order and one is skipped (no softmax update, no P V) when, for every row of the query tile with a visible key in
+// it, the row's largest logit is below its running maximum over the kept tiles + log(tau_row). The kernel records
+// each kept pair in `decisions` (1; the host clears the map before the launch, so skipped and unvisited pairs
+// read 0), which the backward takes as its tile map.
+struct SoftmaxThreshold {
+  std::uint8_t* decisions;  // null: no threshold. [B, Hq, query_tiles, key_tiles], contiguous uint8
+  i64 heads, query_tiles, key_tiles;
+  float log2_tau;  // log2(tau); causal rows add log2((a + 1) / S)
+};
+
 struct ScoreTerms {
   BroadcastView mask, bias;
   TileMap tiles;
+  SoftmaxThreshold threshold;  // forward only
   BiasGradientSink dbias;
   GateTerms gate;  // gated attention (gate_terms.cuh); gate.alpha.data null without it
   // Test diagnostics: when given, each CTA adds the query x key elements of the kernel tiles it computed (one
@@ -103,8 +116,47 @@ struct FlashTermsMask : FlashMask {
   __device__ __forceinline__ FlashTermsMask(const Config& config, i64 T_, i64 S_) : FlashMask{config, T_, S_} {}
 };
 
+// FlashTermsMask for calls with per-head windows (int32 [Hq] bounds, masking_policy.cuh): the same kernels, whose
+// CTAs bind the bounds of their query head (for_head) and walk each head's query range in dK/dV. A separate policy,
+// so that FlashTermsMask's kernels carry none of the per-head code and registers.
+struct FlashTermsHeadMask : FlashTermsMask {
+  struct Config : FlashTermsMask::Config {
+    HeadBounds head_left, head_right;  // null where that side's bound is the scalar one
+  };
+  static constexpr bool kHeadWindows = true;
+  HeadBounds head_left, head_right;
+  __device__ __forceinline__ FlashTermsHeadMask(const Config& config, i64 T_, i64 S_)
+      : FlashTermsMask{config, T_, S_}, head_left{config.head_left}, head_right{config.head_right} {}
+};
+
 template <class Mask>
-inline constexpr bool kHasTerms = std::is_same_v<Mask, FlashTermsMask>;
+inline constexpr bool kHasTerms = std::is_same_v<Mask, FlashTermsMask> || std::is_same_v<Mask, FlashTermsHeadMask>;
+
+// log2(tau_row) of query row t of the policy's sequence: log2(tau), plus log2((a + 1) / S) when causal (a = t + S -
+// T the aligned position); -inf where a + 1 <= 0 (such a row sees no key: it sets no condition).
+__device__ __forceinline__ float threshold_log2_tau(const SoftmaxThreshold& threshold, const FlashTermsMask& mask,
+                                                    i64 t) {
+  if (!mask.c.causal) return threshold.log2_tau;
+  const i64 position = t + mask.S - mask.T + 1;
+  if (position <= 0) return -INFINITY;
+  return threshold.log2_tau + log2f(static_cast<float>(position) / static_cast<float>(mask.S));
+}
+
+// log2(tau_row) of the thread's two rows of the 16-row tile at query row0 (accumulator layout, softmax.cuh).
+__device__ __forceinline__ void threshold_rows(const SoftmaxThreshold& threshold, const FlashTermsMask& mask, i64 row0,
+                                               float (&log2_tau)[2]) {
+  const int lane = threadIdx.x % 32;
+  log2_tau[0] = threshold_log2_tau(threshold, mask, row0 + lane / 4);
+  log2_tau[1] = threshold_log2_tau(threshold, mask, row0 + lane / 4 + 8);
+}
+
+// Records that the forward kept key tile key_tile for query tile query_tile of (sequence, query head h).
+__device__ __forceinline__ void record_kept_tile(const SoftmaxThreshold& threshold, i64 sequence, i64 h,
+                                                 i64 query_tile, i64 key_tile) {
+  if (query_tile >= threshold.query_tiles || key_tile >= threshold.key_tiles) return;
+  threshold.decisions[((sequence * threshold.heads + h) * threshold.query_tiles + query_tile) * threshold.key_tiles +
+                      key_tile] = 1;
+}
 
 // flash_attention whose mask and bias depend on the key alone (rows_shared: a key bias, a key mask), without a tile
 // map or work counter: FlashMask's bounds plus ScoreTerms, whose kernels take every tile's terms by key (key terms

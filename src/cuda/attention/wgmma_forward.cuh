@@ -13,6 +13,12 @@
 //    next tile's softmax runs (wgmma::overlapped_steps). The two consumers take turns to issue their MMAs
 //    (pipeline::Turns), so one's softmax overlaps the other's MMAs.
 //
+// With flash_attention's sparse-softmax threshold (the kThreshold instantiation, FlashTermsMask; score_terms.cuh)
+// the consumers decide each key tile before its softmax: every warp's ballot of its rows' votes lands in a shared
+// word, then a named barrier of the two consumers' 256 threads (not the producer's) makes the decision of the
+// 128-row query tile common. A skipped tile's softmax step leaves m and l as they are and gives P = 0; the producer
+// loads every tile as before.
+//
 // Why the producer and the turns: with both warpgroups loading, a CTA barrier per key tile and the consumers in
 // lockstep, the same loop is bound by instruction issue and leaves the tensor pipe idle about half of the time.
 // The producer takes the copies and their address arithmetic off the consumers, and the turns let one
@@ -48,9 +54,25 @@ struct WgmmaFwdTile : pipeline::ProducerConsumers {
                                             sizeof(float) * (kGateKeys + kKeyTerms) + wgmma::kTileAlignment;
 };
 
-template <class T, int Dqk, int Dv, class Mask>
+// The named barrier of the two consumer warpgroups' threshold agreement (pipeline::Turns takes 1 and 2).
+constexpr int kThresholdBarrier = 3;
+
+// Whether some thread of the two consumer warpgroups votes: the warps with a vote write `tag` (unique per decision
+// of the CTA, not 0) into words[tag % 2], then a named barrier of the consumers' 256 threads (not the producer's). A
+// word is written again two decisions later, after every consumer has passed the barrier of the decision between,
+// which it reaches only after reading this one.
+__device__ __forceinline__ bool consumers_vote(bool vote, unsigned* words, unsigned tag) {
+  if (__any_sync(~0u, vote) && threadIdx.x % 32 == 0) words[tag % 2] = tag;
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kThresholdBarrier), "n"(pipeline::ProducerConsumers::kConsumerThreads)
+               : "memory");
+  return words[tag % 2] == tag;
+}
+
+// kThreshold: the variant with flash_attention's sparse-softmax threshold (FlashTermsMask with terms.threshold).
+template <class T, int Dqk, int Dv, class Mask, bool kThreshold = false>
 __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     attention_forward_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc, QueryTileOrder order) {
+  static_assert(!kThreshold || kHasTerms<Mask>, "the threshold comes with FlashTermsMask");
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = WgmmaFwdTile<Dqk, Dv>;
   constexpr int kM = Tile::kM, kN = Tile::kN, kStages = Tile::kStages, kQBuffers = Tile::kQBuffers;
@@ -68,6 +90,13 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
   const pipeline::Ring<kQBuffers> q_ring(barriers);
   const pipeline::Ring<kStages> k_ring(barriers + q_ring.kBarriers);
   const pipeline::Ring<kStages> v_ring(barriers + q_ring.kBarriers + k_ring.kBarriers);
+  // With the sparse-softmax threshold (score_terms.cuh): the consumers' agreement words, cleared before
+  // init_rings' barrier.
+  [[maybe_unused]] unsigned* vote_words = nullptr;
+  if constexpr (kThreshold) {
+    vote_words = threshold_vote_words();
+    if (threadIdx.x == 0) vote_words[0] = vote_words[1] = 0;
+  }
   pipeline::init_rings(q_ring, k_ring, v_ring);
 
   if (threadIdx.x < Tile::kProducerThreads) {
@@ -126,6 +155,10 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
         load_gate_alpha_rows<T, 1>(gate_alpha_rows, gate_of<Mask>(mc), seq, w.h, t0 + warp_row0);
       }
     }
+    // With the threshold: log2(tau_row) of the thread's two rows; the query tile of the decisions is the CTA's kM
+    // rows, which both consumers hold (64 each), its key tiles the kN keys of a step.
+    [[maybe_unused]] float threshold_log2_tau_rows[2];
+    if constexpr (kThreshold) threshold_rows(mc.terms.threshold, mask, t0 + warp_row0, threshold_log2_tau_rows);
     if (steps > 0) {
       const unsigned q_use = query_tiles++;
       const std::uint64_t q_desc = wgmma::advance(q_desc0, q_ring.slot(q_use) * Tile::kQ * 2);
@@ -235,11 +268,30 @@ __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
                                                       sGateKeys + (consumer * 2 + (step & 1)) * kN);
           }
         });
-        with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
+        if constexpr (kThreshold) {
+          // The threshold's decision on this key tile from the 128 rows of both consumers, on the scores masked to
+          // the visible columns. A skipped tile leaves m and l as they are and its P (to_a_fragments of s in land)
+          // is 0, so its P V adds nothing (threshold_softmax_probabilities).
           int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
-          if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
-          softmax_probabilities<kN, decltype(masked)::value>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
-        });
+          if (!tile_full(mask, t0, kM, j0, kN)) {
+            visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+            mask_columns<kN>(s, col_lo, col_hi);
+          }
+          float row_max[2];
+          tile_row_maxima<kN>(s, row_max);
+          const bool keep = consumers_vote(rows_reach_bar(row_max, m, threshold_log2_tau_rows, a.scale_log2),
+                                           vote_words, key_tiles + static_cast<unsigned>(step) + 1);
+          if (keep && threadIdx.x == Tile::kProducerThreads) {
+            record_kept_tile(mc.terms.threshold, w.sequence, w.h, t0 / kM, j0 / kN);
+          }
+          threshold_softmax_probabilities<kN>(s, m, l, row_max, keep, a.scale_log2, correction);
+        } else {
+          with_mask(!tile_full(mask, t0, kM, j0, kN), [&](auto masked) {
+            int col_lo[2] = {0, 0}, col_hi[2] = {kN - 1, kN - 1};
+            if constexpr (decltype(masked)::value) visible_columns<kN>(mask, t0 + warp_row0, j0, col_lo, col_hi);
+            softmax_probabilities<kN, decltype(masked)::value>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
+          });
+        }
       };
       auto land = [&](int step) {
         wgmma::wait<0>();

@@ -359,14 +359,18 @@ __device__ __forceinline__ void merge_max_sum(float& m, float& sum, float m_othe
 }
 
 // The best candidate of a warp in the order ranks_before, among those ranking after (previous_score,
-// previous_index); every lane gets it (best_index INT_MAX: none).
-template <class Load>
-__device__ __forceinline__ void warp_best_after(int begin, int end, int step, Load&& load, float previous_score,
-                                                int previous_index, float& best_score, int& best_index) {
+// previous_index); every lane gets it (best_index INT_MAX: none). Lane-local candidates i = begin, begin + step, ...
+// < end; candidate(i, score, block) gives candidate i's score and block, or false where slot i holds none.
+template <class Candidate>
+__device__ __forceinline__ void warp_best_after(int begin, int end, int step, Candidate&& candidate,
+                                                float previous_score, int previous_index, float& best_score,
+                                                int& best_index) {
   best_score = -INFINITY;
   best_index = INT_MAX;
-  for (int blk = begin; blk < end; blk += step) {
-    const float s = load(blk);
+  for (int i = begin; i < end; i += step) {
+    float s;
+    int blk;
+    if (!candidate(i, s, blk)) continue;
     if (!ranks_before(previous_score, previous_index, s, blk)) continue;  // taken in an earlier round
     if (best_index == INT_MAX || ranks_before(s, blk, best_score, best_index)) {
       best_score = s;
@@ -477,12 +481,16 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   // The top `rounds` of the other candidates in the order (score descending, index ascending). Each warp first
   // takes the top `rounds` of its own share (every kWarps-th group of 32 candidates) with warp-wide arg-max rounds
   // and no block barrier; the overall top `rounds` are among the warps' picks, and warp 0 takes them from there.
-  const auto load_score = [&](int blk) { return scores[blk]; };
+  const auto score_of = [&](int blk, float& score, int& block_index) {
+    score = scores[blk];
+    block_index = blk;
+    return true;
+  };
   {
     float previous_score = INFINITY, best_score;
     int previous_index = -1, best_index;
     for (int round = 0; round < rounds; ++round) {
-      warp_best_after(init_end + warp * 32 + lane, local_begin, kSelectThreads, load_score, previous_score,
+      warp_best_after(init_end + warp * 32 + lane, local_begin, kSelectThreads, score_of, previous_score,
                       previous_index, best_score, best_index);
       if (lane == 0) {
         pick_score[warp][round] = best_score;
@@ -498,33 +506,16 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   }
   __syncthreads();
   if (warp == 0) {
-    const auto load_pick = [&](int i) { return pick_score[i / rounds][i % rounds]; };
-    const auto pick_at = [&](int i) { return pick_index[i / rounds][i % rounds]; };
-    float previous_score = INFINITY, best_score = -INFINITY;
-    int previous_index = -1, best_index = INT_MAX;
+    // Pick i of the warps' picks: warp i / rounds, round i % rounds.
+    const auto pick_of = [&](int i, float& score, int& block_index) {
+      block_index = pick_index[i / rounds][i % rounds];
+      score = pick_score[i / rounds][i % rounds];
+      return block_index != INT_MAX;
+    };
+    float previous_score = INFINITY, best_score;
+    int previous_index = -1, best_index;
     for (int round = 0; round < rounds; ++round) {
-      // Candidate i of the picks holds block pick_at(i): the arg-max runs over (score, block) pairs.
-      best_score = -INFINITY;
-      best_index = INT_MAX;
-      for (int i = lane; i < kWarps * rounds; i += 32) {
-        const int blk = pick_at(i);
-        if (blk == INT_MAX) continue;
-        const float s = load_pick(i);
-        if (!ranks_before(previous_score, previous_index, s, blk)) continue;
-        if (best_index == INT_MAX || ranks_before(s, blk, best_score, best_index)) {
-          best_score = s;
-          best_index = blk;
-        }
-      }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        const float s = __shfl_xor_sync(0xffffffffu, best_score, offset);
-        const int i = __shfl_xor_sync(0xffffffffu, best_index, offset);
-        if (i != INT_MAX && (best_index == INT_MAX || ranks_before(s, i, best_score, best_index))) {
-          best_score = s;
-          best_index = i;
-        }
-      }
+      warp_best_after(lane, kWarps * rounds, 32, pick_of, previous_score, previous_index, best_score, best_index);
       if (lane == 0) chosen[round] = best_index;
       previous_score = best_score;
       previous_index = best_index;
