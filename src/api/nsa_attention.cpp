@@ -156,7 +156,8 @@ void check_backend(const detail::Check& check, const TensorView& q, const detail
 // workspaces they ask for. `d_o`: the caller's output gradient (CUDA: each branch's gate is folded into its
 // backward, branch_backward.h; CPU: the branches read scratch.d_o instead). `dk_cmp`/`dv_cmp` receive the
 // compressed branch's K/V gradient. `o`: the branch outputs (backward_outputs); the log-sum-exps are the
-// workspace's.
+// workspace's. `dk`/`dv`: where the branch NsaScratch::kv_direct writes its K/V gradient (the caller's; shape-only
+// views while sizing).
 struct BranchBackward {
   CompressedAttentionBackwardParams cmp;
   SelectedAttentionBackwardParams slc;
@@ -166,8 +167,10 @@ struct BranchBackward {
 BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, const detail::NsaWorkspace& ws,
                                const std::array<TensorView, kNumBranches>& o, const detail::NsaScratch& scratch,
                                const TensorView& d_o_caller, const TensorView& dq, const TensorView& dk_cmp,
-                               const TensorView& dv_cmp) {
+                               const TensorView& dv_cmp, const TensorView& dk, const TensorView& dv) {
   const auto dq_of = [&](int i) { return scratch.dq[i].present() ? scratch.dq[i] : dq; };
+  const auto dk_of = [&](int i) { return scratch.kv_direct == i ? dk : scratch.dk[i]; };
+  const auto dv_of = [&](int i) { return scratch.kv_direct == i ? dv : scratch.dv[i]; };
   const TensorView d_o = scratch.d_o.present() ? scratch.d_o : d_o_caller;
   const NsaConfig& c = f.config;
   void* workspace = scratch.branch_workspace.data;
@@ -180,12 +183,12 @@ BranchBackward branch_backward(const detail::NsaPlan& plan, const NsaParams& f, 
            .stride = c.cmp_stride, .scale = c.scale, .workspace = workspace, .workspace_bytes = workspace_bytes,
            .stream = f.stream};
   b.slc = {.q = f.q, .k = f.k, .v = f.v, .indices = plan.run_selection ? ws.indices : f.block_indices,
-           .o = o[1], .lse = ws.lse[1], .d_o = d_o, .dq = dq_of(1), .dk = scratch.dk[1],
-           .dv = scratch.dv[1], .seqs = f.seqs, .seqs_k = f.seqs_k, .block = c.sel_block, .scale = c.scale,
+           .o = o[1], .lse = ws.lse[1], .d_o = d_o, .dq = dq_of(1), .dk = dk_of(1),
+           .dv = dv_of(1), .seqs = f.seqs, .seqs_k = f.seqs_k, .block = c.sel_block, .scale = c.scale,
            .workspace = workspace,
            .workspace_bytes = workspace_bytes, .stream = f.stream};
   b.swa = {.q = f.q, .k = f.k, .v = f.v, .mask = {}, .bias = {}, .o = o[2], .lse = ws.lse[2],
-           .d_o = d_o, .dq = dq_of(2), .dk = scratch.dk[2], .dv = scratch.dv[2], .dbias = {},
+           .d_o = d_o, .dq = dq_of(2), .dk = dk_of(2), .dv = dv_of(2), .dbias = {},
            .dalpha = {}, .ddelta = {}, .seqs_q = f.seqs, .seqs_k = plan.keys.seqs, .causal = true,
            .window_left = c.window - 1, .window_right = 0, .scale = c.scale, .gates = {}, .blocks = {},
            .head_windows = {}, .workspace = workspace, .workspace_bytes = workspace_bytes, .stream = f.stream};
@@ -226,7 +229,10 @@ detail::NsaScratch scratch_for(const detail::NsaPlan& plan, const NsaParams& f, 
   const detail::NsaScratch shapes = detail::nsa_scratch(plan, nullptr, 0);
   const std::array<TensorView, kNumBranches> outputs =
       backward_outputs(plan, ws, recomputed_output(plan, shapes, f.q));
-  const BranchBackward sizing = branch_backward(plan, f, ws, outputs, shapes, f.o, f.q, f.k_cmp, f.v_cmp);
+  const TensorView direct_dk = shapes.kv_direct >= 0 ? shapes.dk[shapes.kv_direct] : TensorView{};
+  const TensorView direct_dv = shapes.kv_direct >= 0 ? shapes.dv[shapes.kv_direct] : TensorView{};
+  const BranchBackward sizing =
+      branch_backward(plan, f, ws, outputs, shapes, f.o, f.q, f.k_cmp, f.v_cmp, direct_dk, direct_dv);
   std::size_t bytes = 0;
   if (plan.branch[0]) bytes = std::max(bytes, compressed_attention_backward_workspace_size(sizing.cmp));
   if (plan.branch[1]) bytes = std::max(bytes, selected_attention_backward_workspace_size(sizing.slc));
@@ -315,7 +321,8 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
       backward_outputs(plan, ws, recomputed_output(plan, scratch, params.dq));
   const BranchBackward branches = branch_backward(plan, f, ws, outputs, scratch, params.d_o, params.dq,
                                                   plan.user_cmp ? params.dk_cmp : scratch.dk_cmp,
-                                                  plan.user_cmp ? params.dv_cmp : scratch.dv_cmp);
+                                                  plan.user_cmp ? params.dv_cmp : scratch.dv_cmp, params.dk,
+                                                  params.dv);
   // Recomputation (NsaPlan::recompute_output): the branch's forward runs again (the forward's own call,
   // branch_forward) into its buffer just before that branch's gate gradient; its log-sum-exp goes to scratch.lse
   // (the backward reads the workspace's, the same values). On the CPU (scratch.o) the branch's backward, which
@@ -395,21 +402,30 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
     dq_terms[kNumBranches - 1] = params.dq;  // the last slot never holds a scratch dq
     sum_into(params.dq, dq_terms, f.seqs.cu_seqlens, f.stream);
   }
+  // The branches' K/V gradients: scratch's, and (CUDA) the caller's dk/dv already holding branch kv_direct's, read
+  // in place (each element is read before it is written).
+  std::array<TensorView, kNumBranches> dk_terms = scratch.dk, dv_terms = scratch.dv;
+  if (scratch.kv_direct >= 0) {
+    dk_terms[scratch.kv_direct] = params.dk;
+    dv_terms[scratch.kv_direct] = params.dv;
+  }
+  const bool scratch_terms =
+      std::any_of(scratch.dk.begin(), scratch.dk.end(), [](const TensorView& t) { return t.data != nullptr; });
   if (plan.branch[0] && !plan.user_cmp) {
     // dk = the other branches' dk + the gradient through the pooling of dk_cmp, in one pass (dv alike).
     static_assert(detail::kMaxCompressTerms == kNumBranches - 1, "a term per branch after the compressed one");
     detail::CompressBackwardTerms terms;
     for (int i = 1; i < kNumBranches; ++i) {
-      terms.dk[i - 1] = scratch.dk[i];
-      terms.dv[i - 1] = scratch.dv[i];
+      terms.dk[i - 1] = dk_terms[i];
+      terms.dv[i - 1] = dv_terms[i];
     }
     detail::compress_kv_backward_adding({.dk_cmp = scratch.dk_cmp, .dv_cmp = scratch.dv_cmp, .dk = params.dk,
                                          .dv = params.dv, .seqs = plan.keys.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
                                          .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream},
                                         terms);
-  } else {
-    sum_into(params.dk, scratch.dk, plan.keys.seqs.cu_seqlens, f.stream);
-    sum_into(params.dv, scratch.dv, plan.keys.seqs.cu_seqlens, f.stream);
+  } else if (scratch_terms || scratch.kv_direct < 0) {  // else the caller's dk/dv already hold the only term
+    sum_into(params.dk, dk_terms, plan.keys.seqs.cu_seqlens, f.stream);
+    sum_into(params.dv, dv_terms, plan.keys.seqs.cu_seqlens, f.stream);
   }
 }
 

@@ -78,6 +78,10 @@ struct NsaScratch {
   std::array<TensorView, kNumBranches> dq;          // CPU, per gate but the last: the branch's dq
   std::array<TensorView, kNumBranches> dk, dv;      // per gate but the compressed one: the branch's
                                                     // contribution (the pooling's goes straight into dk, dv)
+  // CUDA: the branch (1 or 2, the last present one) whose dk/dv go straight into the caller's dk/dv, which the
+  // final sum then reads in place; its dk/dv above are shape-only views (no bytes). -1 on the CPU (the reference's
+  // pooling gradient overwrites dk before it adds the terms).
+  int kv_direct = -1;
   TensorView dk_cmp, dv_cmp;                        // compressed branch with pooled K/V: their gradient
   std::array<TensorView, kNumBranches> d_gates;     // packed layout, per gate: combine_backward's gate
                                                     // gradient, copied to the caller's like `combined`

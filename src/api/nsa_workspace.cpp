@@ -37,6 +37,12 @@ class Carver {
     return t;
   }
 
+  // A view of the shape with no bytes (data null): a buffer that lives elsewhere, for sizing.
+  TensorView shape_only(DType dtype, const std::vector<std::int64_t>& shape) const {
+    Carver sizing(plan_, nullptr);
+    return sizing.take(dtype, shape);
+  }
+
   // The bytes [offset, offset + bytes) as a float16 view (bytes even: every slice holds 2- or 4-byte
   // elements): rows of 256 bytes where they divide it (a 16-byte vector per thread when it is zeroed), else
   // one row.
@@ -146,8 +152,16 @@ NsaScratch nsa_scratch(const NsaPlan& plan, void* base, std::size_t branch_works
       scratch.dq[i] = carve.take(plan.dtype, layout.tokens(plan.heads_q, plan.dim_qk));
     }
     if (i == 0) continue;  // the pooling's gradient goes straight into dk/dv (compress_kv_backward_adding)
-    scratch.dk[i] = carve.take(plan.dtype, plan.keys.layout.tokens(plan.heads_kv, plan.dim_qk));
-    scratch.dv[i] = carve.take(plan.dtype, plan.keys.layout.tokens(plan.heads_kv, plan.dim_v));
+    const std::vector<std::int64_t> k_shape = plan.keys.layout.tokens(plan.heads_kv, plan.dim_qk);
+    const std::vector<std::int64_t> v_shape = plan.keys.layout.tokens(plan.heads_kv, plan.dim_v);
+    if (cuda && i == last) {  // this branch writes the caller's dk/dv (NsaScratch::kv_direct)
+      scratch.kv_direct = i;
+      scratch.dk[i] = carve.shape_only(plan.dtype, k_shape);
+      scratch.dv[i] = carve.shape_only(plan.dtype, v_shape);
+      continue;
+    }
+    scratch.dk[i] = carve.take(plan.dtype, k_shape);
+    scratch.dv[i] = carve.take(plan.dtype, v_shape);
   }
   if (plan.recomputes) {
     const std::size_t start = carve.bytes();
