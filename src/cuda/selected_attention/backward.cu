@@ -14,7 +14,8 @@
 // Workspace (shapes only): delta, the inverse index (4 x 4 bytes per (token, KV head, slot) entry + the radix
 // sort's scratch), the chunk table (16 bytes per (KV head, block)), the dK/dV partials (at most kDkvPartialCap =
 // 256 MB, see dkv_chunk_tokens) and, on the KV-block-outer dQ path, its partials (at most about kDqKvPartialCap =
-// 256 MB: (KV head, token) pairs go in chunks, dq_kv_chunk_pairs; a chunk holds at least one pair).
+// 256 MB: (KV head, token) pairs go in chunks, dq_kv_chunk_pairs; a chunk holds at least one pair) in the same bytes
+// as the dK/dV's, which step 5 no longer needs.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -130,11 +131,17 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
     plan.scan_temp_bytes = selection::chunk_scan_temp_bytes(keys);
   }
   plan.scan_temp = take(plan.scan_temp_bytes);
+  // The KV-block-outer dQ's partials share their bytes with the dK/dV's: step 5 runs after the dK/dV's last reader
+  // of them (dkv_reduce_kernel) on the same stream.
+  const std::size_t partials_begin = at;
   plan.partials = take(sizeof(float) * plan.slots * plan.block * (dqk + dv));
   if (plan.dq_kv) {
+    const std::size_t dkv_end = at;
+    at = partials_begin;
     const std::size_t partials = static_cast<std::size_t>(plan.dq_chunk_pairs * group * plan.num_idx);
     plan.dq_half = take(sizeof(std::uint16_t) * partials * dqk);
     plan.dq_scale = take(sizeof(float) * partials);
+    at = std::max(at, dkv_end);
   }
   plan.total = at + 256;  // slack: the base is only promised 16-byte aligned
   return plan;
