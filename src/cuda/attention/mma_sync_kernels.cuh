@@ -428,8 +428,15 @@ struct DkvWork {
     const i64 g_begin = split * a.group / a.head_splits;
     const i64 g_count = (split + 1) * a.group / a.head_splits - g_begin;
     first_head = hk * a.group + g_begin;
+    // The per-head range code is compiled for the policies with per-head windows only (kPerHeadWindows): the
+    // others read the scalar window's range, and their dK/dV kernels keep the registers of that simpler prologue.
     i64 q_begin = 0, q_end = 0;
-    if (keys > 0) group_query_range(mask, first_head, g_count, j0, j0 + keys - 1, q_begin, q_end);
+    if constexpr (kPerHeadWindows<Mask>) {
+      if (keys > 0) group_query_range(mask, first_head, g_count, j0, j0 + keys - 1, q_begin, q_end);
+    } else if (keys > 0) {
+      q_begin = mask.first_query(j0);
+      q_end = mask.end_query(j0 + keys - 1);
+    }
     tile_begin = q_begin / kM;
     tiles = q_end > q_begin ? (q_end - 1) / kM + 1 - tile_begin : 0;
     steps = tiles * g_count;
@@ -1028,16 +1035,21 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(AttnArgs<T> a, 
 
       // S^T (keys x queries) = K Q^T; this warp's 16 keys.
       float s[kM / 8][4];
-      const i64 h = w.head(step);
+      [[maybe_unused]] const i64 h = w.head(step);
       init_key_scores<T, kM, Mask>(s, mc, seq, h, t0, j0 + warp * 16, kind);
       gemm_ss_nk<T, kM, Dqk, ld_of<Dqk>(), ld_of<Dqk>()>(s, sK, warp * 16, q_tile);
-      const Mask step_mask = for_head(mask, h);  // per-head windows: the step's head's bounds
-      if (has_head_windows(mask)) {
-        for (int half = 0; half < 2; ++half) {
-          visible_queries(step_mask, j0 + warp * 16 + lane / 4 + half * 8, q_first[half], q_end[half]);
+      bool full;
+      if constexpr (kPerHeadWindows<Mask>) {  // the step's head's bounds; the other policies keep the CTA's
+        const Mask step_mask = for_head(mask, h);
+        if (has_head_windows(mask)) {
+          for (int half = 0; half < 2; ++half) {
+            visible_queries(step_mask, j0 + warp * 16 + lane / 4 + half * 8, q_first[half], q_end[half]);
+          }
         }
+        full = tile_full(step_mask, t0, kM, j0, kN);
+      } else {
+        full = tile_full(mask, t0, kM, j0, kN);
       }
-      const bool full = tile_full(step_mask, t0, kM, j0, kN);
       [[maybe_unused]] const float* gate_alpha = sGateAlpha + buf * kM;
       with_gate_of<Mask>(mc, [&](auto gate) {
         if constexpr (decltype(gate)::value != kNoGate) {

@@ -206,19 +206,20 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       const i64 step_id = kHasTerms<Mask> ? step_now : step;
       const int t0 = static_cast<int>(w.tile(step_id) * kM);
       [[maybe_unused]] const i64 h = w.head(step_id);
-      int head_first[2] = {q_first[0], q_first[1]}, head_end[2] = {q_end[0], q_end[1]};
-      if (has_head_windows(mask)) {  // per-head windows: the queries of the step's head that see the key rows
-        const Mask head_mask = for_head(mask, h);
-        for (int half = 0; half < 2; ++half) {
-          i64 first, end;
-          visible_queries(head_mask, j0 + warp * 16 + lane / 4 + half * 8, first, end);
-          head_first[half] = static_cast<int>(first);
-          head_end[half] = static_cast<int>(end);
+      // Per-head windows (kPerHeadWindows only, so that the other policies hold no per-head values in the step
+      // loop) replace the CTA's bounds by those of the step's head.
+      int col_first[2] = {q_first[0] - t0, q_first[1] - t0}, col_end[2] = {q_end[0] - t0, q_end[1] - t0};
+      if constexpr (kPerHeadWindows<Mask>) {
+        if (has_head_windows(mask)) {  // per-head windows: the queries of the step's head that see the key rows
+          const Mask head_mask = for_head(mask, h);
+          for (int half = 0; half < 2; ++half) {
+            i64 first, end;
+            visible_queries(head_mask, j0 + warp * 16 + lane / 4 + half * 8, first, end);
+            col_first[half] = static_cast<int>(first) - t0;
+            col_end[half] = static_cast<int>(end) - t0;
+          }
         }
       }
-
-      const int col_first[2] = {head_first[0] - t0, head_first[1] - t0};
-      const int col_end[2] = {head_end[0] - t0, head_end[1] - t0};
       const bool full = max(col_first[0], col_first[1]) <= 0 && min(col_end[0], col_end[1]) >= kM;
       [[maybe_unused]] const float* gate_alpha = sGateAlpha + (step % kBuffers) * kM;
       with_gate_of<Mask>(mc, [&](auto gate) {
