@@ -30,7 +30,7 @@ import torch
 
 import sparseattn
 from sparseattn import _ops
-from attention_check import poison_allocator
+from attention_check import check_close, check_lse, cpu_copy, poison_allocator
 
 pytestmark_gpu = [
     pytest.mark.gpu,
@@ -41,7 +41,6 @@ pytestmark_gpu = [
 DTYPES = [torch.bfloat16, torch.float16]
 DIMS = [(64, 64), (128, 128), (192, 128), (256, 256)]
 TAUS = [0.05, 0.5, 1.0]
-EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 NEG_INF = float("-inf")
 LEVEL_GAP = 3.7
 LEVEL_COUNT = 6
@@ -147,18 +146,6 @@ def expected_decisions(logits, causal, tau, block_q, block_k, n_q, n_k):
     return kept, margin
 
 
-def check_close(name, got, ref, dtype, factor, rounding=0.0):
-    """|got - ref| <= eps (factor max |ref| + 2 rounding) + 1e-4 (rounding: dQ's rounding scale, module docstring)."""
-    got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert not torch.isnan(got).any(), f"{name}: NaN or unwritten elements"
-    if ref.numel() == 0:
-        return
-    err = (got - ref).abs().max().item()
-    bound = EPS[dtype] * (factor * ref.abs().max().item() + 2 * rounding) + 1e-4
-    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
-
-
 def dq_rounding_scale(logits, kept, block, k, v, d_o, scale):
     """dQ's rounding scale R for one sequence (module docstring): logits float64 [Hq, T, S] with every term
     (sequence_logits), kept the CUDA decisions [Hq, nQ, nK] of the sequence in tiles of block, k [S, Hkv, Dqk], v [S,
@@ -173,22 +160,6 @@ def dq_rounding_scale(logits, kept, block, k, v, d_o, scale):
     ds_bound = p * (dp.abs() + (p * dp).sum(-1, keepdim=True).abs())
     k_max = k.detach().cpu().double().abs().amax(-1).repeat_interleave(G, 1).T  # [Hq, S]
     return scale * (ds_bound * k_max[:, None, :]).sum(-1).max().item()
-
-
-def check_lse(got, ref):
-    got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
-    assert not torch.isnan(got).any(), "lse: NaN or unwritten elements"
-    assert torch.equal(torch.isinf(got), torch.isinf(ref)), "lse: -inf positions differ"
-    fin = torch.isfinite(ref)
-    if fin.any():
-        diff = (got[fin] - ref[fin]).abs()
-        assert (diff <= 2e-3 * (1 + ref[fin].abs())).all(), f"lse: max error {diff.max().item():.3e}"
-
-
-def cpu_copy(t):
-    if t is None:
-        return None
-    return t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
 
 
 def forward_backward(fn, tensors, d_o, device):
