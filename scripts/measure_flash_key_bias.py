@@ -7,46 +7,12 @@ median) and the ratios to dense (the issue's bar: key bias fwd+bwd <= 1.25 x den
 """
 import argparse
 import os
-import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import sparseattn as sa
+from flash_kernel_timing import KERNELS, kernel_ms, wall_ms
 from sparseattn.bench import parse_seqlen
-
-KERNELS = {"forward": "attention_forward", "dQ": "attention_dq", "dK/dV": "attention_dkv"}
-
-
-def kernel_ms(step, reps=3):
-    """GPU ms of each kernel group (KERNELS, plus the bias gradient's reduction) per call of step."""
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    totals = dict.fromkeys(list(KERNELS) + ["dbias reduce"], 0.0)
-    for event in prof.key_averages():
-        if "bias_gradient_reduce" in event.key:
-            totals["dbias reduce"] += event.device_time_total / 1000 / reps
-        for group, prefix in KERNELS.items():
-            if event.key.startswith(f"void sparseattn::cuda::attention::{prefix}") and "reduce" not in event.key:
-                totals[group] += event.device_time_total / 1000 / reps
-    return totals
-
-
-def wall_ms(step, reps=10):
-    step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main():
@@ -81,7 +47,7 @@ def main():
         def forward(fn=fn):
             with torch.no_grad():
                 fn()
-        kernels = kernel_ms(step)
+        kernels = kernel_ms(step, extra={"dbias reduce": "bias_gradient_reduce"})
         results[name] = (kernels, wall_ms(forward), wall_ms(step))
         total = sum(kernels.values())
         print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in kernels.values())

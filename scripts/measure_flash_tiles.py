@@ -7,45 +7,13 @@ fwd+bwd wall times (CUDA events, median) and the tile map's ratios to dense.
     python scripts/measure_flash_tiles.py [--seqlen 32K] [--heads 32/8] [--density 0.1] [--tile 128]
 """
 import argparse
-import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import sparseattn as sa
+from flash_kernel_timing import KERNELS, kernel_ms, wall_ms
 from sparseattn.bench import parse_seqlen
 from sparseattn.bench_flash import causal_tile_mask
-
-KERNELS = {"forward": "attention_forward", "dQ": "attention_dq", "dK/dV": "attention_dkv"}
-
-
-def kernel_ms(step, reps=3):
-    """GPU ms of each kernel group (KERNELS) per call of step, from torch.profiler."""
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    totals = dict.fromkeys(KERNELS, 0.0)
-    for event in prof.key_averages():
-        for group, prefix in KERNELS.items():
-            if event.key.startswith(f"void sparseattn::cuda::attention::{prefix}") and "reduce" not in event.key:
-                totals[group] += event.device_time_total / 1000 / reps
-    return totals
-
-
-def wall_ms(step, reps=10):
-    step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main():

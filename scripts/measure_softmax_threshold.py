@@ -13,45 +13,13 @@ saves: the forward still computes every visible tile's scores, the backward skip
         [--causal/--no-causal] [--levels] [--gap 4]
 """
 import argparse
-import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import sparseattn as sa
+from flash_kernel_timing import KERNELS, kernel_ms, wall_ms
 from sparseattn import _ops
 from sparseattn.bench import parse_seqlen
-
-KERNELS = {"forward": "attention_forward", "dQ": "attention_dq", "dK/dV": "attention_dkv"}
-
-
-def kernel_ms(step, reps=3):
-    """GPU ms of each kernel group (KERNELS) per call of step, from torch.profiler."""
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    totals = dict.fromkeys(KERNELS, 0.0)
-    for event in prof.key_averages():
-        for group, prefix in KERNELS.items():
-            if event.key.startswith(f"void sparseattn::cuda::attention::{prefix}") and "reduce" not in event.key:
-                totals[group] += event.device_time_total / 1000 / reps
-    return totals
-
-
-def wall_ms(step, reps=10):
-    step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def inputs(t, hq, hkv, d, levels, gap, block_k):
