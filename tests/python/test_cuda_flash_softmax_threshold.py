@@ -56,10 +56,13 @@ def gpu(fn):
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def kernel_tiles(q, v):
-    """The threshold_block that the CUDA forward takes for q and v (the attention_mma fixture picks the family)."""
-    tiles = tuple(sparseattn._C.flash_attention_threshold_tiles(q.detach(), v.detach()))
-    assert tiles[0] > 0 and tiles[1] > 0, f"no CUDA tiles for {q.dtype}, {q.shape[-1]}, {v.shape[-1]}"
+def kernel_tiles(dtype, Dqk, Dv):
+    """The threshold_block that the CUDA forward takes for q and v of this dtype and these head dims (the
+    attention_mma fixture picks the family)."""
+    q = torch.empty(1, 1, 1, Dqk, dtype=dtype, device="cuda")
+    v = torch.empty(1, 1, 1, Dv, dtype=dtype, device="cuda")
+    tiles = tuple(sparseattn._C.flash_attention_threshold_tiles(q, v))
+    assert tiles[0] > 0 and tiles[1] > 0, f"no CUDA tiles for {dtype}, {Dqk}, {Dv}"
     return tiles
 
 
@@ -162,6 +165,13 @@ def dq_rounding_scale(logits, kept, block, k, v, d_o, scale):
     return scale * (ds_bound * k_max[:, None, :]).sum(-1).max().item()
 
 
+def check_gradients(names, grads, refs, dtype, dq_rounding):
+    """Each gradient against the CPU's: factor 16 for dalpha and ddelta, 8 for the others; dq's bound adds its
+    rounding scale (dq_rounding_scale, the largest over the sequences)."""
+    for name, g, r in zip(names, grads, refs):
+        check_close(name, g, r, dtype, 16 if name in ("dalpha", "ddelta") else 8, dq_rounding if name == "dq" else 0.0)
+
+
 def forward_backward(fn, tensors, d_o, device):
     """fn(*leaves) -> (o, lse) on `device` copies (None entries stay None); returns o, lse and the gradients of
     o . d_o with respect to every given tensor."""
@@ -207,12 +217,11 @@ def run_case(fn_kwargs, tensors, names, dtype, decisions_expected, cuda_decision
     check_close("o", o, o_ref, dtype, 4)
     check_lse(lse, lse_ref)
     q, k, v = tensors[:3]
-    rounding = {"dq": max(dq_rounding_scale(logits[b], got[b], fn_kwargs["threshold_block"], k[b], v[b], d_o[b],
-                                            q.shape[-1] ** -0.5) for b in range(q.shape[0]))}
+    dq_rounding = max(dq_rounding_scale(logits[b], got[b], fn_kwargs["threshold_block"], k[b], v[b], d_o[b],
+                                        q.shape[-1] ** -0.5) for b in range(q.shape[0]))
     grad_names = ["dq", "dk", "dv"] + ["d" + n for n, t in zip(names, tensors[3:]) if t is not None and
                                        t.is_floating_point()]
-    for name, g, r in zip(grad_names, grads, grads_ref):
-        check_close(name, g, r, dtype, 16 if name in ("dalpha", "ddelta") else 8, rounding.get(name, 0.0))
+    check_gradients(grad_names, grads, grads_ref, dtype, dq_rounding)
     return grads
 
 
@@ -248,8 +257,7 @@ def test_batched(attention_mma, dims, tau, causal):
     Hq, Hkv = HEADS[index % 3]
     Dqk, Dv = dims
     B, T, S = 2, 300, 333
-    probe = torch.empty(1, 1, 1, Dqk, dtype=dtype, device="cuda")
-    tb = kernel_tiles(probe, torch.empty(1, 1, 1, Dv, dtype=dtype, device="cuda"))
+    tb = kernel_tiles(dtype, Dqk, Dv)
     q, k, v = leveled_tokens(B, [T] * B, [S] * B, Hq, Hkv, Dqk, Dv, dtype, tb[1], packed=False)
     kw = dict(causal=causal, softmax_threshold=tau, threshold_block=tb)
     n_q, n_k = -(-T // tb[0]), -(-S // tb[1])
@@ -269,8 +277,7 @@ def test_packed(attention_mma, dims, causal):
     dtype, (Hq, Hkv), tau = torch.bfloat16, (8, 2), 0.5
     lengths_q = [0, 1, 129, 300, 7]
     lengths_k = [5, 1, 200, 257, 0]
-    probe = torch.empty(1, 1, 1, Dqk, dtype=dtype, device="cuda")
-    tb = kernel_tiles(probe, torch.empty(1, 1, 1, Dv, dtype=dtype, device="cuda"))
+    tb = kernel_tiles(dtype, Dqk, Dv)
     q, k, v = leveled_tokens(len(lengths_q), lengths_q, lengths_k, Hq, Hkv, Dqk, Dv, dtype, tb[1], packed=True)
     kw = dict(causal=causal, softmax_threshold=tau, threshold_block=tb, cu_seqlens_q=cu(lengths_q),
               cu_seqlens_k=cu(lengths_k), max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
@@ -299,10 +306,9 @@ def test_packed(attention_mma, dims, causal):
         [q, k, v], d_o, "cpu")
     check_close("o", o, o_ref, dtype, 4)
     check_lse(lse, lse_ref)
-    rounding = {"dq": max(dq_rounding_scale(logits[b], decisions[b], tb, k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
-                                            d_o[cq[b]:cq[b + 1]], Dqk ** -0.5) for b in range(len(lengths_q)))}
-    for name, g, r in zip(("dq", "dk", "dv"), grads, grads_ref):
-        check_close(name, g, r, dtype, 8, rounding.get(name, 0.0))
+    dq_rounding = max(dq_rounding_scale(logits[b], decisions[b], tb, k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
+                                        d_o[cq[b]:cq[b + 1]], Dqk ** -0.5) for b in range(len(lengths_q)))
+    check_gradients(("dq", "dk", "dv"), grads, grads_ref, dtype, dq_rounding)
 
 
 @gpu
@@ -310,8 +316,7 @@ def test_packed(attention_mma, dims, causal):
 def test_odd_sizes(attention_mma, shape):
     B, T, S = shape
     dtype, (Hq, Hkv), (Dqk, Dv) = torch.float16, (4, 4), (128, 128)
-    probe = torch.empty(1, 1, 1, Dqk, dtype=dtype, device="cuda")
-    tb = kernel_tiles(probe, probe)
+    tb = kernel_tiles(dtype, Dqk, Dqk)
     q, k, v = leveled_tokens(B, [T] * B, [S] * B, Hq, Hkv, Dqk, Dv, dtype, tb[1], packed=False)
     for causal in (False, True):
         kw = dict(causal=causal, softmax_threshold=0.05, threshold_block=tb)
@@ -329,8 +334,7 @@ def test_with_mask_bias_gate_window(attention_mma, dims):
     window: the decisions see the logits with every term."""
     Dqk, Dv = dims
     dtype, (Hq, Hkv), (B, T, S), tau = torch.bfloat16, (4, 2), (2, 200, 260), 0.5
-    probe = torch.empty(1, 1, 1, Dqk, dtype=dtype, device="cuda")
-    tb = kernel_tiles(probe, torch.empty(1, 1, 1, Dv, dtype=dtype, device="cuda"))
+    tb = kernel_tiles(dtype, Dqk, Dv)
     q, k, v = leveled_tokens(B, [T] * B, [S] * B, Hq, Hkv, Dqk, Dv, dtype, tb[1], packed=False)
     mask = torch.rand(B, Hq, T, S, device="cuda") < 0.9
     mask[:, :, 5, :] = False
@@ -370,9 +374,8 @@ def test_with_mask_bias_gate_window(attention_mma, dims):
         [q, k, v, bias, alpha, delta], d_o, "cpu")
     check_close("o", o, o_ref, dtype, 4)
     check_lse(lse, lse_ref)
-    rounding = {"dq": max(dq_rounding_scale(logits[b], decisions[b], tb, k[b], v[b], d_o[b], scale) for b in range(B))}
-    for name, g, r in zip(("dq", "dk", "dv", "dbias", "dalpha", "ddelta"), grads, grads_ref):
-        check_close(name, g, r, dtype, 16 if name in ("dalpha", "ddelta") else 8, rounding.get(name, 0.0))
+    dq_rounding = max(dq_rounding_scale(logits[b], decisions[b], tb, k[b], v[b], d_o[b], scale) for b in range(B))
+    check_gradients(("dq", "dk", "dv", "dbias", "dalpha", "ddelta"), grads, grads_ref, dtype, dq_rounding)
 
 
 @gpu
@@ -380,8 +383,7 @@ def test_with_block_mask_same_tiles(attention_mma):
     """A uint8 tile map in the threshold's tiles: absent tiles are neither visited nor decided (0), full ones kept
     as the threshold says; the backward's map is the given one with the skipped pairs absent."""
     dtype, (Hq, Hkv), (Dqk, Dv), (B, T, S) = torch.bfloat16, (4, 1), (64, 64), (1, 256, 640)
-    probe = torch.empty(1, 1, 1, Dqk, dtype=dtype, device="cuda")
-    tb = kernel_tiles(probe, probe)
+    tb = kernel_tiles(dtype, Dqk, Dqk)
     q, k, v = leveled_tokens(B, [T] * B, [S] * B, Hq, Hkv, Dqk, Dv, dtype, tb[1], packed=False)
     n_q, n_k = -(-T // tb[0]), -(-S // tb[1])
     states = torch.randint(0, 3, (B, 1, n_q, n_k), dtype=torch.uint8, device="cuda")
@@ -406,17 +408,15 @@ def test_with_block_mask_same_tiles(attention_mma):
         lambda q, k, v: sparseattn.flash_attention(q, k, v, return_lse=True, **cpu_kw), [q, k, v], d_o, "cpu")
     check_close("o", o, o_ref, dtype, 4)
     check_lse(lse, lse_ref)
-    rounding = {"dq": dq_rounding_scale(logits, decisions[0], tb, k[0], v[0], d_o[0], Dqk ** -0.5)}
-    for name, g, r in zip(("dq", "dk", "dv"), grads, grads_ref):
-        check_close(name, g, r, dtype, 8, rounding.get(name, 0.0))
+    dq_rounding = dq_rounding_scale(logits, decisions[0], tb, k[0], v[0], d_o[0], Dqk ** -0.5)
+    check_gradients(("dq", "dk", "dv"), grads, grads_ref, dtype, dq_rounding)
 
 
 @gpu
 def test_work_counts_show_skipped_tiles(attention_mma):
     """The forward computes the scores of every visible tile; the backward, on the forward's decisions, fewer."""
     dtype, (Hq, Hkv), (Dqk, Dv), (B, T, S) = torch.bfloat16, (4, 2), (128, 128), (2, 512, 1024)
-    probe = torch.empty(1, 1, 1, Dqk, dtype=dtype, device="cuda")
-    tb = kernel_tiles(probe, probe)
+    tb = kernel_tiles(dtype, Dqk, Dqk)
     q, k, v = leveled_tokens(B, [T] * B, [S] * B, Hq, Hkv, Dqk, Dv, dtype, tb[1], packed=False)
     d_o = torch.randn(B, T, Hq, Dv, dtype=dtype, device="cuda")
     plain_fwd, plain_bwd = _ops.flash_attention_work(q, k, v, d_o=d_o)
@@ -433,8 +433,7 @@ def test_work_counts_show_skipped_tiles(attention_mma):
 @gpu
 def test_backward_is_deterministic(attention_mma):
     dtype, (Hq, Hkv), (Dqk, Dv), (B, T, S) = torch.bfloat16, (8, 1), (64, 64), (1, 700, 700)
-    probe = torch.empty(1, 1, 1, Dqk, dtype=dtype, device="cuda")
-    tb = kernel_tiles(probe, probe)
+    tb = kernel_tiles(dtype, Dqk, Dqk)
     q, k, v = leveled_tokens(B, [T] * B, [S] * B, Hq, Hkv, Dqk, Dv, dtype, tb[1], packed=False)
     d_o = torch.randn(B, T, Hq, Dv, dtype=dtype, device="cuda")
     results = []
@@ -451,7 +450,7 @@ def test_errors_on_cuda(attention_mma):
     """threshold_block other than the kernel's tiles, a block-sparse mask in other tiles, and the backward op given
     the threshold raise SparseAttnUnsupportedError naming the argument, before any launch."""
     q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, device="cuda")
-    tb = kernel_tiles(q, q)
+    tb = kernel_tiles(q.dtype, q.shape[-1], q.shape[-1])
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="threshold_block"):
         sparseattn.flash_attention(q, q, q, softmax_threshold=0.5, threshold_block=(tb[0] // 2, tb[1]))
     with pytest.raises(sparseattn.SparseAttnUnsupportedError, match="threshold_block"):
@@ -487,8 +486,7 @@ def test_errors_on_cuda(attention_mma):
 def test_compiles_fullgraph(attention_mma):
     """torch.compile(fullgraph=True) through the op's fake implementation (its decision map) and autograd."""
     dtype, (Hq, Hkv), (Dqk, Dv), (B, T, S) = torch.bfloat16, (4, 2), (128, 128), (1, 300, 300)
-    probe = torch.empty(1, 1, 1, Dqk, dtype=dtype, device="cuda")
-    tb = kernel_tiles(probe, probe)
+    tb = kernel_tiles(dtype, Dqk, Dqk)
     q, k, v = leveled_tokens(B, [T] * B, [S] * B, Hq, Hkv, Dqk, Dv, dtype, tb[1], packed=False)
 
     def fn(q, k, v):
