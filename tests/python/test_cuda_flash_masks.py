@@ -76,13 +76,20 @@ BATCHED = [
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"D{d[0]}-{d[1]}")
 @pytest.mark.parametrize("case", BATCHED, ids=lambda c: "B{}T{}S{}H{}-{}c{}w{}m{}b{}".format(*c))
 def test_batched_mask_bias(attention_mma, dtype, dims, case):
+    compare_batched_case(dtype, dims, case, bias_scale=1.0)
+
+
+def compare_batched_case(dtype, dims, case, bias_scale):
+    """A batched case (B, T, S, Hq, Hkv, causal, window, mask code, bias code; shaped()) with random q, k, v, a
+    random mask and a bias of bias_scale x standard normal: o, lse and the gradients against the CPU reference."""
     B, T, S, Hq, Hkv, causal, window, mask_code, bias_code = case
     Dqk, Dv = dims
     q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
     k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
     v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
     mask = None if mask_code is None else random_mask(shaped(mask_code, B, Hq, Hkv, T, S))
-    bias = None if bias_code is None else torch.randn(shaped(bias_code, B, Hq, Hkv, T, S), device="cuda").to(dtype)
+    bias = None if bias_code is None else (bias_scale * torch.randn(shaped(bias_code, B, Hq, Hkv, T, S),
+                                                                    device="cuda")).to(dtype)
 
     def fn(mask):
         return lambda q, k, v, b: sparseattn.flash_attention(q, k, v, causal=causal, window=window, mask=mask,
@@ -171,20 +178,7 @@ KEY_TERMS = [
 @pytest.mark.parametrize("case", KEY_TERMS, ids=lambda c: "B{}T{}S{}H{}-{}c{}w{}m{}b{}".format(*c))
 def test_key_terms(attention_mma, dtype, dims, case):
     """A key bias (with dbias) and a key mask: o, lse, dq, dk, dv and dbias against the CPU reference."""
-    B, T, S, Hq, Hkv, causal, window, mask_code, bias_code = case
-    Dqk, Dv = dims
-    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
-    k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
-    v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
-    mask = None if mask_code is None else random_mask(shaped(mask_code, B, Hq, Hkv, T, S))
-    bias = None if bias_code is None else (2 * torch.randn(shaped(bias_code, B, Hq, Hkv, T, S),
-                                                           device="cuda")).to(dtype)
-
-    def fn(mask):
-        return lambda q, k, v, b: sparseattn.flash_attention(q, k, v, causal=causal, window=window, mask=mask,
-                                                             bias=b, return_lse=True)
-
-    compare(fn(mask), fn(cpu_copy(mask)), q, k, v, bias, dtype)
+    compare_batched_case(dtype, dims, case, bias_scale=2.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
