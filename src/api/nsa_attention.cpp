@@ -409,8 +409,9 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
     dk_terms[scratch.kv_direct] = params.dk;
     dv_terms[scratch.kv_direct] = params.dv;
   }
-  const bool scratch_terms =
-      std::any_of(scratch.dk.begin(), scratch.dk.end(), [](const TensorView& t) { return t.data != nullptr; });
+  // Whether the caller's dk/dv already hold the only term: branch kv_direct ran without the other one (kv_direct is
+  // the last present of the selected and window branches, so only the window can have the selected one beside it).
+  const bool caller_holds_all = scratch.kv_direct == 1 || (scratch.kv_direct == 2 && !plan.branch[1]);
   if (plan.branch[0] && !plan.user_cmp) {
     // dk = the other branches' dk + the gradient through the pooling of dk_cmp, in one pass (dv alike).
     static_assert(detail::kMaxCompressTerms == kNumBranches - 1, "a term per branch after the compressed one");
@@ -423,7 +424,7 @@ void nsa_attention_backward(const NsaBackwardParams& params) {
                                          .dv = params.dv, .seqs = plan.keys.seqs, .cu_seqlens_cmp = f.cu_seqlens_cmp,
                                          .block = c.cmp_block, .stride = c.cmp_stride, .stream = f.stream},
                                         terms);
-  } else if (scratch_terms || scratch.kv_direct < 0) {  // else the caller's dk/dv already hold the only term
+  } else if (!caller_holds_all) {
     sum_into(params.dk, dk_terms, plan.keys.seqs.cu_seqlens, f.stream);
     sum_into(params.dv, dv_terms, plan.keys.seqs.cu_seqlens, f.stream);
   }
