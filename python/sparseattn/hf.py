@@ -9,6 +9,9 @@ Attention, trainable and usable with ``model.generate()``.
   ([B, capacity, Hkv, D], the layout sparseattn reads) with room to grow, so that a decode step writes only its
   new tokens and NSA reads the whole cache without a copy. Any other transformers cache works too (the keys are
   then transposed on every step).
+- :class:`SparseAttnStaticCache`: a fixed-capacity cache whose decode steps have fixed shapes and no host
+  synchronisation (lengths on the device, compressed rows pooled on the device), so that transformers compiles the
+  model's forward for generate() and replays each decode step as a CUDA graph.
 
 A step with cached keys runs NSA for the new tokens against every key so far (bottom-right aligned), which gives
 the rows the full forward gives for those positions: greedy ``generate()`` equals re-running the full forward on
@@ -225,8 +228,8 @@ class NSALlamaForCausalLM(LlamaForCausalLM):
     def prepare_inputs_for_generation(self, input_ids: Tensor, next_sequence_length: Optional[int] = None,
                                       past_key_values: Optional[Cache] = None,
                                       attention_mask: Optional[Tensor] = None,
-                                      inputs_embeds: Optional[Tensor] = None, is_first_iteration: Optional[bool] = False,
-                                      **kwargs):
+                                      inputs_embeds: Optional[Tensor] = None,
+                                      is_first_iteration: Optional[bool] = False, **kwargs):
         """transformers' preparation; with a compileable cache (whose 2D mask transformers turns into a 4D one
         before the forward sees it), the prompt's mask is checked for padding at the first iteration."""
         if is_first_iteration and isinstance(past_key_values, Cache) and past_key_values.is_compileable:
@@ -449,10 +452,12 @@ class SparseAttnStaticCacheLayer(CacheLayerMixin):
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         pages = capacity // DECODE_PAGE_SIZE
         self._block_table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
+        self._batch_index = torch.arange(batch, device=device)[:, None]  # [B, 1]: row b of an index_put_
         self.host_length = 0
         # transformers' layout [B, Hkv, capacity, D] (views of the buffers, as StaticLayer's full buffers).
         self.keys, self.values = self._keys.transpose(1, 2), self._values.transpose(1, 2)
-        for buffer in (self._keys, self._values, self._k_cmp, self._v_cmp, self.lengths, self._block_table):
+        for buffer in (self._keys, self._values, self._k_cmp, self._v_cmp, self.lengths, self._block_table,
+                       self._batch_index):
             torch._dynamo.mark_static_address(buffer)
         self.is_initialized = True
 
@@ -507,9 +512,9 @@ class SparseAttnStaticCacheLayer(CacheLayerMixin):
         old = self.lengths.long()
         steps = torch.arange(tokens, device=old.device)
         positions = (old[:, None] + steps).clamp_(max=self.capacity - 1)  # clamped: never a write out of bounds
-        index = positions[:, :, None, None].expand(-1, -1, *k_new.shape[2:])
-        self._keys.scatter_(1, index, k_new)
-        self._values.scatter_(1, index, v_new)
+        # index_put_ (not scatter_): torch.compile writes it into the buffer in place, without a copy of the buffer.
+        self._keys.index_put_((self._batch_index, positions), k_new)
+        self._values.index_put_((self._batch_index, positions), v_new)
         self.lengths.add_(tokens)
         new = old + tokens
         candidates = -(-tokens // stride)
@@ -518,12 +523,12 @@ class SparseAttnStaticCacheLayer(CacheLayerMixin):
         completed = (rows >= 0) & (rows * stride + block > old[:, None])
         token_index = (rows.clamp(min=0)[:, :, None] * stride + torch.arange(block, device=old.device))
         token_index = token_index.clamp_(max=self.capacity - 1).view(batch, -1)  # [B, R * block]
-        target = torch.where(completed, rows, self.max_rows)[:, :, None, None].expand(-1, -1, *k_new.shape[2:])
+        target = torch.where(completed, rows, self.max_rows)
         accumulate = torch.float64 if self.dtype == torch.float64 else torch.float32  # as compress_kv
         for buffer, compressed in ((self._keys, self._k_cmp), (self._values, self._v_cmp)):
             gathered = buffer.gather(1, token_index[:, :, None, None].expand(-1, -1, *buffer.shape[2:]))
             pooled = gathered.view(batch, candidates, block, *buffer.shape[2:]).to(accumulate).sum(2) / block
-            compressed.scatter_(1, target, pooled.to(self.dtype))
+            compressed.index_put_((self._batch_index, target), pooled.to(self.dtype))
 
     def _append_chunk(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
         """An eager update of many tokens: reads the device length (one synchronisation), copies the tokens and
