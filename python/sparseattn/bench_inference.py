@@ -69,7 +69,9 @@ Heads --heads (64/4), head dim --head-dim (128) for q, k and v, dtype --dtype (b
             graph replay). One untimed generate() first (compilation, graph recording), then --generate-reps
             timed ones, the cache rewound to P - 1 tokens before each; reported as the models nsa_graph and
             sdpa_graph, with whether transformers did compile (notes *_graph_compiled; on the CPU it does not: the
-            static caches then run eagerly). Bar: the same ratio, graph mode, >= 3.
+            static caches then run eagerly). Bar: the same ratio, graph mode, >= 3. While copying, both caches
+            are held (at 64K, batch 16, NSA after the eager runs: a 128K-token SparseAttnCache plus the static
+            cache, about 75 GB: an H200; --generate-modes graph alone skips the eager runs and their growth).
 
 Timing and failures are bench.py's: CUDA events, L2 flush and a GPU sleep before each timed run, median;
 --time-budget-s shares the budget among the measurements left, and what is not started within it is recorded
