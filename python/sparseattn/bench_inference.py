@@ -62,6 +62,16 @@ Heads --heads (64/4), head dim --head-dim (128) for q, k and v, dtype --dtype (b
             decode tokens/s = B*N / generate time, peak memory. Bar: at P = 64K, NSA decode tokens/s / SDPA
             decode tokens/s >= 3. --generate-prompts takes several lengths (e.g. 16K 64K) where 64K does not
             fit; a length that runs out of memory is recorded as OOM.
+            --generate-modes (cuda: eager graph; cpu: eager): "eager" is the above; "graph" then copies the
+            prefilled cache into a fixed-capacity one (NSA: sparseattn.hf.SparseAttnStaticCache; SDPA:
+            transformers' StaticCache; P + N tokens, "join" timed apart) and times generate() from it, which on
+            CUDA makes transformers compile the model's forward (mode "reduce-overhead": each decode step a CUDA
+            graph replay). One untimed generate() first (compilation, graph recording), then --generate-reps
+            timed ones, the cache rewound to P - 1 tokens before each; reported as the models nsa_graph and
+            sdpa_graph, with whether transformers did compile (notes *_graph_compiled; on the CPU it does not: the
+            static caches then run eagerly). Bar: the same ratio, graph mode, >= 3. While copying, both caches
+            are held (at 64K, batch 16, NSA after the eager runs: a 128K-token SparseAttnCache plus the static
+            cache, about 75 GB: an H200; --generate-modes graph alone skips the eager runs and their growth).
 
 Timing and failures are bench.py's: CUDA events, L2 flush and a GPU sleep before each timed run, median;
 --time-budget-s shares the budget among the measurements left, and what is not started within it is recorded
@@ -125,7 +135,12 @@ METHOD_LABELS = {
     "full_before": "full forward of the first S - C tokens",
     "chunked": "all chunks in order",
 }
-MODEL_LABELS = {"nsa": "NSA (NSALlamaForCausalLM, SparseAttnCache)", "sdpa": "SDPA (LlamaForCausalLM, DynamicCache)"}
+GENERATE_MODES = ("eager", "graph")
+#: The generate section's models in graph mode (same models, fixed-capacity caches, compiled decode steps).
+GRAPH_MODELS = ("nsa_graph", "sdpa_graph")
+MODEL_LABELS = {"nsa": "NSA (NSALlamaForCausalLM, SparseAttnCache)", "sdpa": "SDPA (LlamaForCausalLM, DynamicCache)",
+                "nsa_graph": "NSA (SparseAttnStaticCache, compiled step, CUDA graph)",
+                "sdpa_graph": "SDPA (StaticCache, compiled step, CUDA graph)"}
 NO_GRAPH_ON_CPU = "unavailable: CUDA graphs need a CUDA device"
 
 #: Llama architectures of the generate section (the attention heads and head dim come from --heads, --head-dim).
@@ -139,11 +154,11 @@ DEVICE_DEFAULTS = {
     "cuda": {"heads": "64/4", "head_dim": 128, "dtype": "bfloat16", "decode_contexts": ["8K", "32K", "64K", "128K"],
              "decode_batches": [1, 64], "prefill_context": "128K", "prefill_chunk": "8K", "generate_prompts": ["64K"],
              "generate_batch": 16, "generate_new_tokens": 32, "generate_model": "1b", "generate_reps": 3,
-             "rep_ms": 100.0, "warmup_ms": 25.0, "max_reps": 100},
+             "generate_modes": ["eager", "graph"], "rep_ms": 100.0, "warmup_ms": 25.0, "max_reps": 100},
     "cpu": {"heads": "4/2", "head_dim": 16, "dtype": "float32", "decode_contexts": ["512", "1024"],
             "decode_batches": [1, 2], "prefill_context": "1024", "prefill_chunk": "128", "generate_prompts": ["48"],
             "generate_batch": 2, "generate_new_tokens": 3, "generate_model": "tiny", "generate_reps": 2,
-            "rep_ms": 1.0, "warmup_ms": 0.0, "max_reps": 2},
+            "generate_modes": ["eager"], "rep_ms": 1.0, "warmup_ms": 0.0, "max_reps": 2},
 }
 
 
@@ -193,6 +208,9 @@ BARS = (decode_bars("nsa", False) + decode_bars("nsa_cmp_given", True)
         ("chunk_vs_marginal",), (), 0.9, True, ("chunk", "full", "full_before")),
     Bar("generate", "generate: NSA decode tokens/s / SDPA decode tokens/s at a 64K prompt >= 3",
         ("nsa_vs_sdpa_decode_tokens_per_s",), (("prompt", 65536),), 3.0, True, ("nsa_generate", "sdpa_generate")),
+    Bar("generate", "generate (compiled steps, CUDA graphs): NSA decode tokens/s / SDPA decode tokens/s at a 64K "
+        "prompt >= 3", ("nsa_vs_sdpa_decode_tokens_per_s_graph",), (("prompt", 65536),), 3.0, True,
+        ("nsa_graph_generate", "sdpa_graph_generate")),
 ))
 
 
@@ -308,13 +326,16 @@ def summarize(result: dict, element_bytes: int) -> dict:
         prefill_tokens = result["batch"] * (result["prompt"] - 1)
         decode_tokens = result["batch"] * result["new_tokens"]
         result["prefill_tokens_per_s"], result["decode_tokens_per_s"], result["ms_per_step"] = {}, {}, {}
-        for model in MODELS:
+        graph_models = tuple(m for m in GRAPH_MODELS if f"{m}_generate" in times)
+        for model in MODELS + graph_models:
             prefill_ms, generate_ms = times.get(f"{model}_prefill"), times.get(f"{model}_generate")
             result["prefill_tokens_per_s"][model] = None if prefill_ms is None else prefill_tokens / (prefill_ms * 1e-3)
             result["decode_tokens_per_s"][model] = None if generate_ms is None else decode_tokens / (generate_ms * 1e-3)
             result["ms_per_step"][model] = None if generate_ms is None else generate_ms / result["new_tokens"]
         result["nsa_vs_sdpa_decode_tokens_per_s"] = ratio(result["decode_tokens_per_s"]["nsa"],
                                                           result["decode_tokens_per_s"]["sdpa"])
+        result["nsa_vs_sdpa_decode_tokens_per_s_graph"] = ratio(result["decode_tokens_per_s"].get("nsa_graph"),
+                                                                result["decode_tokens_per_s"].get("sdpa_graph"))
     return result
 
 
@@ -585,16 +606,50 @@ def prefill(model, prompt: torch.Tensor, group: int, nsa: bool, device: str):
     return cache, prefill_ms, (time.perf_counter() - start) * 1000
 
 
+def static_cache(model, cache, nsa: bool, capacity: int):
+    """A fixed-capacity cache of `capacity` tokens (NSA: SparseAttnStaticCache; SDPA: transformers' StaticCache)
+    holding the keys and values of `cache` (a prefilled SparseAttnCache or DynamicCache), whose layers are dropped
+    as they are copied (so that the two caches coexist one layer at a time)."""
+    from transformers import StaticCache
+
+    from .hf import SparseAttnStaticCache
+
+    first = cache.layers[0]
+    if nsa:
+        target = SparseAttnStaticCache(model.config, max_batch_size=first.keys.shape[0], max_cache_len=capacity,
+                                       device=first.keys.device, dtype=first.keys.dtype)
+    else:
+        target = StaticCache(config=model.config, max_cache_len=capacity)
+    for index in range(len(cache.layers)):
+        layer = cache.layers[index]
+        target.update(layer.keys, layer.values, index)
+        cache.layers[index] = None
+        del layer
+    return target
+
+
+def rewind(cache, length: int) -> None:
+    """Brings a cache back to its first `length` tokens: crop() where the cache has it; transformers' StaticCache
+    has none, its layers' lengths (device tensors) are set instead (the keys past them are rewritten)."""
+    from .hf import SparseAttnStaticCache
+
+    if isinstance(cache, SparseAttnStaticCache) or not cache.is_compileable:
+        extra = int(cache.get_seq_length()) - length
+        if extra > 0:
+            cache.crop(-extra)
+    else:
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(length)
+
+
 def generate_runs(model, prompt: torch.Tensor, cache, new_tokens: int, reps: int, device: str):
-    """generate(prompt, past_key_values=cache) `reps` times from the same prefilled cache (P - 1 tokens; cropped
-    back to them between runs), greedy, exactly new_tokens new tokens. Returns (the times in ms, the output of
+    """generate(prompt, past_key_values=cache) `reps` times from the same prefilled cache (P - 1 tokens; brought
+    back to them before each run), greedy, exactly new_tokens new tokens. Returns (the times in ms, the output of
     the last run)."""
     prefix = prompt.shape[1] - 1
     times, output = [], None
     for _ in range(reps):
-        extra = cache.get_seq_length() - prefix
-        if extra > 0:
-            cache.crop(-extra)
+        rewind(cache, prefix)
         synchronize(device)
         start = time.perf_counter()
         output = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
@@ -627,14 +682,30 @@ def run_generate_model(result: dict, args, nsa: bool, device: str) -> None:
             cache, prefill_ms, join_ms = prefill(model, prompt, args.generate_prefill_group, nsa, device)
             result["times_ms"][f"{name}_prefill"], result["times_ms"][f"{name}_join"] = prefill_ms, join_ms
             stage = "generate"
-            runs, _ = generate_runs(model, prompt, cache, new_tokens, args.generate_reps, device)
-            result["times_ms"][f"{name}_generate"] = statistics.median(runs)
-            result["notes"][f"{name}_generate_runs_ms"] = runs
+            if "eager" in args.generate_modes:
+                runs, _ = generate_runs(model, prompt, cache, new_tokens, args.generate_reps, device)
+                result["times_ms"][f"{name}_generate"] = statistics.median(runs)
+                result["notes"][f"{name}_generate_runs_ms"] = runs
+            if "graph" in args.generate_modes:
+                stage = "graph: copy into the static cache"
+                rewind(cache, prompt_length - 1)
+                synchronize(device)
+                start = time.perf_counter()
+                cache = static_cache(model, cache, nsa, prompt_length + new_tokens)
+                synchronize(device)
+                result["times_ms"][f"{name}_graph_join"] = (time.perf_counter() - start) * 1000
+                stage = "graph: generate (compilation)"
+                generate_runs(model, prompt, cache, new_tokens, 1, device)
+                result["notes"][f"{name}_graph_compiled"] = hasattr(model, "_compiled_call")
+                stage = "graph: generate"
+                runs, _ = generate_runs(model, prompt, cache, new_tokens, args.generate_reps, device)
+                result["times_ms"][f"{name}_graph_generate"] = statistics.median(runs)
+                result["notes"][f"{name}_graph_generate_runs_ms"] = runs
         except Exception as error:  # noqa: BLE001 - recorded with its reason, never swallowed
             if not isinstance(error, (RuntimeError, ValueError, NotImplementedError)):
                 error = RuntimeError(f"{type(error).__name__}: {error}")
             reason = f"{bench.failure_reason(error, warned)} (while: {stage})"
-            for key in (f"{name}_prefill", f"{name}_generate"):
+            for key in generate_keys(name, args):
                 if key not in result["times_ms"]:
                     result["times_ms"][key] = None
                     result["errors"][key] = reason
@@ -642,6 +713,16 @@ def run_generate_model(result: dict, args, nsa: bool, device: str) -> None:
         result["peak_memory_gb"][name] = torch.cuda.max_memory_allocated() / 2**30
     del model, cache, prompt
     free_memory(device)
+
+
+def generate_keys(name: str, args) -> tuple:
+    """The times a model's generate case records under --generate-modes."""
+    keys = (f"{name}_prefill",)
+    if "eager" in args.generate_modes:
+        keys += (f"{name}_generate",)
+    if "graph" in args.generate_modes:
+        keys += (f"{name}_graph_generate",)
+    return keys
 
 
 def run_generate(result: dict, args, timer: bench.Timer, device: str) -> None:
@@ -656,7 +737,7 @@ def run_generate(result: dict, args, timer: bench.Timer, device: str) -> None:
         name = "nsa" if nsa else "sdpa"
         result["notes"][f"{name}_parameters"] = parameter_count(args, nsa)
         if timer.out_of_time():
-            for key in (f"{name}_prefill", f"{name}_generate"):
+            for key in generate_keys(name, args):
                 result["times_ms"][key] = None
                 result["errors"][key] = "skipped: time budget exhausted"
             continue
@@ -724,15 +805,15 @@ def generate_table(results: list[dict]) -> list[str]:
     rows = ["| case | model | parameters | prefill ms | prefill tokens/s | join ms | generate ms (median) | ms/step "
             "| decode tokens/s | peak GB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        for model in MODELS:
-            parameters = r["notes"].get(f"{model}_parameters")
+        for model in MODELS + tuple(m for m in GRAPH_MODELS if f"{m}_generate" in r["times_ms"]):
+            parameters = r["notes"].get(f"{model.removesuffix('_graph')}_parameters")
             rows.append(f"| {case_label(r)} | {MODEL_LABELS[model]} | {fmt_rate(parameters)} "
                         f"| {time_cell(r, f'{model}_prefill')} "
                         f"| {fmt_rate(r.get('prefill_tokens_per_s', {}).get(model))} | {time_cell(r, f'{model}_join')} "
                         f"| {time_cell(r, f'{model}_generate')} "
                         f"| {fmt_number(r.get('ms_per_step', {}).get(model))} "
                         f"| {fmt_rate(r.get('decode_tokens_per_s', {}).get(model))} "
-                        f"| {fmt_number(r['peak_memory_gb'].get(model))} |")
+                        f"| {fmt_number(r['peak_memory_gb'].get(model.removesuffix('_graph')))} |")
     return rows
 
 
@@ -743,6 +824,14 @@ def generate_notes(results: list[dict]) -> list[str]:
         lines.append(f"- {case_label(r)}: NSA / SDPA decode tokens/s = "
                      f"{fmt_number(r.get('nsa_vs_sdpa_decode_tokens_per_s'))}; generate runs (ms): "
                      + "; ".join(f"{m} {', '.join(fmt_ms(x) for x in runs[m]) if runs[m] else 'none'}" for m in MODELS))
+        graph = [m for m in GRAPH_MODELS if f"{m}_generate" in r["times_ms"]]
+        if graph:
+            runs = {m: r["notes"].get(f"{m}_generate_runs_ms") for m in graph}
+            lines.append(f"- {case_label(r)}, graph mode: NSA / SDPA decode tokens/s = "
+                         f"{fmt_number(r.get('nsa_vs_sdpa_decode_tokens_per_s_graph'))}; compiled by transformers: "
+                         + ", ".join(f"{m} {r['notes'].get(f'{m}_compiled')}" for m in graph) + "; generate runs (ms): "
+                         + "; ".join(f"{m} {', '.join(fmt_ms(x) for x in runs[m]) if runs[m] else 'none'}"
+                                     for m in graph))
     return lines
 
 
@@ -805,6 +894,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--generate-model", choices=sorted(MODEL_PRESETS), help="architecture (cuda 1b)")
     parser.add_argument("--generate-reps", type=int, help="generate() runs per model, median (cuda 3)")
     parser.add_argument("--generate-prefill-group", type=int, default=1, help="sequences per prefill forward")
+    parser.add_argument("--generate-modes", nargs="+", choices=GENERATE_MODES,
+                        help="eager (SparseAttnCache / DynamicCache) and/or graph (static caches, compiled steps) "
+                             "(cuda: eager graph; cpu: eager)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results", help="folder for the JSON and markdown files")
     parser.add_argument("--time-budget-s", type=float, default=None,
@@ -886,7 +978,8 @@ def print_case(result: dict, wall_s: float) -> None:
         print(f"[{wall_s:.0f} s] prefill {case_label(result)}: ms: {times}", flush=True)
     else:
         times = ", ".join(f"{m} prefill {time_cell(result, f'{m}_prefill')}, generate "
-                          f"{time_cell(result, f'{m}_generate')}" for m in MODELS)
+                          f"{time_cell(result, f'{m}_generate')}, graph generate "
+                          f"{time_cell(result, f'{m}_graph_generate')}" for m in MODELS)
         print(f"[{wall_s:.0f} s] generate {case_label(result)}: ms: {times}", flush=True)
 
 
@@ -914,7 +1007,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             "head_dim": args.head_dim, "device": args.device, "config": asdict(config), "seed": args.seed,
             "peak_hbm_bytes_per_s": peak_hbm_bytes_per_s(gpu), "sections": args.sections,
             "generate": {"model": args.generate_model, "preset": MODEL_PRESETS[args.generate_model],
-                         "reps": args.generate_reps, "prefill_group": args.generate_prefill_group},
+                         "reps": args.generate_reps, "prefill_group": args.generate_prefill_group,
+                         "modes": args.generate_modes},
             "timing": {"rep_ms": args.rep_ms, "warmup_ms": args.warmup_ms, "max_reps": args.max_reps,
                        "time_budget_s": args.time_budget_s}}
     stem = report_stem(args.out, meta)

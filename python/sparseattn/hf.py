@@ -9,6 +9,9 @@ Attention, trainable and usable with ``model.generate()``.
   ([B, capacity, Hkv, D], the layout sparseattn reads) with room to grow, so that a decode step writes only its
   new tokens and NSA reads the whole cache without a copy. Any other transformers cache works too (the keys are
   then transposed on every step).
+- :class:`SparseAttnStaticCache`: a fixed-capacity cache whose decode steps have fixed shapes and no host
+  synchronisation (lengths on the device, compressed rows pooled on the device), so that transformers compiles the
+  model's forward for generate() and replays each decode step as a CUDA graph.
 
 A step with cached keys runs NSA for the new tokens against every key so far (bottom-right aligned), which gives
 the rows the full forward gives for those positions: greedy ``generate()`` equals re-running the full forward on
@@ -30,11 +33,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 from transformers import Cache, LlamaConfig, LlamaForCausalLM
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ._errors import SparseAttnError, SparseAttnUnsupportedError, make_error
-from .functional import NSAConfig, compress_kv, nsa_attention
+from ._errors import SparseAttnDTypeError, SparseAttnError, SparseAttnUnsupportedError, make_error
+from .functional import CUDA_HEAD_DIMS, NSAConfig, compress_kv, nsa_attention
 from .nsa_decode import nsa_decode
 
 # A SparseAttnCacheLayer's token-major buffer [B, capacity, Hkv, D] is seen by nsa_decode as pages of this many keys
@@ -43,7 +46,7 @@ DECODE_PAGE_SIZE = 64
 # The most new tokens per sequence that nsa_decode takes in one step.
 DECODE_MAX_QUERIES = 16
 
-__all__ = ["NSALlamaConfig", "NSALlamaForCausalLM", "NSAAttention", "SparseAttnCache"]
+__all__ = ["NSALlamaConfig", "NSALlamaForCausalLM", "NSAAttention", "SparseAttnCache", "SparseAttnStaticCache"]
 
 _NSA_FIELDS = ("cmp_block", "cmp_stride", "sel_block", "num_selected", "num_init", "num_local", "window")
 
@@ -148,6 +151,11 @@ class NSAAttention(nn.Module):
         v = self.v_proj(hidden_states).view(batch, tokens, self.num_kv_heads, self.head_dim)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, tokens, 3, self.num_heads).to(q.dtype)
+        g_cmp, g_slc, g_swa = (gates[:, :, i] for i in range(3))
+        if isinstance(past_key_values, SparseAttnStaticCache):
+            o = self._static_cache_attention(past_key_values, q, k, v, g_cmp, g_slc, g_swa)
+            return self.o_proj(o.reshape(batch, tokens, -1)), None
         compressed = {}
         if past_key_values is not None:
             # The cache's compressed rows hold no gradient: they serve inference only.
@@ -158,8 +166,6 @@ class NSAAttention(nn.Module):
             if pooled:
                 k_cmp, v_cmp = past_key_values.layers[self.layer_idx].compressed()
                 compressed = {"k_cmp": k_cmp, "v_cmp": v_cmp}
-        gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, tokens, 3, self.num_heads).to(q.dtype)
-        g_cmp, g_slc, g_swa = (gates[:, :, i] for i in range(3))
         o = None
         if compressed and tokens <= DECODE_MAX_QUERIES and self.decode_unsupported is None:
             try:
@@ -169,6 +175,20 @@ class NSAAttention(nn.Module):
         if o is None:
             o = nsa_attention(q, k, v, g_cmp, g_slc, g_swa, config=self.nsa, **compressed)
         return self.o_proj(o.reshape(batch, tokens, -1)), None
+
+    def _static_cache_attention(self, cache: "SparseAttnStaticCache", q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor,
+                                g_slc: Tensor, g_swa: Tensor) -> Tensor:
+        """NSA of the new queries q [B, T, Hq, D] with a SparseAttnStaticCache: their keys are written at the
+        cache's device length, then a step of 1 to DECODE_MAX_QUERIES tokens runs nsa_decode over the fixed buffers
+        with the device lengths (no host synchronisation: the step a captured graph replays), and a longer chunk
+        (a prefill, eager only) runs nsa_attention over the keys so far and the compressed rows."""
+        layer = cache.layers[self.layer_idx]
+        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+        if q.shape[1] <= DECODE_MAX_QUERIES:
+            return layer.nsa_decode(q, g_cmp, g_slc, g_swa, self.nsa)
+        k_cmp, v_cmp = layer.compressed()
+        return nsa_attention(q, keys.transpose(1, 2), values.transpose(1, 2), g_cmp, g_slc, g_swa, config=self.nsa,
+                             k_cmp=k_cmp, v_cmp=v_cmp)
 
 
 class NSALlamaForCausalLM(LlamaForCausalLM):
@@ -202,10 +222,44 @@ class NSALlamaForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None, **kwargs):
         """LlamaForCausalLM's forward; an attention mask with padding (a zero) raises SparseAttnUnsupportedError
         (checked with one device-to-host read when a mask is given; generate() always gives one)."""
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise make_error(SparseAttnUnsupportedError, "unsupported", "NSALlamaForCausalLM", "attention_mask",
-                             "padding is not supported: give sequences of equal length")
+        _refuse_padding(attention_mask)
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids: Tensor, next_sequence_length: Optional[int] = None,
+                                      past_key_values: Optional[Cache] = None,
+                                      attention_mask: Optional[Tensor] = None,
+                                      inputs_embeds: Optional[Tensor] = None,
+                                      is_first_iteration: Optional[bool] = False, **kwargs):
+        """transformers' preparation; with a compileable cache (whose 2D mask transformers turns into a 4D one
+        before the forward sees it), the prompt's mask is checked for padding at the first iteration."""
+        if is_first_iteration and isinstance(past_key_values, Cache) and past_key_values.is_compileable:
+            _refuse_padding(attention_mask)
+        return super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,
+            attention_mask=attention_mask, inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration,
+            **kwargs)
+
+    def get_compiled_call(self, compile_config):
+        """transformers' compiled forward (the one generate() runs its decode steps through), behind a host-side
+        step that reserves the new tokens in a :class:`SparseAttnStaticCache` (the capacity check, which the
+        compiled updates cannot make without a synchronisation)."""
+        compiled = super().get_compiled_call(compile_config)
+
+        def call(*args, **kwargs):
+            cache = kwargs.get("past_key_values")
+            if isinstance(cache, SparseAttnStaticCache):
+                tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+                cache.reserve(tokens.shape[1])
+            return compiled(*args, **kwargs)
+
+        return call
+
+
+def _refuse_padding(attention_mask: Optional[Tensor]) -> None:
+    """SparseAttnUnsupportedError for a 2D attention mask with a zero (one device-to-host read)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise make_error(SparseAttnUnsupportedError, "unsupported", "NSALlamaForCausalLM", "attention_mask",
+                         "padding is not supported: give sequences of equal length")
 
 
 class SparseAttnCacheLayer(DynamicLayer):
@@ -362,3 +416,261 @@ class SparseAttnCache(Cache):
 
     def __init__(self, **kwargs):
         super().__init__(layer_class_to_replicate=SparseAttnCacheLayer)
+
+
+def _compressed_rows(length: int, block: int, stride: int) -> int:
+    """Compressed rows of the blocks complete in `length` tokens (compress_kv's Tc)."""
+    return 0 if length < block else (length - block) // stride + 1
+
+
+class SparseAttnStaticCacheLayer(CacheLayerMixin):
+    """One layer of :class:`SparseAttnStaticCache`: preallocated token-major buffers (keys, values [B, capacity, Hkv,
+    D]; compressed keys and values [B, max_rows + 1, Hkv, D], the last row a scratch row that no read reaches) and
+    the lengths as a device tensor (int32 [B]), so that a step of 1 to DECODE_MAX_QUERIES tokens has fixed shapes and
+    no host synchronisation: its keys are scattered at the device lengths, the rows of the blocks it completes are
+    pooled from the buffer and scattered at their indices (the other candidates to the scratch row), and
+    nsa_decode reads the buffer as pages of DECODE_PAGE_SIZE keys. A longer update (a prefill) runs eagerly: it
+    reads the device length once, copies its keys and pools its new rows with compress_kv.
+
+    ``host_length`` mirrors the length on the host for the capacity check: eager updates advance it, and so does
+    :meth:`SparseAttnStaticCache.reserve` before a compiled step (NSALlamaForCausalLM's compiled call does it).
+    """
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, batch: int, capacity: int, kv_heads: int, head_dim: int, nsa: NSAConfig,
+                 device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.batch_size, self.capacity, self.nsa = batch, capacity, nsa
+        self.dtype, self.device = dtype, device
+        self.max_rows = _compressed_rows(capacity, nsa.cmp_block, nsa.cmp_stride)
+        self._keys = torch.zeros(batch, capacity, kv_heads, head_dim, dtype=dtype, device=device)
+        self._values = torch.zeros_like(self._keys)
+        self._k_cmp = torch.zeros(batch, self.max_rows + 1, kv_heads, head_dim, dtype=dtype, device=device)
+        self._v_cmp = torch.zeros_like(self._k_cmp)
+        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        pages = capacity // DECODE_PAGE_SIZE
+        self._block_table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
+        self._batch_index = torch.arange(batch, device=device)[:, None]  # [B, 1]: row b of an index_put_
+        self.host_length = 0
+        # transformers' layout [B, Hkv, capacity, D] (views of the buffers, as StaticLayer's full buffers).
+        self.keys, self.values = self._keys.transpose(1, 2), self._values.transpose(1, 2)
+        for buffer in (self._keys, self._values, self._k_cmp, self._v_cmp, self.lengths, self._block_table,
+                       self._batch_index):
+            torch._dynamo.mark_static_address(buffer)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Nothing to do: the buffers are allocated by the constructor."""
+
+    def _check(self, key_states: Tensor, value_states: Tensor) -> None:
+        batch, heads, tokens, dim = key_states.shape
+        expected = (self._keys.shape[0], self._keys.shape[2], self._keys.shape[3])
+        if (batch, heads, dim) != expected or value_states.shape != key_states.shape:
+            raise make_error(SparseAttnError, "shape", "SparseAttnStaticCache", "key_states",
+                             f"keys {list(key_states.shape)} and values {list(value_states.shape)} do not fit the "
+                             f"cache's [B={expected[0]}, Hkv={expected[1]}, T, D={expected[2]}]")
+        if key_states.dtype != self.dtype or key_states.device != self._keys.device:
+            raise make_error(SparseAttnDTypeError, "dtype", "SparseAttnStaticCache", "key_states",
+                             f"{key_states.dtype} on {key_states.device}; the cache holds {self.dtype} on "
+                             f"{self._keys.device}")
+
+    def _reserve(self, tokens: int) -> None:
+        """Advances the host-side length by `tokens`, refusing to pass the capacity (host ints only)."""
+        if self.host_length + tokens > self.capacity:
+            raise make_error(SparseAttnError, "shape", "SparseAttnStaticCache", "max_cache_len",
+                             f"{self.host_length} cached + {tokens} new tokens exceed the capacity of "
+                             f"{self.capacity} tokens (give a larger max_cache_len)")
+        self.host_length += tokens
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Writes the new keys and values [B, Hkv, T, D] after the cached ones. T <= DECODE_MAX_QUERIES: on the
+        device (fixed shapes, no synchronisation; returns the whole buffers in transformers' layout); longer: eager
+        (returns views of the keys and values so far). Raises SparseAttnError on a capacity overflow (eager
+        updates; compiled steps are checked by SparseAttnStaticCache.reserve)."""
+        self._check(key_states, value_states)
+        tokens = key_states.shape[2]
+        if tokens <= DECODE_MAX_QUERIES:
+            if not torch.compiler.is_compiling():
+                self._reserve(tokens)
+            self._append_step(key_states.transpose(1, 2), value_states.transpose(1, 2))
+            return self.keys, self.values
+        if torch.compiler.is_compiling():
+            raise make_error(SparseAttnUnsupportedError, "unsupported", "SparseAttnStaticCache", "key_states",
+                             f"a compiled step of {tokens} tokens: compiled steps take 1 to {DECODE_MAX_QUERIES} "
+                             "tokens (run the prefill eagerly)")
+        return self._append_chunk(key_states.transpose(1, 2), value_states.transpose(1, 2))
+
+    def _append_step(self, k_new: Tensor, v_new: Tensor) -> None:
+        """Scatters T new tokens [B, T, Hkv, D] at the device lengths and pools the compressed rows their blocks
+        complete: the candidates are the last ceil(T / stride) rows at the new length (no more blocks end among
+        T consecutive tokens); a candidate that the step does not complete (or before row 0) goes to the scratch
+        row, so the rows of earlier steps and of the prefill's compress_kv are never rewritten."""
+        batch, tokens = k_new.shape[:2]
+        block, stride = self.nsa.cmp_block, self.nsa.cmp_stride
+        old = self.lengths.long()
+        steps = torch.arange(tokens, device=old.device)
+        positions = (old[:, None] + steps).clamp_(max=self.capacity - 1)  # clamped: never a write out of bounds
+        # index_put_ (not scatter_): torch.compile writes it into the buffer in place, without a copy of the buffer.
+        self._keys.index_put_((self._batch_index, positions), k_new)
+        self._values.index_put_((self._batch_index, positions), v_new)
+        self.lengths.add_(tokens)
+        new = old + tokens
+        candidates = -(-tokens // stride)
+        last = torch.div(new - block, stride, rounding_mode="floor")  # the last complete row (< 0: none)
+        rows = last[:, None] - torch.arange(candidates, device=old.device)  # [B, R]
+        completed = (rows >= 0) & (rows * stride + block > old[:, None])
+        token_index = (rows.clamp(min=0)[:, :, None] * stride + torch.arange(block, device=old.device))
+        token_index = token_index.clamp_(max=self.capacity - 1).view(batch, -1)  # [B, R * block]
+        target = torch.where(completed, rows, self.max_rows)
+        accumulate = torch.float64 if self.dtype == torch.float64 else torch.float32  # as compress_kv
+        for buffer, compressed in ((self._keys, self._k_cmp), (self._values, self._v_cmp)):
+            gathered = buffer.gather(1, token_index[:, :, None, None].expand(-1, -1, *buffer.shape[2:]))
+            pooled = gathered.view(batch, candidates, block, *buffer.shape[2:]).to(accumulate).sum(2) / block
+            compressed.index_put_((self._batch_index, target), pooled.to(self.dtype))
+
+    def _append_chunk(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """An eager update of many tokens: reads the device length (one synchronisation), copies the tokens and
+        pools the compressed rows they complete with compress_kv."""
+        start = int(self.lengths[0])
+        self.host_length = start
+        self._reserve(k_new.shape[1])
+        end = self.host_length
+        self._keys[:, start:end] = k_new
+        self._values[:, start:end] = v_new
+        self.lengths.fill_(end)
+        block, stride = self.nsa.cmp_block, self.nsa.cmp_stride
+        first, rows = _compressed_rows(start, block, stride), _compressed_rows(end, block, stride)
+        if rows > first:
+            span = slice(first * stride, (rows - 1) * stride + block)
+            k_cmp, v_cmp = compress_kv(self._keys[:, span], self._values[:, span], block=block, stride=stride)
+            self._k_cmp[:, first:rows] = k_cmp
+            self._v_cmp[:, first:rows] = v_cmp
+        return self._keys[:, :end].transpose(1, 2), self._values[:, :end].transpose(1, 2)
+
+    def compressed(self) -> tuple[Tensor, Tensor]:
+        """The compressed keys and values [B, rows, Hkv, D] of the blocks complete at the host length (views)."""
+        rows = _compressed_rows(self.host_length, self.nsa.cmp_block, self.nsa.cmp_stride)
+        return self._k_cmp[:, :rows], self._v_cmp[:, :rows]
+
+    def nsa_decode(self, q: Tensor, g_cmp: Tensor, g_slc: Tensor, g_swa: Tensor, config: NSAConfig) -> Tensor:
+        """:func:`sparseattn.nsa_decode` of the new queries q [B, Tq, Hq, D] (their keys already written) over the
+        buffers seen as pages, with the device lengths as cache_seqlens: the same tensors at every step."""
+        batch, capacity = self._keys.shape[:2]
+        pages = capacity // DECODE_PAGE_SIZE
+        k_pages = self._keys.view(batch * pages, DECODE_PAGE_SIZE, *self._keys.shape[2:])
+        v_pages = self._values.view(batch * pages, DECODE_PAGE_SIZE, *self._values.shape[2:])
+        return nsa_decode(q, k_pages, v_pages, block_table=self._block_table, cache_seqlens=self.lengths,
+                          k_cmp=self._k_cmp, v_cmp=self._v_cmp, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, config=config)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(query_length, 0): NSA layers read no attention mask, so transformers sizes its masks by the new tokens
+        only instead of building a [B, 1, T, capacity] one."""
+        return query_length, 0
+
+    def get_seq_length(self) -> Tensor:
+        """The cached length, as a 0-dim device tensor (a view of the lengths, as StaticLayer's)."""
+        return self.lengths[0]
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        self.host_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Keeps the first `tokens_to_remove` tokens (>= 0) or drops the last -tokens_to_remove (eager: reads the
+        device length once). Rows of blocks past the new end are rewritten when their blocks complete again."""
+        length = int(self.lengths[0])
+        keep = tokens_to_remove if tokens_to_remove > 0 else length + tokens_to_remove
+        self.host_length = max(0, min(length, keep))
+        self.lengths.fill_(self.host_length)
+
+    def _fixed_batch(self, *args, **kwargs) -> None:
+        raise make_error(SparseAttnUnsupportedError, "unsupported", "SparseAttnStaticCache", "batch",
+                         "the batch of a static cache is fixed (beam search and batch reordering are not supported)")
+
+    batch_repeat_interleave = batch_select_indices = reorder_cache = _fixed_batch
+
+
+def _decode_refusal(config: NSALlamaConfig, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """Why nsa_decode's CUDA kernels would not take the model's decode steps (None where they do), from the
+    shapes alone: the limits nsa_decode documents."""
+    if device.type != "cuda":
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    group = config.num_attention_heads // config.num_key_value_heads
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype}: the CUDA decode kernels take bfloat16 and float16"
+    if (head_dim, head_dim) not in CUDA_HEAD_DIMS:
+        return f"head_dim {head_dim}: the CUDA kernels take the pairs {list(CUDA_HEAD_DIMS)}"
+    if group > 16:
+        return f"{group} query heads per KV head: the CUDA decode kernels take at most 16"
+    if config.nsa_sel_block % 16:
+        return f"nsa_sel_block {config.nsa_sel_block}: the CUDA decode kernels need a multiple of 16"
+    return None
+
+
+class SparseAttnStaticCache(Cache):
+    """A fixed-capacity transformers Cache for :class:`NSALlamaForCausalLM` that transformers can compile and
+    capture as a CUDA graph (``is_compileable``): every buffer is allocated here, the lengths live on the device,
+    and a decode step (1 to DECODE_MAX_QUERIES new tokens) writes its keys, pools the compressed rows its blocks
+    complete and runs :func:`sparseattn.nsa_decode` with fixed shapes and no host synchronisation. Passed to
+    ``model.generate(..., past_key_values=cache)`` on CUDA, it makes generate() compile the model's forward
+    (mode "reduce-overhead": one CUDA graph serves every step); the prefill runs eagerly (nsa_attention).
+
+    Args:
+        config: the model's :class:`NSALlamaConfig`.
+        max_batch_size: the batch (fixed: every update has exactly this many sequences).
+        max_cache_len: the most tokens per sequence (rounded up to whole pages of DECODE_PAGE_SIZE).
+        device, dtype: those of the model.
+
+    Raises:
+        SparseAttnError: a bad size; an update that would pass the capacity, or whose batch, heads, head dim,
+            dtype or device do not fit.
+        SparseAttnUnsupportedError: on CUDA, shapes the NSA decode kernels do not take (more than 16 query heads
+            per KV head, a head dim without kernels, a sel_block not a multiple of 16, float32); a compiled step
+            of more than DECODE_MAX_QUERIES tokens; beam search (the batch is fixed).
+
+    Example:
+        >>> import torch
+        >>> from sparseattn.hf import NSALlamaConfig, NSALlamaForCausalLM, SparseAttnStaticCache
+        >>> cfg = NSALlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...                      num_attention_heads=4, num_key_value_heads=2, nsa_cmp_block=8, nsa_cmp_stride=4,
+        ...                      nsa_sel_block=8, nsa_num_selected=2, nsa_num_local=1, nsa_window=8)
+        >>> model = NSALlamaForCausalLM(cfg).eval()
+        >>> ids = torch.randint(1, 32, (2, 20))
+        >>> cache = SparseAttnStaticCache(cfg, max_batch_size=2, max_cache_len=30, device="cpu", dtype=torch.float32)
+        >>> out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4,
+        ...                      do_sample=False)
+        >>> tuple(out.shape), int(cache.get_seq_length()), cache.get_max_length()
+        ((2, 24), 23, 64)
+    """
+
+    def __init__(self, config: NSALlamaConfig, max_batch_size: int, max_cache_len: int, device=None,
+                 dtype: torch.dtype = torch.float32, **kwargs):
+        for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise make_error(SparseAttnError, "value", "SparseAttnStaticCache", name,
+                                 f"must be a positive int, got {value!r}")
+        device = torch.device(device if device is not None else "cpu")
+        reason = _decode_refusal(config, device, dtype)
+        if reason is not None:
+            raise make_error(SparseAttnUnsupportedError, "unsupported", "SparseAttnStaticCache", "config", reason)
+        capacity = -(-max_cache_len // DECODE_PAGE_SIZE) * DECODE_PAGE_SIZE
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        nsa = config.nsa_config()
+        layers = [SparseAttnStaticCacheLayer(max_batch_size, capacity, config.num_key_value_heads, head_dim, nsa,
+                                             device, dtype) for _ in range(config.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    def reserve(self, tokens: int) -> None:
+        """Advances every layer's host-side length by `tokens` before a compiled step (whose updates do not run
+        host code), refusing to pass the capacity. NSALlamaForCausalLM's compiled call (generate()'s) calls it."""
+        for layer in self.layers:
+            if layer.host_length + tokens > layer.capacity:
+                layer._reserve(tokens)  # raises
+        for layer in self.layers:
+            layer.host_length += tokens

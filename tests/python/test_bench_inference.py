@@ -54,9 +54,12 @@ RESULTS = [
                                                                             "full_before": 72.0, "chunked": 100.0}),
     synthetic("generate", {"batch": 16, "prompt": 65536, "new_tokens": 32},
               {"nsa_prefill": 4000.0, "nsa_join": 50.0, "nsa_generate": 320.0, "sdpa_prefill": 20000.0,
-               "sdpa_join": 60.0, "sdpa_generate": 960.0},
+               "sdpa_join": 60.0, "sdpa_generate": 960.0, "nsa_graph_join": 70.0, "nsa_graph_generate": 80.0,
+               "sdpa_graph_join": 90.0, "sdpa_graph_generate": 240.0},
               notes={"nsa_parameters": 978899200, "sdpa_parameters": 974178304,
-                     "nsa_generate_runs_ms": [400.0, 320.0, 310.0], "sdpa_generate_runs_ms": [990.0, 960.0, 950.0]}),
+                     "nsa_generate_runs_ms": [400.0, 320.0, 310.0], "sdpa_generate_runs_ms": [990.0, 960.0, 950.0],
+                     "nsa_graph_generate_runs_ms": [80.0, 79.0, 81.0], "nsa_graph_compiled": True,
+                     "sdpa_graph_generate_runs_ms": [240.0, 241.0, 239.0], "sdpa_graph_compiled": True}),
 ]
 
 
@@ -153,6 +156,15 @@ def test_prefill_then_generate_gives_the_tokens_of_a_plain_generate(nsa):
     times, output = bi.generate_runs(model, prompt, cache, 5, 2, "cpu")
     assert len(times) == 2 and torch.equal(output, expected)
     assert cache.get_seq_length() == 25
+    # The graph mode's path: the cache copied into a fixed-capacity one, rewound and generated from (eagerly on
+    # the CPU: transformers compiles on CUDA only).
+    bi.rewind(cache, 20)
+    static = bi.static_cache(model, cache, nsa, 26)
+    assert type(static).__name__ == ("SparseAttnStaticCache" if nsa else "StaticCache") and static.is_compileable
+    assert all(layer is None for layer in cache.layers)  # the source's layers are dropped as they are copied
+    times, output = bi.generate_runs(model, prompt, static, 5, 2, "cpu")
+    assert len(times) == 2 and torch.equal(output, expected)
+    assert int(static.get_seq_length()) == 25
 
 
 def test_derived_numbers():
@@ -173,7 +185,11 @@ def test_derived_numbers():
                                                               "chunked": 0.8})
     assert prefill["marginal_ms"] == pytest.approx(8.0) and prefill["chunk_vs_marginal"] == pytest.approx(0.8)
     assert generate["decode_tokens_per_s"] == {"nsa": pytest.approx(16 * 32 / 0.32),
-                                               "sdpa": pytest.approx(16 * 32 / 0.96)}
+                                               "sdpa": pytest.approx(16 * 32 / 0.96),
+                                               "nsa_graph": pytest.approx(16 * 32 / 0.08),
+                                               "sdpa_graph": pytest.approx(16 * 32 / 0.24)}
+    assert generate["nsa_vs_sdpa_decode_tokens_per_s_graph"] == pytest.approx(3.0)
+    assert generate["ms_per_step"]["nsa_graph"] == 2.5
     assert generate["ms_per_step"]["nsa"] == 10.0
     assert generate["prefill_tokens_per_s"]["sdpa"] == pytest.approx(16 * 65535 / 20.0)
     assert generate["nsa_vs_sdpa_decode_tokens_per_s"] == pytest.approx(3.0)
@@ -191,7 +207,8 @@ def test_bars_and_their_boundaries():
         # nsa_decode's bars: the synthetic results have no paged methods.
         (False, None, "not measured (no time)"), (False, None, "not measured (no time)"),
         (False, None, "not measured (no time)"),
-        (False, pytest.approx(0.8), "not met"), (False, pytest.approx(3.0), "met")]
+        (False, pytest.approx(0.8), "not met"), (False, pytest.approx(3.0), "met"),
+        (False, pytest.approx(3.0), "met")]
     assert bars[0]["case"] == "B=1, S=128K, Tq=1" and bars[2]["case"] == "B=64, S=32K, Tq=1"
     bar = bi.BARS[0]
     assert bar.met(0.12) and not bar.met(0.1201)
@@ -222,9 +239,14 @@ def test_markdown():
         ["full forward of the first S - C tokens", "72.00", "1.71M", "1.042"],
         ["all chunks in order", "100", "1.31M", "0.800"],
         ["the training forward on the chunk's tokens (full - first S - C)", "8.00", "chunk / it: 0.800", ""]]
-    nsa_model, sdpa_model = rows_of(text, "B=16, P=64K, N=32")
+    nsa_model, sdpa_model, nsa_graph, sdpa_graph = rows_of(text, "B=16, P=64K, N=32")
     assert nsa_model[2:] == ["979M", "4000", "262k", "50.00", "320", "10.00", "1.6k", "n/a"]
     assert sdpa_model[6] == "960"
+    assert nsa_graph[1:] == ["NSA (SparseAttnStaticCache, compiled step, CUDA graph)", "979M", "n/a", "n/a", "70.00",
+                             "80.00", "2.50", "6.4k", "n/a"]
+    assert sdpa_graph[6] == "240"
+    assert ("graph mode: NSA / SDPA decode tokens/s = 3.00; compiled by transformers: nsa_graph True, sdpa_graph "
+            "True; generate runs (ms): nsa_graph 80.00, 79.00, 81.00; sdpa_graph 240, 241, 239") in text
     assert "NSA / SDPA decode tokens/s = 3.00; generate runs (ms): nsa 400, 320, 310; sdpa 990, 960, 950" in text
     assert "- `decode: nsa_cmp_given_graph` at B=64, S=32K, Tq=1: capture failed: RuntimeError:" in text
     assert "- `decode: case` at B=1, S=8K, Tq=1: out of memory: CUDA" in text
@@ -297,6 +319,7 @@ def test_smoke_run_on_the_cpu(tmp_path, capsys):
         assert len(generate["notes"][f"{model}_generate_runs_ms"]) == 2
     assert generate["notes"]["nsa_parameters"] > generate["notes"]["sdpa_parameters"] > 0
     assert generate["decode_tokens_per_s"]["nsa"] > 0 and generate["nsa_vs_sdpa_decode_tokens_per_s"] > 0
+    assert not any("graph" in key for key in generate["times_ms"])  # the CPU's default modes: eager only
     statuses = {b["bar"]: b["status"] for b in saved["bars"]}
     assert statuses[bi.BARS[0].name].startswith("not measured (no case")
     assert statuses[next(b.name for b in bi.BARS if b.section == "prefill")] in ("met", "not met")

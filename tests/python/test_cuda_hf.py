@@ -54,3 +54,76 @@ def test_generate_decodes_through_nsa_decode_with_the_full_forwards_logits(monke
     assert steps.shape == full.shape and torch.isfinite(steps).all()
     err = (steps - full).abs().max().item()
     assert err <= 0.05 * full.abs().max().item() + 0.05, f"max logit error {err:.3g}"
+
+
+def test_generate_with_the_static_cache_runs_the_compiled_step_with_the_full_forwards_logits():
+    """generate() with a SparseAttnStaticCache on CUDA takes transformers' compile path (mode "reduce-overhead":
+    the decode step as a CUDA graph); every step's logits match the full forward's rows."""
+    model = small_model(12, 8, 2, 128)
+    batch, prompt, new_tokens = 2, 301, 40
+    ids = torch.randint(1, 96, (batch, prompt), device="cuda")
+    cache = hf.SparseAttnStaticCache(model.config, max_batch_size=batch, max_cache_len=prompt + new_tokens,
+                                     device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                             past_key_values=cache, output_logits=True, return_dict_in_generate=True)
+    assert hasattr(model, "_compiled_call"), "generate() did not take transformers' compile path"
+    assert int(cache.get_seq_length()) == prompt + new_tokens - 1
+    assert all(layer.host_length == prompt + new_tokens - 1 for layer in cache.layers)
+    sequence = out.sequences
+    with torch.no_grad():
+        full = model(sequence[:, :-1], use_cache=False).logits[:, prompt - 1:].float()
+    steps = torch.stack(out.logits, dim=1).float()
+    assert steps.shape == full.shape and torch.isfinite(steps).all()
+    err = (steps - full).abs().max().item()
+    assert err <= 0.05 * full.abs().max().item() + 0.05, f"max logit error {err:.3g}"
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (16, 1)], ids=lambda h: f"{h[0]}x{h[1]}")
+def test_a_static_cache_decode_step_captures_in_a_cuda_graph_and_replays_every_step(heads):
+    """One decode step (the whole model's forward) captured in a torch.cuda.CUDAGraph (a host synchronisation
+    inside would make the capture fail), replayed with new token ids and positions: each replay's logits match the
+    full forward's rows, and the cache's device lengths and compressed rows advance on the device."""
+    model = small_model(13, *heads, 64)
+    batch, prompt, new_tokens = 2, 250, 40  # past compression, selection-block and window boundaries
+    ids = torch.randint(1, 96, (batch, prompt), device="cuda")
+    cache = hf.SparseAttnStaticCache(model.config, max_batch_size=batch, max_cache_len=prompt + new_tokens,
+                                     device="cuda", dtype=torch.bfloat16)
+    token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+    position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        model(ids[:, :-1], past_key_values=cache, use_cache=True)
+        token.copy_(ids[:, -1:])
+        position.fill_(prompt - 1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up step (lazy initialisations), then undone
+            model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True)
+        torch.cuda.current_stream().wait_stream(side)
+        cache.crop(-1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+        cache.crop(0)  # the capture advanced the host-side lengths only: take the device's back
+        sequence, steps = ids, []
+        for step in range(new_tokens):
+            graph.replay()
+            steps.append(logits[:, -1].float().clone())
+            next_token = logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, next_token], dim=1)
+            token.copy_(next_token)
+            position.fill_(prompt + step)
+        assert cache.layers[0].lengths.tolist() == [prompt + new_tokens - 1] * batch
+        full = model(sequence[:, :-1], use_cache=False).logits[:, prompt - 1:].float()
+        length = prompt + new_tokens - 1
+        for layer in cache.layers:
+            keys = layer._keys[:, :length]
+            k_cmp = sparseattn.compress_kv(keys, layer._values[:, :length], block=32, stride=16)[0]
+            rows = k_cmp.shape[1]
+            torch.testing.assert_close(layer._k_cmp[:, :rows].float(), k_cmp.float(), rtol=0.02, atol=0.02)
+    steps = torch.stack(steps, dim=1)
+    assert steps.shape == full.shape and torch.isfinite(steps).all()
+    err = (steps - full).abs().max().item()
+    assert err <= 0.05 * full.abs().max().item() + 0.05, f"max logit error {err:.3g}"
