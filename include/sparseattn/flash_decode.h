@@ -33,8 +33,10 @@ namespace sparseattn {
 // group size Hq / Hkv (the group's query heads and the Tq queries form the rows of one tile, which reads K and V
 // once).
 // The keys [0, capacity) are cut into P consecutive splits of equal length (a multiple of 64 keys); each split
-// writes a float32 partial o and lse into the workspace and a combine kernel merges them in split order, so the
-// result is bit-identical run to run. P (num_splits, or a heuristic from the SM count, the shapes and the
+// writes a float32 partial o and lse into the workspace, and the last CTA of each group of 8 splits to finish
+// merges them in split order (then, with more than 8 splits, the last group's merger merges the groups in order:
+// docs/semantics.md section 8), so the result is bit-identical run to run. The workspace also holds the merges'
+// arrival counters, which the call zeroes on its stream before the kernel. P (num_splits, or a heuristic from the SM count, the shapes and the
 // capacity) depends on shapes, dtypes and the device only, never on cache_seqlens or block_table; with P = 1 the
 // kernel writes o directly and needs no workspace.
 struct FlashDecodeParams {

@@ -67,8 +67,9 @@ def flash_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: 
     query ``t`` is aligned to key position ``a = L - Tq + t`` (bottom-right). The result is that of
     ``flash_attention(q[b:b+1], keys[:L], values[:L], causal=causal, window=window)`` on each sequence's gathered
     keys; a query that keeps no key returns 0 (lse -inf). On CUDA the keys are cut into ``num_splits`` equal splits
-    whose partial results are merged in split order (docs/semantics.md section 8, "Decode-shaped calls"): the
-    result is bit-identical run to run, and different split counts differ by rounding only. The number of splits
+    whose partial results are merged in a fixed order (groups of 8 consecutive splits, then the groups;
+    docs/semantics.md section 8, "Decode-shaped calls"): the result is bit-identical run to run, and different
+    split counts differ by rounding only. The number of splits
     and the workspace depend on shapes, dtypes and the device only, never on the contents of ``cache_seqlens`` or
     ``block_table``, so a call captured in a CUDA graph can be replayed with new lengths and pages. Not
     differentiable (inference).

@@ -212,13 +212,27 @@ TEST(FlashDecodePlan, RequestedSplitsRoundToTiles) {
 
 TEST(FlashDecodePlan, WorkspaceOnlyWithSplits) {
   auto plan = plan_decode(2, 3, 8, 2, 128, 128, 1000, 1, kH100Sms, kH100SmemPerSm);
-  EXPECT_EQ(cuda::decode::decode_workspace(plan, 2, 8, 3, 128).bytes, 0u);
+  EXPECT_EQ(cuda::decode::decode_workspace(plan, 2, 8, 2, 3, 128).bytes, 0u);
   plan = plan_decode(2, 3, 8, 2, 128, 128, 1000, 4, kH100Sms, kH100SmemPerSm);
   ASSERT_EQ(plan.splits, 4);
-  const auto w = cuda::decode::decode_workspace(plan, 2, 8, 3, 128);
+  const auto w = cuda::decode::decode_workspace(plan, 2, 8, 2, 3, 128);
   EXPECT_EQ(w.o_bytes, std::size_t{4} * 2 * 8 * 3 * 128 * 4);
   EXPECT_EQ(w.lse_offset % 256, 0u);
-  EXPECT_GE(w.bytes, w.lse_offset + std::size_t{4} * 2 * 8 * 3 * 4);
+  // One merge group (4 splits <= kMergeFan): no group partials; 2 counters per (sequence, KV head, row block).
+  EXPECT_EQ(w.group_lse_offset, w.group_o_offset);
+  EXPECT_EQ(w.counters_offset, w.group_o_offset);
+  EXPECT_EQ(w.counter_bytes, std::size_t{2} * 2 * plan.row_blocks * 2 * 4);
+  EXPECT_GE(w.group_o_offset, w.lse_offset + std::size_t{4} * 2 * 8 * 3 * 4);
+  EXPECT_GE(w.bytes, w.counters_offset + w.counter_bytes);
+  // 20 splits: three groups of at most kMergeFan, whose partials follow the splits'.
+  plan = plan_decode(2, 3, 8, 2, 128, 128, 20 * 64, 20, kH100Sms, kH100SmemPerSm);
+  ASSERT_EQ(plan.splits, 20);
+  ASSERT_EQ(cuda::decode::merge_groups(plan.splits), 3);
+  const auto grouped = cuda::decode::decode_workspace(plan, 2, 8, 2, 3, 128);
+  EXPECT_EQ(grouped.group_lse_offset - grouped.group_o_offset, std::size_t{3} * 2 * 8 * 3 * 128 * 4);
+  EXPECT_EQ(grouped.counters_offset % 256, 0u);
+  EXPECT_EQ(grouped.counter_bytes, std::size_t{2} * 2 * plan.row_blocks * 4 * 4);
+  EXPECT_GE(grouped.bytes, grouped.counters_offset + grouped.counter_bytes);
   // Every tile configuration fits an A100's opt-in shared memory (163 KB).
   for (int warps_m : {1, 2, 4}) {
     for (auto [dqk, dv] : {std::pair{64, 64}, std::pair{128, 128}, std::pair{192, 128}, std::pair{256, 256}}) {

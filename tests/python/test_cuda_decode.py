@@ -124,7 +124,25 @@ def test_many_splits(dtype, generator):
     seqlens = torch.tensor([19999, 4097], dtype=torch.int32, device="cuda")
     splits, workspace = flash_decode_plan(q, k, v, cache_seqlens=seqlens)
     assert splits > 1 and workspace > 0
-    check_decode(q, k, v, seqlens, splits=[0, 1, 7])
+    # Merge groups of 8 splits: one partial group (7), one full group (8), a full and a one-split group (9), three
+    # groups (20), eight (64) and the most the kernel takes (at most 256: 157 splits of 128 keys).
+    check_decode(q, k, v, seqlens, splits=[0, 1, 7, 8, 9, 20, 64, 256])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_many_splits_and_row_blocks(paged, generator):
+    """16 queries of a 16-head group (256 rows: four row blocks per KV head), each row block's splits merged on
+    their own counters, over a batch with one empty sequence."""
+    B, S, page_size = 3, 79 * 64, 64
+    q, k, v = make_inputs(B, 16, 32, 2, 128, 128, S, torch.bfloat16, generator)
+    seqlens = torch.tensor([5000, 0, 2311], dtype=torch.int32, device="cuda")
+    table = None
+    if paged:
+        table, num_pages = page_table(B, S, page_size, generator)
+        k = to_pages(k, table, num_pages, page_size, generator)
+        v = to_pages(v, table, num_pages, page_size, generator)
+        table = table.cuda()
+    check_decode(q, k, v, seqlens, table, splits=[0, 9, 40])
 
 
 def test_plan_ignores_contents():

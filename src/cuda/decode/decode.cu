@@ -1,10 +1,12 @@
-// flash_decode on CUDA: the plan from shapes and the device, the split-KV kernel (launch.h) and, with several
-// splits, the combine kernel that merges their partials in split order.
+// flash_decode on CUDA: the plan from shapes and the device, the workspace's arrival counters zeroed, then the
+// split-KV kernel (launch.h), whose CTAs also merge the splits' partials (kernel.cuh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "cuda/decode/kernel.cuh"
 #include "cuda/decode/launch.h"
@@ -44,29 +46,14 @@ DecodePlan plan_of(const FlashDecodeParams& p) {
 }
 
 decode::DecodeWorkspace workspace_of(const FlashDecodeParams& p, const DecodePlan& plan) {
-  if (p.q.rank != 4 || p.v_cache.rank != 4) return {};
-  return decode::decode_workspace(plan, p.q.shape[0], p.q.shape[2], p.q.shape[1], p.v_cache.shape[3]);
+  if (p.q.rank != 4 || p.k_cache.rank != 4 || p.v_cache.rank != 4) return {};
+  return decode::decode_workspace(plan, p.q.shape[0], p.q.shape[2], p.k_cache.shape[2], p.q.shape[1],
+                                  p.v_cache.shape[3]);
 }
 
 template <class T>
 decode::Cache<T> cache_of(const TensorView& t) {
   return {static_cast<const T*>(t.data), t.stride[0], t.stride[1], t.stride[2]};
-}
-
-template <class T>
-void launch_combine(const decode::DecodeArgs<T>& args, int dqk, int dv, cudaStream_t stream) {
-  const decode::CombineArgs<T> c{args.partial_o, args.partial_lse, args.o, args.lse, args.batch, args.q_len,
-                                 args.q_heads, args.splits};
-  const std::int64_t rows = std::int64_t{args.batch} * args.q_heads * args.q_len;
-  dispatch_head_dims(dqk, dv, [&](auto, auto dim_v) {
-    constexpr int Dv = decltype(dim_v)::value;
-    int device = 0;
-    cudaGetDevice(&device);
-    // Starts as the split kernel drains; it waits for the split kernel's partials before reading them.
-    launch_dependent(dependent_launch_supported(device), decode::flash_decode_combine_kernel<T, Dv>,
-                     dim3(static_cast<unsigned>(rows)), dim3(Dv), 0, stream, c);
-    check_launch("flash_decode_combine_kernel");
-  });
 }
 
 }  // namespace
@@ -106,6 +93,16 @@ void flash_decode(const FlashDecodeParams& p) {
       auto* base = static_cast<unsigned char*>(p.workspace);
       a.partial_o = reinterpret_cast<float*>(base);
       a.partial_lse = reinterpret_cast<float*>(base + workspace.lse_offset);
+      if (decode::merge_groups(plan.splits) > 1) {
+        a.group_o = reinterpret_cast<float*>(base + workspace.group_o_offset);
+        a.group_lse = reinterpret_cast<float*>(base + workspace.group_lse_offset);
+      }
+      a.counters = reinterpret_cast<std::int32_t*>(base + workspace.counters_offset);
+      const cudaError_t status = cudaMemsetAsync(a.counters, 0, workspace.counter_bytes, stream);
+      if (status != cudaSuccess) {
+        throw std::runtime_error(std::string("sparseattn: flash_decode: cudaMemsetAsync of the merge counters "
+                                             "failed: ") + cudaGetErrorString(status));
+      }
     }
     a.batch = static_cast<int>(batch);
     a.q_len = static_cast<int>(q_len);
@@ -128,7 +125,6 @@ void flash_decode(const FlashDecodeParams& p) {
     } else {
       decode::launch_decode_kernel<T, false>(a, plan, dqk, dv, stream);
     }
-    if (plan.splits > 1) launch_combine<T>(a, dqk, dv, stream);
   });
 }
 

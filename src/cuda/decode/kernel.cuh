@@ -9,7 +9,11 @@
 // stream through a ring of cp.async stages (plan.h); each 16-key chunk of a tile is one run of rows at one address
 // (dense: the sequence's rows; paged: one page), so a paged cache costs four block-table reads per tile, issued a
 // tile ahead of their use. With one split the epilogue writes o and lse; with several, float32 partials (o of the
-// split's kept keys and their lse) that the combine kernel merges in split order.
+// split's kept keys and their lse), and the CTAs merge them themselves: the last CTA of a merge group (kMergeFan
+// consecutive splits of the same rows) to write its partial merges the group's partials in split order, and with
+// several groups the last group merger merges the groups' results in group order (merge_partials). Arrivals are
+// counted with one atomic per CTA and merge; the order of every sum is fixed, so the result is bit-identical run to
+// run whichever CTA merges.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,6 +52,9 @@ struct DecodeArgs {
   LseView<float> lse;        // [B, Hq, Tq]
   float* partial_o;          // [P, B, Hq, Tq, Dv] with several splits, else null
   float* partial_lse;        // [P, B, Hq, Tq]
+  float* group_o;            // [Q, B, Hq, Tq, Dv] with more than one merge group, else null
+  float* group_lse;          // [Q, B, Hq, Tq]
+  std::int32_t* counters;    // [B, Hkv, row blocks, Q + 1] arrivals, zero at the kernel's start
   int batch, q_len, q_heads, kv_heads, group;
   int capacity, page_size, num_pages;
   int splits, split_keys, row_blocks;
@@ -125,6 +132,94 @@ struct ChunkWalk {
     }
   }
 };
+
+// Partials one merge reads per row at most: a group's kMergeFan splits, or the groups of kMaxSplits splits.
+inline constexpr int kMaxMerged = kMaxSplits / kMergeFan > kMergeFan ? kMaxSplits / kMergeFan : kMergeFan;
+inline constexpr int kMergePitch = kMaxMerged + 1;  // floats per row of the merge weights: the weights, then lse
+
+// Merges partials [first, first + count) (slot p: o at src_o[p][row][Dv], lse at src_lse[p][row], rows indexed as
+// [B, Hq, Tq]) of the CTA's rows in slot order (docs/semantics.md section 8): M = max_p lse_p; lse = M + log sum_p
+// exp(lse_p - M); o = sum_p exp(lse_p - lse) o_p, p ascending, in float32. Rows that no partial sees get o = 0 and
+// lse = -inf. kFinal writes o (rounded to T) and lse; otherwise partial slot `dst_slot` of dst_o and dst_lse.
+// `weights` is shared memory of kRows x kMergePitch floats. Partials written by other CTAs are read through L2.
+template <bool kFinal, int Dv, class T>
+__device__ void merge_partials(const DecodeArgs<T>& a, const float* src_o, const float* src_lse, int first,
+                               int count, float* dst_o, float* dst_lse, int dst_slot, int b, int kv_head, int row0,
+                               int real_rows, float* weights) {
+  const i64 slot_rows = i64{a.batch} * a.q_heads * a.q_len;
+  const auto index_of = [&](int r, int& i, int& h) {
+    const int row = row0 + r;
+    i = row / a.group;
+    h = kv_head * a.group + row % a.group;
+    return (i64{b} * a.q_heads + h) * a.q_len + i;
+  };
+  for (int r = threadIdx.x; r < real_rows; r += kThreads) {
+    int i, h;
+    const i64 index = index_of(r, i, h);
+    float* const w = weights + r * kMergePitch;
+    float row_max = -INFINITY;
+    for (int p = 0; p < count; ++p) {
+      w[p] = __ldcg(src_lse + (first + p) * slot_rows + index);
+      row_max = fmaxf(row_max, w[p]);
+    }
+    float lse = -INFINITY;
+    if (row_max != -INFINITY) {
+      float sum = 0.f;
+      for (int p = 0; p < count; ++p) sum += expf(w[p] - row_max);
+      lse = row_max + logf(sum);
+    }
+    for (int p = 0; p < count; ++p) w[p] = lse == -INFINITY ? 0.f : expf(w[p] - lse);
+    w[kMaxMerged] = lse;
+  }
+  __syncthreads();
+  constexpr int kQuads = Dv / 4;
+  for (int item = threadIdx.x; item < real_rows * kQuads; item += kThreads) {
+    const int r = item / kQuads, c = (item % kQuads) * 4;
+    int i, h;
+    const i64 index = index_of(r, i, h);
+    const float* const w = weights + r * kMergePitch;
+    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (w[kMaxMerged] != -INFINITY) {
+      const float* const src = src_o + index * Dv + c;
+      for (int p0 = 0; p0 < count; p0 += kMergeFan) {
+        float4 x[kMergeFan];
+#pragma unroll
+        for (int j = 0; j < kMergeFan; ++j) {
+          x[j] = p0 + j < count ? __ldcg(reinterpret_cast<const float4*>(src + (first + p0 + j) * slot_rows * Dv))
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < kMergeFan; ++j) {
+          if (p0 + j < count) {
+            const float weight = w[p0 + j];
+            out.x += weight * x[j].x;
+            out.y += weight * x[j].y;
+            out.z += weight * x[j].z;
+            out.w += weight * x[j].w;
+          }
+        }
+      }
+    }
+    if constexpr (kFinal) {
+      uint2 packed;
+      packed.x = pack2<T>(out.x, out.y);
+      packed.y = pack2<T>(out.z, out.w);
+      *reinterpret_cast<uint2*>(a.o.row(b, i, h) + c) = packed;
+    } else {
+      *reinterpret_cast<float4*>(dst_o + (dst_slot * slot_rows + index) * Dv + c) = out;
+    }
+  }
+  for (int r = threadIdx.x; r < real_rows; r += kThreads) {
+    int i, h;
+    const i64 index = index_of(r, i, h);
+    const float lse = weights[r * kMergePitch + kMaxMerged];
+    if constexpr (kFinal) {
+      a.lse.at(b, i, h) = lse;
+    } else {
+      dst_lse[dst_slot * slot_rows + index] = lse;
+    }
+  }
+}
 
 template <class T, int Dqk, int Dv, int kWarpsM, bool kPaged>
 __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a) {
@@ -300,7 +395,7 @@ __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a)
   }
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is free for the epilogue
-  allow_next_grid();  // the combine (if any) may be scheduled while the epilogues run
+  allow_next_grid();  // a dependent launch after the call may be scheduled while the epilogues run
 
   // Epilogue: every warp's accumulators, row maxima and sums to shared memory, [kWarpsN][kRows] rows.
   float* const sAcc = reinterpret_cast<float*>(sPipe);
@@ -376,63 +471,28 @@ __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a)
       a.partial_lse[split * partial_rows + (i64{b} * a.q_heads + h) * a.q_len + i] = lse;
     }
   }
-}
+  if (single) return;
 
-template <class T>
-struct CombineArgs {
-  const float* partial_o;    // [P, B, Hq, Tq, Dv]
-  const float* partial_lse;  // [P, B, Hq, Tq]
-  Tokens<T> o;
-  LseView<float> lse;
-  int batch, q_len, q_heads, splits;
-};
-
-// Merges the splits of one output row per CTA of Dv threads (docs/semantics.md section 8): M = max_p lse_p; lse =
-// M + log sum_p exp(lse_p - M); o = sum_p exp(lse_p - lse) o_p, p ascending, in float32. Rows that no split sees
-// get o = 0 and lse = -inf. Thread c owns column c: it reads 32 splits' values of its column at once (all in
-// flight) and adds them in split order. The row's lse values and weights are shared through shared memory, and
-// every thread forms M and the sum in the same order, so all agree.
-template <class T, int Dv>
-__global__ void __launch_bounds__(Dv) flash_decode_combine_kernel(CombineArgs<T> a) {
-  __shared__ float lse_of_split[kMaxSplits], weight[kMaxSplits];
-  wait_for_previous_grid();  // the split kernel's partials
-  const i64 rows = i64{a.batch} * a.q_heads * a.q_len;
-  const i64 row = blockIdx.x;
-  const int column = threadIdx.x;
-  for (int p = column; p < a.splits; p += Dv) lse_of_split[p] = a.partial_lse[p * rows + row];
-  __syncthreads();
-  float row_max = -INFINITY;
-  for (int p = 0; p < a.splits; ++p) row_max = fmaxf(row_max, lse_of_split[p]);
-  float lse = -INFINITY;
-  if (row_max != -INFINITY) {  // the same for every thread
-    for (int p = column; p < a.splits; p += Dv) weight[p] = expf(lse_of_split[p] - row_max);
-    __syncthreads();
-    float sum = 0.f;
-    for (int p = 0; p < a.splits; ++p) sum += weight[p];
-    lse = row_max + logf(sum);
-    __syncthreads();  // every thread has read the weights above
-    for (int p = column; p < a.splits; p += Dv) weight[p] = expf(lse_of_split[p] - lse);
-    __syncthreads();
+  // The merges: the last CTA of this split's group merges the group; with several groups, the last group merger
+  // merges the groups. The weights reuse the pipeline's shared memory (free once every thread has arrived).
+  static_assert(std::size_t{kRows} * kMergePitch * sizeof(float) <= std::size_t{kStages} * Tile::kStageElements * sizeof(T),
+                "the merge weights fit the pipeline's shared memory");
+  __shared__ int last_flag;
+  float* const sWeights = reinterpret_cast<float*>(sPipe);
+  const int groups = (a.splits + kMergeFan - 1) / kMergeFan;
+  std::int32_t* const counters = a.counters + ((i64{b} * a.kv_heads + kv_head) * a.row_blocks + row_block) * (groups + 1);
+  const int group = split / kMergeFan, first = group * kMergeFan, count = min(kMergeFan, a.splits - first);
+  if (!last_to_arrive(counters + group, count, last_flag)) return;
+  if (groups == 1) {
+    merge_partials<true, Dv>(a, a.partial_o, a.partial_lse, first, count, nullptr, nullptr, 0, b, kv_head, row0,
+                             real_rows, sWeights);
+    return;
   }
-  float out = 0.f;
-  if (lse != -INFINITY) {
-    const float* src = a.partial_o + row * Dv + column;  // split p at [p * rows * Dv]
-    const i64 split_stride = rows * Dv;
-    for (int p0 = 0; p0 < a.splits; p0 += 32) {
-      float x[32];
-#pragma unroll
-      for (int j = 0; j < 32; ++j) x[j] = p0 + j < a.splits ? src[(p0 + j) * split_stride] : 0.f;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        if (p0 + j < a.splits) out += weight[p0 + j] * x[j];
-      }
-    }
-  }
-  const int i = static_cast<int>(row % a.q_len);
-  const int h = static_cast<int>(row / a.q_len % a.q_heads);
-  const int b = static_cast<int>(row / (i64{a.q_len} * a.q_heads));
-  a.o.row(b, i, h)[column] = from_float<T>(out);
-  if (column == 0) a.lse.at(b, i, h) = lse;
+  merge_partials<false, Dv>(a, a.partial_o, a.partial_lse, first, count, a.group_o, a.group_lse, group, b, kv_head,
+                            row0, real_rows, sWeights);
+  if (!last_to_arrive(counters + groups, groups, last_flag)) return;
+  merge_partials<true, Dv>(a, a.group_o, a.group_lse, 0, groups, nullptr, nullptr, 0, b, kv_head, row0, real_rows,
+                           sWeights);
 }
 
 }  // namespace sparseattn::cuda::decode

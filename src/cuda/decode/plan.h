@@ -102,21 +102,38 @@ inline DecodePlan plan_decode(std::int64_t batch, std::int64_t q_len, std::int64
   return plan;
 }
 
-// Workspace: the float32 partial outputs [P, B, Hq, Tq, Dv], then the partial lse [P, B, Hq, Tq], each slice at a
-// 256-byte offset; none with a single split (the kernel writes o directly).
+// Splits merge in groups of kMergeFan (group g: splits [g * kMergeFan, (g + 1) * kMergeFan)): the last CTA of a
+// group to finish merges the group's partials, and with more than one group the last group merger merges the
+// groups' results. Each merge reads at most max(kMergeFan, groups) partials per row.
+inline constexpr int kMergeFan = 8;
+constexpr std::int64_t merge_groups(std::int64_t splits) { return (splits + kMergeFan - 1) / kMergeFan; }
+
+// Workspace: the float32 partial outputs [P, B, Hq, Tq, Dv], then the partial lse [P, B, Hq, Tq]; with more than
+// one merge group the groups' outputs [Q, B, Hq, Tq, Dv] and lse [Q, B, Hq, Tq]; then the int32 arrival counters,
+// Q + 1 per (sequence, KV head, row block) (Q for the groups, one for the groups' merge), which the call zeroes
+// before the kernel. Each slice at a 256-byte offset; none with a single split (the kernel writes o directly).
 struct DecodeWorkspace {
-  std::size_t o_bytes = 0, lse_offset = 0, bytes = 0;
+  std::size_t o_bytes = 0, lse_offset = 0, group_o_offset = 0, group_lse_offset = 0, counters_offset = 0;
+  std::size_t counter_bytes = 0, bytes = 0;
 };
 
 inline DecodeWorkspace decode_workspace(const DecodePlan& plan, std::int64_t batch, std::int64_t q_heads,
-                                        std::int64_t q_len, std::int64_t dv) {
+                                        std::int64_t kv_heads, std::int64_t q_len, std::int64_t dv) {
   DecodeWorkspace w;
   if (plan.splits <= 1) return w;
-  const auto rows = static_cast<std::size_t>(plan.splits * batch * q_heads * q_len);
   const auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
+  const auto rows_per_slot = static_cast<std::size_t>(batch * q_heads * q_len);
+  const auto rows = static_cast<std::size_t>(plan.splits) * rows_per_slot;
+  const std::int64_t groups = merge_groups(plan.splits);
+  const auto group_rows = groups > 1 ? static_cast<std::size_t>(groups) * rows_per_slot : 0;
   w.o_bytes = rows * static_cast<std::size_t>(dv) * sizeof(float);
   w.lse_offset = align(w.o_bytes);
-  w.bytes = w.lse_offset + align(rows * sizeof(float));
+  w.group_o_offset = w.lse_offset + align(rows * sizeof(float));
+  w.group_lse_offset = w.group_o_offset + align(group_rows * static_cast<std::size_t>(dv) * sizeof(float));
+  w.counters_offset = w.group_lse_offset + align(group_rows * sizeof(float));
+  w.counter_bytes = static_cast<std::size_t>(batch * kv_heads) * static_cast<std::size_t>(plan.row_blocks) *
+                    static_cast<std::size_t>(groups + 1) * sizeof(std::int32_t);
+  w.bytes = w.counters_offset + align(w.counter_bytes);
   return w;
 }
 

@@ -95,6 +95,20 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
+// Whether this CTA is the last of `expected` CTAs to arrive at `counter` (an int32 the caller zeroed before the
+// kernel), after every thread's writes so far: they are made visible device-wide before the count, and the last
+// CTA fences before it reads the others' writes (which it reads through L2, e.g. with __ldcg). `flag` is a
+// __shared__ int of the CTA. Every thread of the CTA calls it.
+__device__ __forceinline__ bool last_to_arrive(std::int32_t* counter, int expected, int& flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) flag = atomicAdd(counter, 1) == expected - 1;
+  __syncthreads();
+  const bool last = flag != 0;
+  if (last) __threadfence();
+  return last;
+}
+
 // Throws if the last launch failed to start (bad configuration). Asynchronous faults surface later, at
 // the caller's next synchronisation, as with every CUDA library; no host sync happens here.
 inline void check_launch(const char* kernel) {
