@@ -68,5 +68,24 @@ TEST(NsaDecodePlan, WorkspaceSlicesAreAlignedAndOnlyForPresentBranches) {
   EXPECT_LT(w.bytes, p.bytes);
 }
 
+TEST(NsaDecodePlan, TheSparseKernelCombinesWhereRowsHaveFewPartials) {
+  // Batch 64 at 32K: 4 compressed splits of 512 rows, 2 selected and 2 window pieces of 8 tiles: 8 partials a row.
+  const Plan batched = defaults(64, 32768);
+  EXPECT_EQ(batched.cmp_splits, 4);
+  EXPECT_EQ(batched.sel_pieces + batched.swa_pieces, 4);
+  EXPECT_TRUE(batched.fused_combine);
+  EXPECT_EQ(batched.counter_bytes, std::size_t{64} * 4 * 4);  // one int32 per (sequence, KV head)
+  EXPECT_EQ(batched.counters % 256, 0u);
+  EXPECT_GE(batched.bytes, batched.counters + batched.counter_bytes);
+  // Batch 1 at 128K: 64 compressed splits and 25 one-tile pieces: the combine kernel merges them.
+  const Plan single = defaults(1, 131072);
+  EXPECT_FALSE(single.fused_combine);
+  EXPECT_EQ(single.counter_bytes, 0u);
+  // Only the window branch: its pieces alone.
+  constexpr bool kWindowOnly[3] = {false, false, true};
+  const Plan w = plan_nsa_decode(64, 1, 64, 4, 128, 128, 32768, 0, 32, 16, 64, 16, 512, kWindowOnly, 0, kH100Sms);
+  EXPECT_EQ(w.fused_combine, w.swa_pieces <= cuda::nsa_dec::kFusedCombineMax);
+}
+
 }  // namespace
 }  // namespace sparseattn::test

@@ -16,7 +16,10 @@
 //     chunks of the listed blocks, looked up in the block table) or the window's keys [a - w + 1, a] (16-key
 //     chunks from the aligned chunk holding a - w + 1), the same tile loop as 1; partial o and lse per head.
 //  4. nsa_decode_combine_kernel: a CTA of Dv threads per output row: each branch's partials merged in order
-//     (M = max lse, weights exp(lse_p - M)), then o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa.
+//     (M = max lse, weights exp(lse_p - M)), then o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa. Where a row has
+//     few partials (plan.h, kFusedCombineMax) there is no fourth launch: the sparse kernel's last CTA of each
+//     list (counted with one atomic per CTA) does the same combine for the list's rows (combine_list), with the
+//     same sums in the same order.
 // Every partial is written by exactly one CTA and merged in a fixed order: the result is bit-identical run to run.
 #pragma once
 
@@ -64,12 +67,14 @@ struct NsaDecodeArgs {
   std::int32_t* indices;  // [B*Tq*Hkv, n]
   float* piece_o;    // [pieces, B*Tq*Hq, Dv]
   float* piece_lse;  // [pieces, B*Tq*Hq]
+  std::int32_t* counters;  // [B*Tq*Hkv] arrivals of the sparse kernel's CTAs, zero at its start (fused combine)
   int batch, q_len, q_heads, kv_heads, group;
   int page_size, num_pages, capacity, max_cmp;
   int cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local, window;
   int split_rows, cmp_splits, score_span, max_blocks;
   int sel_chunks, swa_chunks, tiles_per_piece, sel_pieces, swa_pieces;
   bool has_cmp, has_sel, has_swa;
+  bool fused_combine;  // the sparse kernel's last CTA of each list does the gated combine (plan.h)
   float scale_log2;  // softmax scale * log2(e)
 
   // The sequence's key count, clamped to [Tq, capacity] (trusted device data, semantics in nsa_decode.h).
@@ -552,6 +557,108 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   }
 }
 
+// The gated combine of one list's rows (the group's query heads of query t of sequence b), by one CTA of
+// kThreads threads once every partial of the list is written: per row and branch, M = max lse_p, weights
+// w_p = exp(lse_p - M) and their sum in the order of p (phase 1, into `scratch`); then for each 4 columns the
+// partials' loads in flight together, o_branch = (sum_p w_p o_p) / sum_p w_p in the order of p, and
+// o = g_cmp o_cmp + g_slc o_slc + g_swa o_swa in that order (phase 2): nsa_decode_combine_kernel's arithmetic.
+// The partials are flat entries e: compressed splits e < used, then the pieces (selected, then window) at piece
+// slot e - used. `scratch` is shared memory of kRows x (kFusedCombineMax + 6) floats.
+template <class T, int Dv>
+__device__ void combine_list(const NsaDecodeArgs<T>& a, int b, int t, int kv_head, float* scratch) {
+  constexpr int kMax = static_cast<int>(kFusedCombineMax), kPitch = kMax + 6, kBatch = 8;
+  const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
+  const i64 row0 = a.row_of(b, t, kv_head * a.group);
+  const int used = a.has_cmp ? (a.visible_cmp(a.length(b) - a.q_len + t) + a.split_rows - 1) / a.split_rows : 0;
+  const int sel_end = used + a.sel_pieces, total = sel_end + a.swa_pieces;
+  const auto lse_at = [&](int e, int g) {
+    return e < used ? __ldcg(a.cmp_lse + e * rows_q + row0 + g) : __ldcg(a.piece_lse + (e - used) * rows_q + row0 + g);
+  };
+  // Row g's weights at scratch[g * kPitch + e]; branch br's max and sum at kMax + 2 br and kMax + 2 br + 1.
+  for (int item = threadIdx.x; item < a.group * 3; item += kThreads) {
+    const int g = item / 3, br = item % 3;
+    const int lo = br == 0 ? 0 : br == 1 ? used : sel_end, hi = br == 0 ? used : br == 1 ? sel_end : total;
+    float* const w = scratch + g * kPitch;
+    float row_max = -INFINITY, sum = 0.f;
+    for (int e = lo; e < hi; ++e) {
+      w[e] = lse_at(e, g);
+      row_max = fmaxf(row_max, w[e]);
+    }
+    if (row_max != -INFINITY) {
+      for (int e = lo; e < hi; ++e) {
+        w[e] = expf(w[e] - row_max);
+        sum += w[e];
+      }
+    }
+    w[kMax + 2 * br] = row_max;
+    w[kMax + 2 * br + 1] = sum;
+  }
+  __syncthreads();
+  constexpr int kQuads = Dv / 4;
+  for (int item = threadIdx.x; item < a.group * kQuads; item += kThreads) {
+    const int g = item / kQuads, c = (item % kQuads) * 4;
+    const float* const w = scratch + g * kPitch;
+    // Each branch's sum over its entries in ascending order: the entries are visited in order, kBatch loads at a
+    // time in flight, each added to its branch's accumulator.
+    float4 acc[3];
+#pragma unroll
+    for (int br = 0; br < 3; ++br) acc[br] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int e0 = 0; e0 < total; e0 += kBatch) {
+      float4 x[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int e = e0 + j;
+        x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (e < total) {
+          const float* const src = e < used ? a.cmp_o + (e * rows_q + row0 + g) * Dv + c
+                                            : a.piece_o + ((e - used) * rows_q + row0 + g) * Dv + c;
+          x[j] = __ldcg(reinterpret_cast<const float4*>(src));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int e = e0 + j;
+        if (e >= total) break;
+        const float we = w[e];
+        const auto add = [&](float4& into) {
+          into.x += we * x[j].x;
+          into.y += we * x[j].y;
+          into.z += we * x[j].z;
+          into.w += we * x[j].w;
+        };
+        if (e < used) {
+          add(acc[0]);
+        } else if (e < sel_end) {
+          add(acc[1]);
+        } else {
+          add(acc[2]);
+        }
+      }
+    }
+    const int h = kv_head * a.group + g;
+    const bool active[3] = {a.has_cmp, a.has_sel, a.has_swa};
+    float out[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int br = 0; br < 3; ++br) {
+      if (!active[br]) continue;
+      float merged[4] = {0.f, 0.f, 0.f, 0.f};
+      if (w[kMax + 2 * br] != -INFINITY) {
+        const float sum = w[kMax + 2 * br + 1];
+        merged[0] = acc[br].x / sum;
+        merged[1] = acc[br].y / sum;
+        merged[2] = acc[br].z / sum;
+        merged[3] = acc[br].w / sum;
+      }
+      const float gate = to_float(a.gate[br].at(b, t, h));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[j] += gate * merged[j];
+    }
+    T* const dst = a.o.row(b, t, h) + c;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) dst[j] = from_float<T>(out[j]);
+  }
+}
+
 template <class T, int Dqk, int Dv>
 __global__ void __launch_bounds__(kThreads) nsa_decode_sparse_kernel(NsaDecodeArgs<T> a) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -618,6 +725,13 @@ __global__ void __launch_bounds__(kThreads) nsa_decode_sparse_kernel(NsaDecodeAr
   const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
   write_partials<Dv>(smem, Dqk, state, a.group, a.piece_o, a.piece_lse,
                      piece * rows_q + a.row_of(b, t, kv_head * a.group));
+  if (!a.fused_combine) return;
+  // The list's last CTA to finish combines its rows (the pipeline's shared memory is free once all have arrived).
+  static_assert(std::size_t{kRows} * (kFusedCombineMax + 6) * sizeof(float) <= AttendTile<Dqk, Dv>::kSmemBytes,
+                "the combine's weights fit the sparse kernel's shared memory");
+  __shared__ int last_flag;
+  if (!last_to_arrive(a.counters + a.list_of(b, t, kv_head), pieces, last_flag)) return;
+  combine_list<T, Dv>(a, b, t, kv_head, reinterpret_cast<float*>(smem));
 }
 
 // o of one row from `count` partials at partial_o[p * rows_q * Dv + row * Dv], p = first .. first + count - 1 in

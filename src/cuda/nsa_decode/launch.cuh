@@ -1,5 +1,6 @@
 // The body of launch_nsa_decode (launch.h), included by its instantiation units only: the compressed splits, the
-// selection, the selected and window pieces and the combine, in that order on one stream.
+// selection, the selected and window pieces and (unless the pieces' kernel does it) the combine, in that order on
+// one stream.
 #pragma once
 
 #include "cuda/nsa_decode/launch.h"
@@ -40,9 +41,11 @@ void launch_nsa_decode(const NsaDecodeArgs<T>& a, const Plan& plan, cudaStream_t
                        plan.attend_smem, stream, a);
       check_launch("nsa_decode_sparse_kernel");
     }
-    launch_dependent(dependent(), nsa_decode_combine_kernel<T, Dv>, dim3(static_cast<unsigned>(plan.rows_q())),
-                     dim3(Dv), 0, stream, a);
-    check_launch("nsa_decode_combine_kernel");
+    if (!plan.fused_combine) {  // otherwise the sparse kernel's last CTA of each list combines
+      launch_dependent(dependent(), nsa_decode_combine_kernel<T, Dv>, dim3(static_cast<unsigned>(plan.rows_q())),
+                       dim3(Dv), 0, stream, a);
+      check_launch("nsa_decode_combine_kernel");
+    }
   });
 }
 

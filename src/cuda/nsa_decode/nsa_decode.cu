@@ -98,6 +98,15 @@ void nsa_decode(const NsaDecodeParams& p) {
     a.indices = reinterpret_cast<std::int32_t*>(base + plan.indices);
     a.piece_o = reinterpret_cast<float*>(base + plan.piece_o);
     a.piece_lse = reinterpret_cast<float*>(base + plan.piece_lse);
+    a.fused_combine = plan.fused_combine;
+    if (plan.fused_combine) {
+      a.counters = reinterpret_cast<std::int32_t*>(base + plan.counters);
+      const cudaError_t status = cudaMemsetAsync(a.counters, 0, plan.counter_bytes, stream);
+      if (status != cudaSuccess) {
+        throw std::runtime_error(std::string("sparseattn: nsa_decode: cudaMemsetAsync of the combine counters "
+                                             "failed: ") + cudaGetErrorString(status));
+      }
+    }
     a.batch = static_cast<int>(plan.batch);
     a.q_len = static_cast<int>(plan.q_len);
     a.q_heads = static_cast<int>(plan.q_heads);

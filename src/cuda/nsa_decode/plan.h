@@ -29,12 +29,16 @@ inline constexpr std::int64_t kMaxSplitRows = 512;
 inline constexpr std::int64_t kMaxTilesPerPiece = 8;
 // The select kernel keeps a query's chosen blocks in a fixed array.
 inline constexpr std::int64_t kMaxSelected = 64;
+// Up to this many partials per output row (compressed splits plus selected and window pieces), the last sparse CTA
+// of a query's group does the gated combine itself (no combine launch); beyond, the combine kernel does it.
+inline constexpr std::int64_t kFusedCombineMax = 16;
 
 struct Plan {
   std::int64_t batch = 0, q_len = 0, q_heads = 0, kv_heads = 0, group = 0, dqk = 0, dv = 0;
   std::int64_t capacity = 0, max_cmp = 0;
   bool has_cmp = false, has_sel = false, has_swa = false;
   bool compressed = false;  // the compressed pass runs (g_cmp or g_slc)
+  bool fused_combine = false;  // the sparse kernel's last CTA of each list combines (kFusedCombineMax)
   // Compressed rows: split p covers rows [p * split_rows, (p + 1) * split_rows); its pooled scores cover selection
   // blocks [p * split_rows * d / l', + score_span).
   std::int64_t split_rows = 0, cmp_splits = 0, score_span = 0;
@@ -42,7 +46,8 @@ struct Plan {
   // Selected and window keys in 16-key chunks, cut into pieces of tiles_per_piece tiles (4 chunks each).
   std::int64_t sel_chunks = 0, swa_chunks = 0, tiles_per_piece = 1, sel_pieces = 0, swa_pieces = 0;
   // Workspace byte offsets (256-byte aligned) and total.
-  std::size_t cmp_o = 0, cmp_lse = 0, cmp_score = 0, scores = 0, indices = 0, piece_o = 0, piece_lse = 0, bytes = 0;
+  std::size_t cmp_o = 0, cmp_lse = 0, cmp_score = 0, scores = 0, indices = 0, piece_o = 0, piece_lse = 0;
+  std::size_t counters = 0, counter_bytes = 0, bytes = 0;  // int32 arrivals per list, zeroed by the call
   std::size_t attend_smem = 0, cmp_smem = 0;
 
   std::int64_t rows_q() const { return batch * q_len * q_heads; }
@@ -98,6 +103,7 @@ inline Plan plan_nsa_decode(std::int64_t batch, std::int64_t q_len, std::int64_t
       std::clamp<std::int64_t>(ceil_div_host(base * (sel_tiles + swa_tiles), slots), 1, kMaxTilesPerPiece);
   p.sel_pieces = ceil_div_host(sel_tiles, p.tiles_per_piece);
   p.swa_pieces = ceil_div_host(swa_tiles, p.tiles_per_piece);
+  p.fused_combine = p.pieces() > 0 && (p.has_cmp ? p.cmp_splits : 0) + p.pieces() <= kFusedCombineMax;
 
   const auto rows = static_cast<std::size_t>(p.rows_q());
   std::size_t at = 0;
@@ -120,6 +126,10 @@ inline Plan plan_nsa_decode(std::int64_t batch, std::int64_t q_len, std::int64_t
   const auto pieces = static_cast<std::size_t>(p.pieces());
   p.piece_o = slice(pieces * rows * static_cast<std::size_t>(dv) * 4);
   p.piece_lse = slice(pieces * rows * 4);
+  if (p.fused_combine) {
+    p.counter_bytes = static_cast<std::size_t>(batch * q_len * kv_heads) * 4;
+    p.counters = slice(p.counter_bytes);
+  }
   p.bytes = at == 0 ? 0 : at + 256;  // slack for aligning the caller's 16-byte aligned base
   p.attend_smem = attend_smem_bytes(dqk, dv);
   p.cmp_smem = p.attend_smem + (p.compressed ? 4 * kRows * static_cast<std::size_t>(p.split_rows) : 0);
