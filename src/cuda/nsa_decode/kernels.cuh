@@ -529,29 +529,31 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   __syncthreads();
 
   allow_next_grid();
-  if (threadIdx.x == 0) {
-    // The list: forced and chosen blocks, ascending, then -1.
-    int list[64];
-    int count = 0;
-    for (int blk = 0; blk < init_end; ++blk) list[count++] = blk;
-    for (int blk = local_begin; blk < candidates; ++blk) list[count++] = blk;
-    for (int r = 0; r < rounds; ++r) list[count++] = chosen[r];
-    for (int i = 1; i < count; ++i) {
-      const int x = list[i];
-      int j = i - 1;
-      while (j >= 0 && list[j] > x) {
-        list[j + 1] = list[j];
-        --j;
-      }
-      list[j + 1] = x;
-    }
+  if (warp == 0) {
+    // The list: forced and chosen blocks (all distinct), ascending, then -1. Entry i goes to its rank, the count of
+    // entries below it; slots past the count get -1.
+    const int forced_local = candidates - local_begin;
+    const int count = init_end + forced_local + rounds;
+    const auto entry = [&](int i) {
+      return i < init_end ? i : i < init_end + forced_local ? local_begin + (i - init_end)
+                                                             : chosen[i - init_end - forced_local];
+    };
     std::int32_t* const out = a.indices + a.list_of(b, t, kv_head) * a.num_selected;
-    for (int i = 0; i < a.num_selected; ++i) {
-      const int value = i < count ? list[i] : -1;
-      out[i] = value;
+    const auto store = [&](int slot, int value) {
+      out[slot] = value;
       if (a.indices_out != nullptr) {
         a.indices_out[b * a.indices_out_stride[0] + t * a.indices_out_stride[1] + kv_head * a.indices_out_stride[2] +
-                      i * a.indices_out_stride[3]] = value;
+                      slot * a.indices_out_stride[3]] = value;
+      }
+    };
+    for (int i = lane; i < a.num_selected; i += 32) {
+      if (i < count) {
+        const int value = entry(i);
+        int rank = 0;
+        for (int j = 0; j < count; ++j) rank += entry(j) < value;
+        store(rank, value);
+      } else {
+        store(i, -1);
       }
     }
   }
