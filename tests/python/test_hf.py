@@ -75,14 +75,6 @@ def test_cache_layer_grows_and_crops():
         cache.update(torch.randn(2, 3, 1, 8, dtype=torch.float64), torch.randn(2, 3, 1, 8, dtype=torch.float64), 0)
 
 
-def test_padding_is_refused():
-    model = tiny_model()
-    ids = torch.randint(1, 48, (2, 6))
-    with pytest.raises(hf.SparseAttnUnsupportedError, match="padding"):
-        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))
-    model(ids, attention_mask=torch.ones(2, 6, dtype=torch.long))
-
-
 @pytest.mark.parametrize("cache", ["sparseattn", "dynamic"])
 def test_greedy_generate_equals_rerunning_the_full_forward(cache):
     model = tiny_model(seed=3)
