@@ -20,8 +20,13 @@ the growing sequence. Without gradients, a :class:`SparseAttnCache` also keeps t
 cache, and a step of 1 to 16 new tokens runs :func:`sparseattn.nsa_decode` over the cache's buffer seen as pages
 of 64 keys (the NSA decode kernels on CUDA; where they do not take the shapes, e.g. a group above 16 query heads
 per KV head, the layer falls back to :func:`sparseattn.nsa_attention` for good); any other cache makes NSA pool
-every cached key at every step. Limits: sequences in a batch have equal
-lengths (no padding: an attention mask with zeros is refused).
+every cached key at every step.
+
+Prompts of different lengths come left-padded, with a 2D attention mask whose zeros mark the padding
+(docs/semantics.md section 13): each sequence's result equals the sequence's alone. NSA runs on the real tokens only
+(varlen nsa_attention), rotary positions count from each sequence's first real token, and both sparseattn caches
+keep each sequence's real keys from slot 0 with its own compressed rows and length. Right padding and holes in the
+mask are refused.
 
 Needs the ``transformers`` package (imported when this module is).
 """
@@ -219,8 +224,10 @@ class NSAAttention(nn.Module):
                                  f"has {padding.width} columns for {tokens} tokens and no cache")
             keys = {"k": k[query_batch, query_position], "v": v[query_batch, query_position]}
         gate = [None if g is None else g[query_batch, query_position] for g in (g_cmp, g_slc, g_swa)]
+        if "cu_seqlens_k" in keys:
+            keys["max_seqlen_k"] = max(padding.total_tokens)
         o = nsa_attention(q[query_batch, query_position], keys.pop("k"), keys.pop("v"), *gate, config=self.nsa,
-                          cu_seqlens=cu_q, **keys)
+                          cu_seqlens=cu_q, max_seqlen=max(padding.new_tokens), **keys)
         return o.new_zeros(batch, tokens, *o.shape[1:]).index_put((query_batch, query_position), o)
 
     def _static_cache_attention(self, cache: "SparseAttnStaticCache", q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor,
@@ -239,13 +246,16 @@ class NSAAttention(nn.Module):
 
 
 class NSALlamaForCausalLM(LlamaForCausalLM):
-    """LlamaForCausalLM whose attention layers are :class:`NSAAttention`.
+    """LlamaForCausalLM whose attention layers are :class:`NSAAttention`. Takes left-padded batches (a 2D
+    attention mask with zeros before each sequence's first real token): each sequence's result is the sequence's
+    alone (docs/semantics.md section 13).
 
     Args:
         config: an :class:`NSALlamaConfig`.
 
     Raises:
-        SparseAttnError: a configuration NSA does not take.
+        SparseAttnError: a configuration NSA does not take; an attention mask that does not match the cache.
+        SparseAttnUnsupportedError: an attention mask with right padding or a hole (a zero after a real token).
 
     Example:
         >>> import torch
@@ -256,6 +266,12 @@ class NSALlamaForCausalLM(LlamaForCausalLM):
         >>> model = NSALlamaForCausalLM(cfg)
         >>> tuple(model(torch.randint(0, 32, (1, 12))).logits.shape)
         (1, 12, 32)
+        >>> ids = torch.randint(1, 32, (2, 12))
+        >>> mask = torch.ones_like(ids)
+        >>> mask[0, :5] = 0  # sequence 0: 7 tokens, left-padded
+        >>> padded = model(ids, attention_mask=mask).logits
+        >>> torch.allclose(padded[0, 5:], model(ids[:1, 5:]).logits[0], atol=1e-5)
+        True
     """
 
     config_class = NSALlamaConfig
@@ -315,6 +331,14 @@ class NSALlamaForCausalLM(LlamaForCausalLM):
         return call
 
 
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device` without a synchronisation: a CUDA copy goes through pinned memory, asynchronously
+    (a pageable copy would wait for the stream's queued work)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _segments(counts: list[int], starts: list[int], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Packed indices of one run per sequence: run b is the counts[b] consecutive indices from starts[b]. Returns
     (batch long [N], index long [N], cu int32 [B+1]) on `device`, built on the host from host ints (no device
@@ -325,7 +349,7 @@ def _segments(counts: list[int], starts: list[int], device: torch.device) -> tup
     torch.cumsum(counts_t, 0, out=cu[1:])
     batch = torch.repeat_interleave(torch.arange(len(counts)), counts_t, output_size=total)
     index = torch.arange(total) - cu[:-1][batch] + torch.tensor(starts, dtype=torch.long)[batch]
-    return batch.to(device), index.to(device), cu.to(device=device, dtype=torch.int32)
+    return _to_device(batch, device), _to_device(index, device), _to_device(cu.to(torch.int32), device)
 
 
 class _LeftPadding:
@@ -348,11 +372,12 @@ class _LeftPadding:
 
     def cached_device(self) -> Tensor:
         """long [B]: cached_tokens on the device."""
-        return self._once("cached", lambda: torch.tensor(self.cached_tokens, dtype=torch.long).to(self.device))
+        return self._once("cached", lambda: _to_device(torch.tensor(self.cached_tokens), self.device))
 
     def total_device(self) -> Tensor:
         """int32 [B]: total_tokens on the device (nsa_decode's cache_seqlens)."""
-        return self._once("total", lambda: torch.tensor(self.total_tokens, dtype=torch.int32).to(self.device))
+        return self._once("total", lambda: _to_device(torch.tensor(self.total_tokens, dtype=torch.int32),
+                                                            self.device))
 
     @property
     def all_new_tokens_real(self) -> bool:
@@ -677,7 +702,7 @@ class SparseAttnCacheLayer(DynamicLayer):
             self.seq_lengths = [max(0, min(length, self.length - pad))
                                 for length, pad in zip(self.seq_lengths, self.seq_padding)]
             self.seq_padding = [min(pad, self.length) for pad in self.seq_padding]
-            self._device_lengths = torch.tensor(self.seq_lengths, dtype=torch.int32, device=self._keys.device)
+            self._device_lengths = _to_device(torch.tensor(self.seq_lengths, dtype=torch.int32), self._keys.device)
         if self.cmp_shape is not None:
             self.cmp_rows = min(self.cmp_rows, self._rows(self._stored()))
         self._views()
@@ -703,7 +728,7 @@ class SparseAttnCacheLayer(DynamicLayer):
     def _select_sequences(self, indices: list[int]) -> None:
         self.seq_lengths = [self.seq_lengths[i] for i in indices]
         self.seq_padding = [self.seq_padding[i] for i in indices]
-        self._device_lengths = torch.tensor(self.seq_lengths, dtype=torch.int32, device=self._keys.device)
+        self._device_lengths = _to_device(torch.tensor(self.seq_lengths, dtype=torch.int32), self._keys.device)
 
     def reset(self) -> None:
         if self.is_initialized:
@@ -715,12 +740,16 @@ class SparseAttnCacheLayer(DynamicLayer):
 
 class SparseAttnCache(Cache):
     """A transformers Cache of :class:`SparseAttnCacheLayer` layers (created as the model's layers first write).
+    With a left-padded batch each layer holds every sequence's real keys from slot 0 (``seq_lengths``, one length
+    per sequence) and ``get_seq_length()`` is the padded width (docs/semantics.md section 13).
 
     Args:
         **kwargs: ignored (transformers passes its cache arguments here).
 
     Raises:
-        SparseAttnError: a layer updated with another batch size than it holds.
+        SparseAttnError: a layer updated with another batch size than it holds; an attention mask that does not
+            match the real tokens a padded batch's sequences hold.
+        SparseAttnUnsupportedError: a call without the attention mask once the cache holds a padded batch.
 
     Example:
         >>> import torch
@@ -750,8 +779,11 @@ class SparseAttnStaticCacheLayer(CacheLayerMixin):
     nsa_decode reads the buffer as pages of DECODE_PAGE_SIZE keys. A longer update (a prefill) runs eagerly: it
     reads the device length once, copies its keys and pools its new rows with compress_kv.
 
-    ``host_length`` mirrors the length on the host for the capacity check: eager updates advance it, and so does
-    :meth:`SparseAttnStaticCache.reserve` before a compiled step (NSALlamaForCausalLM's compiled call does it).
+    ``host_length`` mirrors the length on the host for the capacity check (the longest sequence's): eager updates
+    advance it, and so does :meth:`SparseAttnStaticCache.reserve` before a compiled step (NSALlamaForCausalLM's
+    compiled call does it). A left-padded batch's prefill (eager, with the 2D attention mask) writes each sequence's
+    real tokens from slot 0 and sets the device lengths per sequence, and ``padding`` (int32 [B]) to each
+    sequence's padding; the decode steps are the same as without padding.
     """
 
     is_compileable = True
@@ -860,8 +892,8 @@ class SparseAttnStaticCacheLayer(CacheLayerMixin):
         _write_padded_chunk(self._keys, self._values, self._k_cmp, self._v_cmp, k_new, v_new, padding,
                             (self.nsa.cmp_block, self.nsa.cmp_stride))
         self.lengths.copy_(padding.total_device())
-        self.padding.copy_(torch.tensor([padding.width - total for total in padding.total_tokens],
-                                        dtype=torch.int32).to(self.padding.device))
+        self.padding.copy_(_to_device(torch.tensor([padding.width - total for total in padding.total_tokens],
+                                                    dtype=torch.int32), self.padding.device))
         self.padded = True
         self.host_length = longest
         return self.keys, self.values
@@ -969,7 +1001,9 @@ class SparseAttnStaticCache(Cache):
     and a decode step (1 to DECODE_MAX_QUERIES new tokens) writes its keys, pools the compressed rows its blocks
     complete and runs :func:`sparseattn.nsa_decode` with fixed shapes and no host synchronisation. Passed to
     ``model.generate(..., past_key_values=cache)`` on CUDA, it makes generate() compile the model's forward
-    (mode "reduce-overhead": one CUDA graph serves every step); the prefill runs eagerly (nsa_attention).
+    (mode "reduce-overhead": one CUDA graph serves every step); the prefill runs eagerly (nsa_attention). A
+    left-padded batch (prompts of different lengths) keeps each sequence's real tokens from slot 0 with its own
+    device length, so the compiled steps take it unchanged (docs/semantics.md section 13).
 
     Args:
         config: the model's :class:`NSALlamaConfig`.
@@ -979,7 +1013,7 @@ class SparseAttnStaticCache(Cache):
 
     Raises:
         SparseAttnError: a bad size; an update that would pass the capacity, or whose batch, heads, head dim,
-            dtype or device do not fit.
+            dtype or device do not fit; an attention mask that does not match the cached sequences.
         SparseAttnUnsupportedError: on CUDA, shapes the NSA decode kernels do not take (more than 16 query heads
             per KV head, a head dim without kernels, a sel_block not a multiple of 16, float32); a compiled step
             of more than DECODE_MAX_QUERIES tokens; beam search (the batch is fixed).

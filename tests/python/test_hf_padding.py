@@ -53,10 +53,11 @@ def generate(model, ids, mask, new_tokens, **kwargs):
                           return_dict_in_generate=True, **kwargs)
 
 
+@pytest.mark.parametrize("lengths", [LENGTHS, (3, 9, 14)], ids=["long", "short"])  # short: a prefill of <= 16
 @pytest.mark.parametrize("kind", ["sparseattn", "static", "dynamic"])
-def test_a_padded_batch_generates_what_each_sequence_generates_alone(kind):
+def test_a_padded_batch_generates_what_each_sequence_generates_alone(kind, lengths):
     model = tiny_model(seed=3)
-    prompts = [torch.randint(1, 48, (n,)) for n in LENGTHS]
+    prompts = [torch.randint(1, 48, (n,)) for n in lengths]
     ids, mask = left_padded(prompts)
     width, new_tokens = ids.shape[1], 21
     out = generate(model, ids, mask, new_tokens, **make_cache(kind, model, 3, width + new_tokens))
@@ -208,3 +209,33 @@ def test_a_mask_that_does_not_match_the_cache_is_refused():
         model(ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]), past_key_values=cache, use_cache=True)
         with pytest.raises(hf.SparseAttnUnsupportedError, match="every call needs its attention mask"):
             model(ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_the_worked_example_of_the_semantics(monkeypatch):
+    """docs/semantics.md section 13: l = 4, d = 2, prompts of 3 and 6 tokens."""
+    model = tiny_model(seed=10, nsa_cmp_block=4, nsa_cmp_stride=2, nsa_sel_block=4, nsa_num_selected=2,
+                       nsa_num_local=1, nsa_window=4)
+    prompts = [torch.randint(1, 48, (3,)), torch.randint(1, 48, (6,))]
+    ids, mask = left_padded(prompts)
+    assert hf._padded_positions(mask, 6).tolist() == [[0, 0, 0, 0, 1, 2], [0, 1, 2, 3, 4, 5]]
+    padding = hf._left_padding(mask, 6)
+    assert padding.queries()[2].tolist() == [0, 3, 9]
+    cache = hf.SparseAttnCache()
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert layer.seq_lengths == [3, 6] and cache.get_seq_length() == 6 and layer.cmp_rows == 2
+    lengths = []
+    real = hf.nsa_decode
+
+    def recording(*args, **kwargs):
+        lengths.append(kwargs["cache_seqlens"].tolist())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "nsa_decode", recording)
+    with torch.no_grad():
+        model(torch.tensor([[5], [6]]), attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+              past_key_values=cache, use_cache=True)
+    assert lengths[0] == [4, 7]
+    k_cmp, _ = sparseattn.compress_kv(layer._keys[:1, :4], layer._values[:1, :4], block=4, stride=2)
+    torch.testing.assert_close(layer._k_cmp[0, :1], k_cmp[0], rtol=0, atol=0)  # a's row 0: tokens 0..3
