@@ -725,6 +725,11 @@ class SparseAttnCacheLayer(DynamicLayer):
                 self._select_sequences(indices.tolist() if isinstance(indices, Tensor) else list(indices))
             self._views()
 
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search's reordering: the buffers, compressed rows and lengths follow the sequences (transformers'
+        default reorders only the ``keys``/``values`` views, which the next update rebuilds from the buffers)."""
+        self.batch_select_indices(beam_idx.to(self._keys.device) if self.is_initialized else beam_idx)
+
     def _select_sequences(self, indices: list[int]) -> None:
         self.seq_lengths = [self.seq_lengths[i] for i in indices]
         self.seq_padding = [self.seq_padding[i] for i in indices]

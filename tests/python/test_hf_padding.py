@@ -239,3 +239,17 @@ def test_the_worked_example_of_the_semantics(monkeypatch):
     assert lengths[0] == [4, 7]
     k_cmp, _ = sparseattn.compress_kv(layer._keys[:1, :4], layer._values[:1, :4], block=4, stride=2)
     torch.testing.assert_close(layer._k_cmp[0, :1], k_cmp[0], rtol=0, atol=0)  # a's row 0: tokens 0..3
+
+
+def test_beam_search_over_a_padded_batch():
+    """num_beams = 2: transformers reorders the SparseAttnCache's sequences at every step (their buffers, rows and
+    lengths follow); each sequence's beams equal its beams alone with transformers' DynamicCache."""
+    model = tiny_model(seed=11)
+    prompts = [torch.randint(1, 48, (n,)) for n in LENGTHS]
+    ids, mask = left_padded(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, num_beams=2,
+                         past_key_values=hf.SparseAttnCache())
+    for b, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=8, do_sample=False, num_beams=2)
+        assert torch.equal(out[b, ids.shape[1]:], alone[0, len(prompt):]), f"sequence {b}"
