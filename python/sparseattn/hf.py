@@ -293,6 +293,8 @@ class NSALlamaForCausalLM(LlamaForCausalLM):
             kwargs["sparseattn_padding"] = _left_padding(attention_mask, tokens)
             if position_ids is None:
                 position_ids = _padded_positions(attention_mask, tokens)
+            # The NSA layers read the padding, not a mask: none is built (a padded one would be [B, 1, T, S]).
+            attention_mask = None
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                **kwargs)
 
@@ -302,10 +304,14 @@ class NSALlamaForCausalLM(LlamaForCausalLM):
                                       inputs_embeds: Optional[Tensor] = None,
                                       is_first_iteration: Optional[bool] = False, **kwargs):
         """transformers' preparation. With a compileable cache, transformers turns the 2D mask into a 4D one
-        before the forward sees it; when the prompt's mask has padding (read once, at the first iteration), the
-        prefill gets the 2D mask instead, so that the forward sees the padding (the decode steps then need no
-        mask: the cache's per-sequence device lengths place their tokens)."""
-        padded = (is_first_iteration and isinstance(past_key_values, Cache) and past_key_values.is_compileable
+        before the forward sees it; when the prompt's mask has padding (read on the host for a prefill: the first
+        iteration, a chunk of a chunked prefill or more than DECODE_MAX_QUERIES tokens), the prefill gets the 2D
+        mask instead, so that the forward sees the padding (the decode steps then need no mask and no read: the
+        cache's per-sequence device lengths place their tokens)."""
+        source = inputs_embeds if inputs_embeds is not None and is_first_iteration else input_ids
+        tokens = source.shape[1] if next_sequence_length is None else min(next_sequence_length, source.shape[1])
+        prefill = is_first_iteration or next_sequence_length is None or tokens > DECODE_MAX_QUERIES
+        padded = (prefill and isinstance(past_key_values, Cache) and past_key_values.is_compileable
                   and attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()))
         inputs = super().prepare_inputs_for_generation(
             input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,

@@ -45,6 +45,8 @@ def make_cache(kind, model, batch, length):
     if kind == "static":
         return {"past_key_values": hf.SparseAttnStaticCache(model.config, max_batch_size=batch, max_cache_len=length,
                                                             device="cpu", dtype=torch.float64)}
+    if kind == "dynamic-explicit":
+        return {"past_key_values": transformers.DynamicCache()}
     return {}  # generate() makes a DynamicCache
 
 
@@ -253,3 +255,18 @@ def test_beam_search_over_a_padded_batch():
         alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                max_new_tokens=8, do_sample=False, num_beams=2)
         assert torch.equal(out[b, ids.shape[1]:], alone[0, len(prompt):]), f"sequence {b}"
+
+
+@pytest.mark.parametrize("kind", ["sparseattn", "static", "dynamic"])
+def test_generates_chunked_prefill_of_a_padded_batch(kind):
+    """generate(prefill_chunk_size=8): the first chunks hold only padding for the shorter sequences."""
+    model = tiny_model(seed=12)
+    prompts = [torch.randint(1, 48, (n,)) for n in LENGTHS]
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
+    out = generate(model, ids, mask, 6, prefill_chunk_size=8,
+                   **make_cache(kind if kind != "dynamic" else "dynamic-explicit", model, 3, width + 6))
+    for b, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=6, do_sample=False)
+        assert torch.equal(out.sequences[b, width:], alone[0, len(prompt):]), f"sequence {b}"
