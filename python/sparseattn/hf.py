@@ -136,10 +136,12 @@ class NSAAttention(nn.Module):
         Args:
             hidden_states: [B, T, hidden].
             position_embeddings: (cos, sin) [B, T, head_dim] of the model's rotary embedding.
-            attention_mask: ignored: the keys are causal, without padding (NSALlamaForCausalLM checks the
-                model's attention mask).
+            attention_mask: ignored: the keys are causal; NSALlamaForCausalLM reads the model's 2D mask and passes
+                a left-padded batch's layout as ``sparseattn_padding``.
             past_key_values: a transformers Cache (SparseAttnCache avoids copies), or None.
-            **kwargs: ignored (transformers' attention keyword arguments).
+            **kwargs: ``sparseattn_padding`` (a left-padded batch, from NSALlamaForCausalLM: NSA then runs on each
+                sequence's real tokens, docs/semantics.md section 13); transformers' attention keyword arguments
+                (ignored).
 
         Returns:
             (output [B, T, hidden], None): NSA does not form attention weights.
