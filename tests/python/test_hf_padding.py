@@ -270,3 +270,21 @@ def test_generates_chunked_prefill_of_a_padded_batch(kind):
         alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                max_new_tokens=6, do_sample=False)
         assert torch.equal(out.sequences[b, width:], alone[0, len(prompt):]), f"sequence {b}"
+
+
+@pytest.mark.parametrize("kind", ["sparseattn", "static"])
+def test_crop_counts_columns_of_the_padded_width(kind):
+    """crop(-6) after a padded prefill of 30 columns keeps 24: sequence b keeps its real tokens among them (5, 19
+    and 30 real tokens: 0, 13 and 24 kept); running the last 6 columns again gives the same rows."""
+    model = tiny_model(seed=13)
+    prompts = [torch.randint(1, 48, (n,)) for n in LENGTHS]
+    ids, mask = left_padded(prompts)
+    cache = make_cache(kind, model, 3, 40)["past_key_values"]
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        cache.crop(-6)
+        assert int(cache.get_seq_length()) == 24
+        lengths = cache.layers[0].seq_lengths if kind == "sparseattn" else cache.layers[0].lengths.tolist()
+        assert lengths == [0, 13, 24]
+        again = model(ids[:, 24:], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(again[mask[:, 24:] == 1], logits[:, 24:][mask[:, 24:] == 1], rtol=1e-9, atol=1e-9)
