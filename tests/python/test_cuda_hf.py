@@ -1,6 +1,7 @@
 """sparseattn.hf on CUDA: generate() of a small bf16 NSA Llama whose decode steps run nsa_decode's CUDA kernels over
 the SparseAttnCache buffer seen as pages; every step's logits against the full forward's rows of the same sequence
-(the prefill and the full forward run nsa_attention's CUDA kernels)."""
+(the prefill and the full forward run nsa_attention's CUDA kernels); left-padded batches of prompts of different
+lengths against each sequence alone."""
 import pytest
 import torch
 
@@ -127,3 +128,110 @@ def test_a_static_cache_decode_step_captures_in_a_cuda_graph_and_replays_every_s
     assert steps.shape == full.shape and torch.isfinite(steps).all()
     err = (steps - full).abs().max().item()
     assert err <= 0.05 * full.abs().max().item() + 0.05, f"max logit error {err:.3g}"
+
+
+def left_padded(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
+    for b, prompt in enumerate(prompts):
+        ids[b, width - len(prompt):] = prompt
+        mask[b, width - len(prompt):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["sparseattn", "static", "dynamic"])
+def test_a_left_padded_batch_generates_each_sequences_logits_alone(monkeypatch, kind):
+    """Prompts of 77, 190 and 301 tokens, left-padded into one batch (bf16; the prefill as one varlen nsa_attention,
+    the decode steps through nsa_decode's CUDA kernels with per-sequence lengths; with SparseAttnStaticCache the
+    compiled CUDA-graph steps; with transformers' DynamicCache, varlen nsa_attention over the padded layout's real
+    keys at every step): every step's logits of each sequence match the full forward of that sequence alone,
+    and the tokens match the sequence generated alone wherever the two runs' top logits are not near a tie."""
+    model = small_model(14, 8, 2, 128)
+    lengths, new_tokens = (77, 190, 301), 40  # past compression, selection-block and window boundaries
+    prompts = [torch.randint(1, 96, (n,), device="cuda") for n in lengths]
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
+    decoded = []
+    real = hf.nsa_decode
+
+    def recording(q, k_pages, v_pages, **kwargs):
+        decoded.append(kwargs["cache_seqlens"])
+        return real(q, k_pages, v_pages, **kwargs)
+
+    if kind == "sparseattn":  # (the static cache's steps are compiled: no Python wrapper inside them)
+        monkeypatch.setattr(hf, "nsa_decode", recording)
+
+    def cache(batch):
+        if kind == "sparseattn":
+            return {"past_key_values": hf.SparseAttnCache()}
+        if kind == "dynamic":
+            return {}  # generate() makes a DynamicCache
+        return {"past_key_values": hf.SparseAttnStaticCache(model.config, max_batch_size=batch,
+                                                            max_cache_len=width + new_tokens, device="cuda",
+                                                            dtype=torch.bfloat16)}
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, **cache(3))
+    if kind == "static":
+        assert hasattr(model, "_compiled_call"), "generate() did not take transformers' compile path"
+    elif kind == "sparseattn":
+        assert len(decoded) == (new_tokens - 1) * model.config.num_hidden_layers
+        assert decoded[-1].tolist() == [n + new_tokens - 1 for n in lengths]
+    steps = torch.stack(out.logits, dim=1).float()  # [3, new_tokens, vocab]
+    assert torch.isfinite(steps).all()
+    for b, prompt in enumerate(prompts):
+        sequence = torch.cat([prompt, out.sequences[b, width:]])[None]
+        with torch.no_grad():
+            full = model(sequence[:, :-1], use_cache=False).logits[0, len(prompt) - 1:].float()
+        err = (steps[b] - full).abs().max().item()
+        assert err <= 0.05 * full.abs().max().item() + 0.05, f"sequence {b}: max logit error {err:.3g}"
+        with torch.no_grad():
+            alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                                         device="cuda"),
+                                   max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True, **cache(1))
+        alone_steps = torch.stack(alone.logits, dim=1)[0].float()
+        differs = (alone.sequences[0, len(prompt):] != out.sequences[b, width:]).nonzero()
+        if len(differs):  # bf16 rounding may flip a near tie; up to there the runs must agree
+            first = int(differs[0])
+            top2 = alone_steps[first].topk(2).values
+            assert (top2[0] - top2[1]).item() <= 0.1 * full.abs().max().item() + 0.1, (
+                f"sequence {b} leaves the tokens generated alone at step {first} without a near tie")
+        else:
+            err = (steps[b] - alone_steps).abs().max().item()
+            assert err <= 0.05 * full.abs().max().item() + 0.05, f"sequence {b}: {err:.3g} from the run alone"
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["sparseattn", "static"])
+def test_a_chunked_prefill_of_a_left_padded_batch(kind):
+    """A padded batch's prefill in chunks of 64 columns (bf16): the first chunks hold no real token of the shorter
+    sequences (varlen calls with empty sequences); each sequence's real rows match its full forward alone and the
+    cache holds its keys from slot 0."""
+    model = small_model(15, 8, 2, 64)
+    lengths = (77, 190, 301)
+    prompts = [torch.randint(1, 96, (n,), device="cuda") for n in lengths]
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
+    if kind == "sparseattn":
+        cache = hf.SparseAttnCache()
+    else:
+        cache = hf.SparseAttnStaticCache(model.config, max_batch_size=3, max_cache_len=width, device="cuda",
+                                         dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = torch.cat([model(ids[:, a:a + 64], attention_mask=mask[:, :a + 64], past_key_values=cache,
+                                  use_cache=True).logits for a in range(0, width, 64)], dim=1).float()
+    assert torch.isfinite(logits[mask == 1]).all()
+    for b, prompt in enumerate(prompts):
+        alone_cache = hf.SparseAttnCache()
+        with torch.no_grad():
+            alone = model(prompt[None], past_key_values=alone_cache, use_cache=True).logits[0].float()
+        err = (logits[b, width - len(prompt):] - alone).abs().max().item()
+        assert err <= 0.05 * alone.abs().max().item() + 0.05, f"sequence {b}: max logit error {err:.3g}"
+        for layer, alone_layer in zip(cache.layers, alone_cache.layers):
+            keys, expected = layer._keys[b, :len(prompt)].float(), alone_layer._keys[0, :len(prompt)].float()
+            err = (keys - expected).abs().max().item()
+            assert err <= 0.05 * expected.abs().max().item() + 0.05, f"sequence {b}: cached keys off by {err:.3g}"

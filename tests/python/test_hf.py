@@ -75,14 +75,6 @@ def test_cache_layer_grows_and_crops():
         cache.update(torch.randn(2, 3, 1, 8, dtype=torch.float64), torch.randn(2, 3, 1, 8, dtype=torch.float64), 0)
 
 
-def test_padding_is_refused():
-    model = tiny_model()
-    ids = torch.randint(1, 48, (2, 6))
-    with pytest.raises(hf.SparseAttnUnsupportedError, match="padding"):
-        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))
-    model(ids, attention_mask=torch.ones(2, 6, dtype=torch.long))
-
-
 @pytest.mark.parametrize("cache", ["sparseattn", "dynamic"])
 def test_greedy_generate_equals_rerunning_the_full_forward(cache):
     model = tiny_model(seed=3)
@@ -207,3 +199,13 @@ def test_a_cache_buffer_that_is_not_whole_pages_is_refused_before_decoding():
         layer.nsa_decode(torch.randn(1, 1, 4, 8), g, g, g, sparseattn.NSAConfig(cmp_block=8, cmp_stride=4,
                                                                                sel_block=8, num_selected=2,
                                                                                num_local=1, window=8))
+
+
+def test_beam_search_reorders_the_cache_buffers():
+    """transformers' beam search reorders the cache at every step: the SparseAttnCache's buffers and compressed rows
+    follow (not just its views), so the beams equal those of transformers' DynamicCache."""
+    model = tiny_model(seed=11)
+    ids = torch.randint(1, 48, (2, 19))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, num_beams=3)
+    assert torch.equal(model.generate(ids, past_key_values=hf.SparseAttnCache(), **kwargs),
+                       model.generate(ids, **kwargs))

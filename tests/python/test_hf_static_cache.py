@@ -194,13 +194,3 @@ def test_the_transformers_cache_interface():
         cache.batch_repeat_interleave(2)
     with pytest.raises(hf.SparseAttnError, match="max_cache_len"):
         static_cache(model, 2, 0)
-
-
-def test_padding_is_refused_with_the_static_cache():
-    model = tiny_model()
-    ids = torch.randint(1, 48, (2, 6))
-    mask = torch.ones_like(ids)
-    mask[0, 0] = 0
-    with pytest.raises(hf.SparseAttnUnsupportedError, match="padding"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
-                       past_key_values=static_cache(model, 2, 10))
