@@ -8,19 +8,7 @@ require_sparseattn()
 transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
 import sparseattn  # noqa: E402
 from sparseattn import hf  # noqa: E402
-
-
-def tiny_config(**overrides):
-    fields = dict(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, nsa_cmp_block=8, nsa_cmp_stride=4, nsa_sel_block=8, nsa_num_selected=3,
-                  nsa_num_local=1, nsa_window=12, pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    fields.update(overrides)
-    return hf.NSALlamaConfig(**fields)
-
-
-def tiny_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return hf.NSALlamaForCausalLM(tiny_config(**overrides)).double().eval()
+from hf_models import tiny_model  # noqa: E402
 
 
 def test_every_attention_layer_is_nsa_and_trains():
