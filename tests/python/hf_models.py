@@ -17,3 +17,20 @@ def tiny_config(**overrides):
 def tiny_model(seed=0, **overrides):
     torch.manual_seed(seed)
     return hf.NSALlamaForCausalLM(tiny_config(**overrides)).double().eval()
+
+
+def recording_compile_config():
+    """(transformers.CompileConfig, graphs): a compile config whose backend records each graph it is given and runs
+    it as traced (fullgraph, on the CPU too), and the list the graphs go to: the CPU stand-in for transformers'
+    compile path with CUDA graphs."""
+    import transformers
+
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    config = transformers.CompileConfig(backend=recording_backend, fullgraph=True, mode=None)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
+    return config, graphs

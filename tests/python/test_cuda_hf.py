@@ -37,6 +37,15 @@ def assert_logits_close(got, expected, what, scale=None):
     assert err <= 0.05 * scale.abs().max().item() + 0.05, f"{what}: max error {err:.3g}"
 
 
+def assert_steps_match_the_full_forward(model, out, prompt):
+    """Every generate() step's logits (out.logits) against the full forward's rows of the generated sequence."""
+    with torch.no_grad():
+        full = model(out.sequences[:, :-1], use_cache=False).logits[:, prompt - 1:].float()
+    steps = torch.stack(out.logits, dim=1).float()
+    assert steps.shape == full.shape and torch.isfinite(steps).all()
+    assert_logits_close(steps, full, "logits")
+
+
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (16, 1)], ids=lambda h: f"{h[0]}x{h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_generate_decodes_through_nsa_decode_with_the_full_forwards_logits(monkeypatch, heads, head_dim):
@@ -56,12 +65,7 @@ def test_generate_decodes_through_nsa_decode_with_the_full_forwards_logits(monke
                              past_key_values=hf.SparseAttnCache(), output_logits=True, return_dict_in_generate=True)
     assert len(calls) == (new_tokens - 1) * model.config.num_hidden_layers and set(calls) == {1}
     assert all(layer.self_attn.decode_unsupported is None for layer in model.model.layers)
-    sequence = out.sequences
-    with torch.no_grad():
-        full = model(sequence[:, :-1], use_cache=False).logits[:, prompt - 1:].float()
-    steps = torch.stack(out.logits, dim=1).float()
-    assert steps.shape == full.shape and torch.isfinite(steps).all()
-    assert_logits_close(steps, full, "logits")
+    assert_steps_match_the_full_forward(model, out, prompt)
 
 
 def test_generate_with_the_static_cache_runs_the_compiled_step_with_the_full_forwards_logits():
@@ -79,12 +83,7 @@ def test_generate_with_the_static_cache_runs_the_compiled_step_with_the_full_for
     assert hasattr(model, "_compiled_call"), "generate() did not take transformers' compile path"
     assert int(cache.get_seq_length()) == prompt + new_tokens - 1
     assert all(layer.host_length == prompt + new_tokens - 1 for layer in cache.layers)
-    sequence = out.sequences
-    with torch.no_grad():
-        full = model(sequence[:, :-1], use_cache=False).logits[:, prompt - 1:].float()
-    steps = torch.stack(out.logits, dim=1).float()
-    assert steps.shape == full.shape and torch.isfinite(steps).all()
-    assert_logits_close(steps, full, "logits")
+    assert_steps_match_the_full_forward(model, out, prompt)
     torch._dynamo.reset()
 
 

@@ -11,7 +11,7 @@ require_sparseattn()
 transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
 import sparseattn  # noqa: E402
 from sparseattn import hf  # noqa: E402
-from hf_models import tiny_model  # noqa: E402
+from hf_models import recording_compile_config, tiny_model  # noqa: E402
 
 # Prompt lengths crossing the compression (8, stride 4), selection (8) and window (12) blocks of tiny_config.
 LENGTHS = (5, 19, 30)
@@ -142,14 +142,7 @@ def test_a_padded_batch_through_the_compiled_static_step():
     """transformers' compile path on the CPU (a recording backend): the padded prefill runs eagerly, one graph
     without breaks serves every decode step, and each sequence's tokens equal the sequence's alone."""
     model = tiny_model(seed=8)
-    graphs = []
-
-    def recording_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    compile_config = transformers.CompileConfig(backend=recording_backend, fullgraph=True, mode=None)
-    compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
+    compile_config, graphs = recording_compile_config()
     prompts = [torch.randint(1, 48, (n,)) for n in LENGTHS]
     ids, mask = left_padded(prompts)
     width = ids.shape[1]

@@ -11,7 +11,7 @@ require_sparseattn()
 transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
 import sparseattn  # noqa: E402
 from sparseattn import hf  # noqa: E402
-from hf_models import tiny_config, tiny_model  # noqa: E402
+from hf_models import recording_compile_config, tiny_config, tiny_model  # noqa: E402
 
 
 def static_cache(model, batch, length):
@@ -120,14 +120,7 @@ def test_a_decode_step_compiles_to_one_full_graph_reused_by_every_step():
     """transformers' compile path (generate() with a compile_config) on the CPU, with a backend that records the
     graphs: one graph without breaks (fullgraph) serves every decode step, and the tokens equal the full forward's."""
     model = tiny_model(seed=8)
-    graphs = []
-
-    def recording_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    compile_config = transformers.CompileConfig(backend=recording_backend, fullgraph=True, mode=None)
-    compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
+    compile_config, graphs = recording_compile_config()
     ids = torch.randint(1, 48, (2, 19))
     cache = static_cache(model, 2, 40)
     torch._dynamo.reset()
