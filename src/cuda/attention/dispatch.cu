@@ -218,11 +218,7 @@ void clear_threshold_tiles(const FlashAttentionParams& p, cudaStream_t stream) {
   const TensorView& t = p.threshold_tiles;
   const std::size_t bytes = static_cast<std::size_t>(t.shape[0] * t.shape[1] * t.shape[2] * t.shape[3]);
   if (bytes == 0) return;
-  const cudaError_t status = cudaMemsetAsync(t.data, 0, bytes, stream);
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("sparseattn: cudaMemsetAsync of threshold_tiles failed: ") +
-                             cudaGetErrorString(status));
-  }
+  zero_async(t.data, bytes, stream, "threshold_tiles");
 }
 
 // A per-head window tensor (int32 [Hq] on the device) as the kernels read it; absent: null.
@@ -398,11 +394,7 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p, const detai
   prepare_gate_copies(p, gate_plan, gate_workspace, l.stream);
   if (plan.present) {
     // Entries no kernel writes (keys or query tiles no step visits) add 0.
-    const cudaError_t status = cudaMemsetAsync(dbias_workspace, 0, plan.bytes, l.stream);
-    if (status != cudaSuccess) {
-      throw std::runtime_error(std::string("sparseattn: cudaMemsetAsync of the bias gradient's workspace failed: ") +
-                               cudaGetErrorString(status));
-    }
+    zero_async(dbias_workspace, plan.bytes, l.stream, "the bias gradient's workspace");
   }
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;

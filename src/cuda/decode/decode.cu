@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 
 #include "cuda/decode/kernel.cuh"
 #include "cuda/decode/launch.h"
@@ -98,11 +96,7 @@ void flash_decode(const FlashDecodeParams& p) {
         a.group_lse = reinterpret_cast<float*>(base + workspace.group_lse_offset);
       }
       a.counters = reinterpret_cast<std::int32_t*>(base + workspace.counters_offset);
-      const cudaError_t status = cudaMemsetAsync(a.counters, 0, workspace.counter_bytes, stream);
-      if (status != cudaSuccess) {
-        throw std::runtime_error(std::string("sparseattn: flash_decode: cudaMemsetAsync of the merge counters "
-                                             "failed: ") + cudaGetErrorString(status));
-      }
+      zero_async(a.counters, workspace.counter_bytes, stream, "flash_decode's merge counters");
     }
     a.batch = static_cast<int>(batch);
     a.q_len = static_cast<int>(q_len);

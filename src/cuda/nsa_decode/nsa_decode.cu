@@ -101,11 +101,7 @@ void nsa_decode(const NsaDecodeParams& p) {
     a.fused_combine = plan.fused_combine;
     if (plan.fused_combine) {
       a.counters = reinterpret_cast<std::int32_t*>(base + plan.counters);
-      const cudaError_t status = cudaMemsetAsync(a.counters, 0, plan.counter_bytes, stream);
-      if (status != cudaSuccess) {
-        throw std::runtime_error(std::string("sparseattn: nsa_decode: cudaMemsetAsync of the combine counters "
-                                             "failed: ") + cudaGetErrorString(status));
-      }
+      zero_async(a.counters, plan.counter_bytes, stream, "nsa_decode's combine counters");
     }
     a.batch = static_cast<int>(plan.batch);
     a.q_len = static_cast<int>(plan.q_len);

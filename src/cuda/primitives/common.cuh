@@ -109,6 +109,16 @@ __device__ __forceinline__ bool last_to_arrive(std::int32_t* counter, int expect
   return last;
 }
 
+// Zeroes `bytes` at `data` on `stream` (a memset node when captured); throws naming `what` if the memset cannot be
+// queued.
+inline void zero_async(void* data, std::size_t bytes, cudaStream_t stream, const char* what) {
+  const cudaError_t status = cudaMemsetAsync(data, 0, bytes, stream);
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("sparseattn: cudaMemsetAsync of ") + what + " failed: " +
+                             cudaGetErrorString(status));
+  }
+}
+
 // Throws if the last launch failed to start (bad configuration). Asynchronous faults surface later, at
 // the caller's next synchronisation, as with every CUDA library; no host sync happens here.
 inline void check_launch(const char* kernel) {
