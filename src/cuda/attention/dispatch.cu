@@ -9,8 +9,6 @@
 // synchronisation.
 #include <algorithm>
 #include <cmath>
-#include <stdexcept>
-#include <string>
 #include <type_traits>
 
 #include "cuda/attention/bias_gradient.h"
