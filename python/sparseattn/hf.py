@@ -347,6 +347,24 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
     return host.to(device)
 
 
+def _paged_nsa_decode(q: Tensor, keys: Tensor, values: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_table: Tensor,
+                      lengths: Tensor, gates: tuple, config: NSAConfig) -> Tensor:
+    """:func:`sparseattn.nsa_decode` of q over token-major buffers [B, capacity, Hkv, D] (capacity whole pages of
+    DECODE_PAGE_SIZE) seen as pages, with the compressed rows k_cmp/v_cmp and int32 [B] lengths (no copy)."""
+    batch, capacity = keys.shape[:2]
+    pages = capacity // DECODE_PAGE_SIZE
+    k_pages = keys.view(batch * pages, DECODE_PAGE_SIZE, *keys.shape[2:])
+    v_pages = values.view(batch * pages, DECODE_PAGE_SIZE, *values.shape[2:])
+    g_cmp, g_slc, g_swa = gates
+    return nsa_decode(q, k_pages, v_pages, block_table=block_table, cache_seqlens=lengths, k_cmp=k_cmp, v_cmp=v_cmp,
+                      g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, config=config)
+
+
+def _int32_on(values: list[int], device: torch.device) -> Tensor:
+    """int32 [len(values)] on `device`, without a synchronisation (_to_device)."""
+    return _to_device(torch.tensor(values, dtype=torch.int32), device)
+
+
 def _segments(counts: list[int], starts: list[int], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Packed indices of one run per sequence: run b is the counts[b] consecutive indices from starts[b]. Returns
     (batch long [N], index long [N], cu int32 [B+1]) on `device`, built on the host from host ints (no device
@@ -384,8 +402,7 @@ class _LeftPadding:
 
     def total_device(self) -> Tensor:
         """int32 [B]: total_tokens on the device (nsa_decode's cache_seqlens)."""
-        return self._once("total", lambda: _to_device(torch.tensor(self.total_tokens, dtype=torch.int32),
-                                                            self.device))
+        return self._once("total", lambda: _int32_on(self.total_tokens, self.device))
 
     @property
     def all_new_tokens_real(self) -> bool:
@@ -553,10 +570,6 @@ class SparseAttnCacheLayer(DynamicLayer):
         self._views()
         self.is_initialized = True
 
-    def _rows(self, length: int) -> int:
-        block, stride = self.cmp_shape
-        return 0 if length < block else (length - block) // stride + 1
-
     def _pool(self, cache_kwargs: Optional[dict]) -> None:
         """Appends the compressed rows of the blocks complete at self.length (all of them when the compression
         changes or starts late)."""
@@ -566,20 +579,14 @@ class SparseAttnCacheLayer(DynamicLayer):
             return
         if shape != self.cmp_shape:
             self.cmp_shape, self.cmp_rows = shape, 0
-        rows = self._rows(self.length)
+        rows = _compressed_rows(self.length, *shape)
         if rows <= self.cmp_rows:
             return
         block, stride = shape
         start = self.cmp_rows * stride
         end = (rows - 1) * stride + block
         k_new, v_new = compress_kv(self._keys[:, start:end], self._values[:, start:end], block=block, stride=stride)
-        if self._k_cmp.shape[1] < rows:
-            capacity = max(rows, 2 * self._k_cmp.shape[1], 16)
-            k_cmp = self._keys.new_empty(self._keys.shape[0], capacity, *self._keys.shape[2:])
-            v_cmp = self._values.new_empty(self._values.shape[0], capacity, *self._values.shape[2:])
-            k_cmp[:, : self.cmp_rows] = self._k_cmp[:, : self.cmp_rows]
-            v_cmp[:, : self.cmp_rows] = self._v_cmp[:, : self.cmp_rows]
-            self._k_cmp, self._v_cmp = k_cmp, v_cmp
+        self._reserve_rows(rows)
         self._k_cmp[:, self.cmp_rows: rows] = k_new
         self._v_cmp[:, self.cmp_rows: rows] = v_new
         self.cmp_rows = rows
@@ -597,15 +604,13 @@ class SparseAttnCacheLayer(DynamicLayer):
             raise make_error(SparseAttnUnsupportedError, "unsupported", "SparseAttnCache", "keys",
                              f"a buffer of {capacity} tokens is not whole contiguous pages of {DECODE_PAGE_SIZE}")
         pages = capacity // DECODE_PAGE_SIZE
-        k_pages = self._keys.view(batch * pages, DECODE_PAGE_SIZE, *self._keys.shape[2:])
-        v_pages = self._values.view(batch * pages, DECODE_PAGE_SIZE, *self._values.shape[2:])
         block_table = torch.arange(batch * pages, dtype=torch.int32, device=q.device).view(batch, pages)
         if self.seq_lengths is None:
             lengths = torch.full((batch,), self.length, dtype=torch.int32, device=q.device)
         else:
             lengths = self._device_lengths
-        return nsa_decode(q, k_pages, v_pages, block_table=block_table, cache_seqlens=lengths, k_cmp=self._k_cmp,
-                          v_cmp=self._v_cmp, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, config=config)
+        return _paged_nsa_decode(q, self._keys, self._values, self._k_cmp, self._v_cmp, block_table, lengths,
+                                 (g_cmp, g_slc, g_swa), config)
 
     def _stored(self) -> int:
         """Slots that hold tokens: the length, or a padded batch's longest sequence."""
@@ -710,9 +715,9 @@ class SparseAttnCacheLayer(DynamicLayer):
             self.seq_lengths = [max(0, min(length, self.length - pad))
                                 for length, pad in zip(self.seq_lengths, self.seq_padding)]
             self.seq_padding = [min(pad, self.length) for pad in self.seq_padding]
-            self._device_lengths = _to_device(torch.tensor(self.seq_lengths, dtype=torch.int32), self._keys.device)
+            self._device_lengths = _int32_on(self.seq_lengths, self._keys.device)
         if self.cmp_shape is not None:
-            self.cmp_rows = min(self.cmp_rows, self._rows(self._stored()))
+            self.cmp_rows = min(self.cmp_rows, _compressed_rows(self._stored(), *self.cmp_shape))
         self._views()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -741,7 +746,7 @@ class SparseAttnCacheLayer(DynamicLayer):
     def _select_sequences(self, indices: list[int]) -> None:
         self.seq_lengths = [self.seq_lengths[i] for i in indices]
         self.seq_padding = [self.seq_padding[i] for i in indices]
-        self._device_lengths = _to_device(torch.tensor(self.seq_lengths, dtype=torch.int32), self._keys.device)
+        self._device_lengths = _int32_on(self.seq_lengths, self._keys.device)
 
     def reset(self) -> None:
         if self.is_initialized:
@@ -905,8 +910,7 @@ class SparseAttnStaticCacheLayer(CacheLayerMixin):
         _write_padded_chunk(self._keys, self._values, self._k_cmp, self._v_cmp, k_new, v_new, padding,
                             (self.nsa.cmp_block, self.nsa.cmp_stride))
         self.lengths.copy_(padding.total_device())
-        self.padding.copy_(_to_device(torch.tensor([padding.width - total for total in padding.total_tokens],
-                                                    dtype=torch.int32), self.padding.device))
+        self.padding.copy_(_int32_on([padding.width - total for total in padding.total_tokens], self.padding.device))
         self.padded = True
         self.host_length = longest
         return self.keys, self.values
@@ -938,12 +942,8 @@ class SparseAttnStaticCacheLayer(CacheLayerMixin):
     def nsa_decode(self, q: Tensor, g_cmp: Tensor, g_slc: Tensor, g_swa: Tensor, config: NSAConfig) -> Tensor:
         """:func:`sparseattn.nsa_decode` of the new queries q [B, Tq, Hq, D] (their keys already written) over the
         buffers seen as pages, with the device lengths as cache_seqlens: the same tensors at every step."""
-        batch, capacity = self._keys.shape[:2]
-        pages = capacity // DECODE_PAGE_SIZE
-        k_pages = self._keys.view(batch * pages, DECODE_PAGE_SIZE, *self._keys.shape[2:])
-        v_pages = self._values.view(batch * pages, DECODE_PAGE_SIZE, *self._values.shape[2:])
-        return nsa_decode(q, k_pages, v_pages, block_table=self._block_table, cache_seqlens=self.lengths,
-                          k_cmp=self._k_cmp, v_cmp=self._v_cmp, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, config=config)
+        return _paged_nsa_decode(q, self._keys, self._values, self._k_cmp, self._v_cmp, self._block_table,
+                                 self.lengths, (g_cmp, g_slc, g_swa), config)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(query_length, 0): NSA layers read no attention mask, so transformers sizes its masks by the new tokens
