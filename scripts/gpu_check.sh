@@ -7,17 +7,7 @@
 #   SPARSEATTN_GPU_PART=1/2 bash scripts/gpu_check.sh     # then 2/2 in a second call
 # which runs every other test file (sorted by name), part 1 with the demo, the last part with the kernel listing.
 # Extra arguments go to pytest (e.g. -k flash).
-set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:-/tmp/sparseattn-gpu}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 SPARSEATTN_ARCHS="${SPARSEATTN_ARCHS:-90a}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
-# The GPU image's default /opt/gcc g++ builds an extension whose array arguments crash (its libstdc++ is
-# not the one torch loads); the system g++ works, for host code and as nvcc's host compiler alike.
-if [[ -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -m pip install -q --no-build-isolation --no-deps . >"$out/build.log" 2>&1 || {
-  tail -40 "$out/build.log"; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 python3 -c "import sparseattn, torch; print('sparseattn', sparseattn.__version__, 'cuda build:', \
 sparseattn._C.built_with_cuda(), 'torch', torch.__version__, torch.cuda.get_device_name())"
 status=0

@@ -6,17 +6,7 @@
 # SparseAttnStaticCache / transformers' StaticCache, compiled steps replayed as CUDA graphs) at batch 16 and 64K
 # prompts. Logs and the benchmark's JSON/markdown go to $OUT (or /tmp/sparseattn-gpu). Time limits per step
 # (seconds): TEST_S, BENCH_S; SKIP_TESTS=1 or SKIP_BENCH=1 leaves a step out (to split it over two device calls).
-set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:-/tmp/sparseattn-gpu}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 SPARSEATTN_ARCHS="${SPARSEATTN_ARCHS:-90a}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
-if [[ -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
-start=$(date +%s)
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-python3 -m pip install -q --no-build-isolation --no-deps . >"$out/build.log" 2>&1 || {
-  tail -60 "$out/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 if [[ -z "${SKIP_TESTS:-}" ]]; then
   (cd tests/python && timeout "${TEST_S:-240}" python3 -m pytest -n 4 -v -rf test_cuda_hf.py \
     test_hf_static_cache.py >"$out/tests.log" 2>&1)

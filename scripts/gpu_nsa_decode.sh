@@ -4,17 +4,7 @@
 # decode benchmark (batch 1 at 8K..128K, batch 64 at 32K; the bars of nsa_decode against flash_decode over the same
 # pages). Fits one 8-minute device call on one H100/H200. Logs and the benchmark's JSON/markdown go to $OUT (or
 # /tmp/sparseattn-gpu). Time limits per step (seconds): TEST_S, BENCH1_S, BENCH2_S.
-set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:-/tmp/sparseattn-gpu}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 SPARSEATTN_ARCHS="${SPARSEATTN_ARCHS:-90a}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
-if [[ -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
-start=$(date +%s)
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-python3 -m pip install -q --no-build-isolation --no-deps . >"$out/build.log" 2>&1 || {
-  tail -60 "$out/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 (cd tests/python && timeout "${TEST_S:-150}" python3 -m pytest -n 8 -q -rf test_cuda_nsa_decode.py \
   test_cuda_decode.py >"$out/tests.log" 2>&1)
 echo "tests: rc $? at $(( $(date +%s) - start )) s"; tail -25 "$out/tests.log"
