@@ -34,3 +34,12 @@ def recording_compile_config():
     config = transformers.CompileConfig(backend=recording_backend, fullgraph=True, mode=None)
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
     return config, graphs
+
+
+def greedy_reference(model, ids, new_tokens):
+    """Greedy tokens of the full forward (no cache) re-run on the growing sequence: what generate() must give."""
+    sequence = ids
+    for _ in range(new_tokens):
+        next_token = model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        sequence = torch.cat([sequence, next_token], dim=1)
+    return sequence

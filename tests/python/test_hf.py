@@ -8,7 +8,7 @@ require_sparseattn()
 transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
 import sparseattn  # noqa: E402
 from sparseattn import hf  # noqa: E402
-from hf_models import tiny_model  # noqa: E402
+from hf_models import greedy_reference, tiny_model  # noqa: E402
 
 
 def test_every_attention_layer_is_nsa_and_trains():
@@ -129,14 +129,6 @@ def test_decode_steps_pool_only_their_new_blocks(monkeypatch):
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                    past_key_values=hf.SparseAttnCache())
     assert pooled and max(pooled[2:]) <= 8  # after the prefill (one call per layer), a block's 8 tokens at most
-
-
-def greedy_reference(model, ids, new_tokens):
-    sequence = ids
-    for _ in range(new_tokens):
-        next_token = model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-        sequence = torch.cat([sequence, next_token], dim=1)
-    return sequence
 
 
 def test_decode_steps_run_nsa_decode_over_the_cache_pages(monkeypatch):

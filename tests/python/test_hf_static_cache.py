@@ -11,20 +11,12 @@ require_sparseattn()
 transformers = pytest.importorskip("transformers", reason="the transformers integration needs transformers")
 import sparseattn  # noqa: E402
 from sparseattn import hf  # noqa: E402
-from hf_models import recording_compile_config, tiny_config, tiny_model  # noqa: E402
+from hf_models import greedy_reference, recording_compile_config, tiny_config, tiny_model  # noqa: E402
 
 
 def static_cache(model, batch, length):
     return hf.SparseAttnStaticCache(model.config, max_batch_size=batch, max_cache_len=length, device="cpu",
                                     dtype=torch.float64)
-
-
-def greedy_reference(model, ids, new_tokens):
-    sequence = ids
-    for _ in range(new_tokens):
-        next_token = model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-        sequence = torch.cat([sequence, next_token], dim=1)
-    return sequence
 
 
 @pytest.mark.parametrize("prompt", [5, 19, 30])
