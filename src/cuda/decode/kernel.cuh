@@ -395,7 +395,6 @@ __global__ void __launch_bounds__(kThreads) flash_decode_kernel(DecodeArgs<T> a)
   }
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is free for the epilogue
-  allow_next_grid();  // a dependent launch after the call may be scheduled while the epilogues run
 
   // Epilogue: every warp's accumulators, row maxima and sums to shared memory, [kWarpsN][kRows] rows.
   float* const sAcc = reinterpret_cast<float*>(sPipe);
