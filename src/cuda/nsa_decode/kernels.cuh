@@ -553,12 +553,17 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
 #pragma unroll
     for (int u = 0; u < kBlocksPerPass; ++u) {
       const int blk = first + u * kSelectThreads;
-      const i64 block_begin = i64{blk} * a.sel_block, block_end = block_begin + a.sel_block;
-      const i64 j_lo = block_begin - a.cmp_block >= 0 ? (block_begin - a.cmp_block) / a.cmp_stride + 1 : 0;
-      const i64 j_hi = min(i64{visible} - 1, (block_end - 1) / a.cmp_stride);
+      // Positions and rows are below kNsaDecodeMaxCapacity = 2^30 (ops.h), so 32-bit arithmetic (and division) is
+      // exact: the block's first token is at most pos, its last below 2^30 + sel_block (unsigned).
+      const int block_begin = min(blk, candidates - 1) * a.sel_block;
+      const unsigned block_last = static_cast<unsigned>(block_begin) + static_cast<unsigned>(a.sel_block - 1);
+      const int j_lo = block_begin - a.cmp_block >= 0 ? (block_begin - a.cmp_block) / a.cmp_stride + 1 : 0;
+      const int j_hi = visible > 0 ? static_cast<int>(min(static_cast<unsigned>(visible - 1),
+                                                          block_last / static_cast<unsigned>(a.cmp_stride)))
+                                   : -1;
       const bool any = blk < candidates && j_lo <= j_hi;
-      p_first[u] = any ? static_cast<int>(j_lo / a.split_rows) : 0;
-      p_last[u] = any ? static_cast<int>(j_hi / a.split_rows) : -1;
+      p_first[u] = any ? j_lo / a.split_rows : 0;
+      p_last[u] = any ? j_hi / a.split_rows : -1;
 #pragma unroll
       for (int s = 0; s < kSplitsPerBlock; ++s) {
         const int p = p_first[u] + s;
