@@ -10,7 +10,8 @@
 //     lse (a fixed merge order; 16 threads per head, each loading its first splits' lse together and keeping them
 //     for the weights), then block b's score S[b] = sum over the splits p touching b and the heads h of
 //     exp(lse_{p,h} - lse_h) * partial score (p, h, b): the same sum as semantics.md section 4's, regrouped (each
-//     thread issues the partials' loads of two blocks, up to two splits each, before any sum). Then the forced blocks
+//     thread issues the partials' loads of two blocks, up to two splits each, before any sum; the first two blocks'
+//     loads before the lse phase, which they do not need, so that they overlap it). Then the forced blocks
 //     and the top n - forced of the other candidates in the order (score descending, index ascending): the
 //     reference's tie rule, deterministic. A candidate is a 64-bit key (monotone score bits, complemented index)
 //     whose unsigned order is that order. Each lane sorts its candidates' keys in registers (a bitonic network, up
@@ -455,8 +456,9 @@ __device__ __forceinline__ void warp_top_rescan(int first, int end, int step, in
   }
 }
 
+// At most 128 registers a thread (two CTAs per SM): at B = 64 the 256 CTAs of 64/4 heads run in one wave.
 template <class T>
-__global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDecodeArgs<T> a) {
+__global__ void __launch_bounds__(kSelectThreads, 2) nsa_decode_select_kernel(NsaDecodeArgs<T> a) {
   constexpr int kWarps = kSelectThreads / 32;
   // Splits whose lse each of a head's 16 threads holds in registers from the lse phase to the weights.
   constexpr int kLseSlots = 4;
@@ -482,6 +484,50 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   const i64 head_row0 = a.row_of(b, t, kv_head * a.group);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool weights_shared = used * a.group <= kSplitWeights;
+
+  // Block b's score: the sum over the splits p touching it (ascending) and the heads h (ascending) of
+  // weight(p, h) * partial score (p, h, b). A thread scores kBlocksPerPass blocks per pass: the group's partials of
+  // each block's first kSplitsPerBlock splits are loaded together (load_pass), then summed in that order. The first
+  // pass's loads are issued before the lse phase, which needs none of them, so that their latency overlaps it.
+  const int candidates = pos >= 0 ? pos / a.sel_block + 1 : 0;
+  float* const scores =
+      candidates <= kSelectSharedScores ? shared_scores : a.scores + a.list_of(b, t, kv_head) * a.max_blocks;
+  const i64 span_blocks = i64{a.split_rows} * a.cmp_stride / a.sel_block;  // blocks per split
+  const auto partials = [&](int blk, int p) {
+    return a.cmp_score + (p * rows_q + head_row0) * a.score_span + (blk - p * span_blocks);
+  };
+  // The splits [p_first, p_last] whose pooled scores cover block blk (p_last < p_first: none, or blk >= candidates).
+  const auto splits_of = [&](int blk, int& p_first, int& p_last) {
+    // Positions and rows are below kNsaDecodeMaxCapacity = 2^30 (ops.h), so 32-bit arithmetic (and division) is
+    // exact: the block's first token is at most pos, its last below 2^30 + sel_block (unsigned).
+    const int block_begin = max(min(blk, candidates - 1), 0) * a.sel_block;
+    const unsigned block_last = static_cast<unsigned>(block_begin) + static_cast<unsigned>(a.sel_block - 1);
+    const int j_lo = block_begin - a.cmp_block >= 0 ? (block_begin - a.cmp_block) / a.cmp_stride + 1 : 0;
+    const int j_hi = visible > 0 ? static_cast<int>(min(static_cast<unsigned>(visible - 1),
+                                                        block_last / static_cast<unsigned>(a.cmp_stride)))
+                                 : -1;
+    const bool any = blk < candidates && j_lo <= j_hi;
+    p_first = any ? j_lo / a.split_rows : 0;
+    p_last = any ? j_hi / a.split_rows : -1;
+  };
+  float value[kBlocksPerPass][kSplitsPerBlock][kRows];
+  const auto load_pass = [&](int first) {
+#pragma unroll
+    for (int u = 0; u < kBlocksPerPass; ++u) {
+      const int blk = first + u * kSelectThreads;
+      int p_first, p_last;
+      splits_of(blk, p_first, p_last);
+#pragma unroll
+      for (int s = 0; s < kSplitsPerBlock; ++s) {
+        const int p = p_first + s;
+        const bool live = p <= p_last;
+        const float* const partial = live ? partials(blk, p) : a.cmp_score;
+#pragma unroll
+        for (int h = 0; h < kRows; ++h) value[u][s][h] = live && h < a.group ? partial[h * a.score_span] : 0.f;
+      }
+    }
+  };
+  load_pass(threadIdx.x);
 
   // Each head's lse over the splits: 16 threads per head (kSelectThreads = 16 x kRows) take every 16th split (the
   // first kLseSlots of them loaded together), merge them in split order, then merge the 16 (max, sum) pairs in a
@@ -536,59 +582,25 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
     const float lse = lse_of_head[h], split_lse = a.cmp_lse[p * rows_q + head_row0 + h];
     return lse == -INFINITY || split_lse == -INFINITY ? 0.f : expf(split_lse - lse);
   };
-
-  // Block b's score: the sum over the splits p touching it (ascending) and the heads h (ascending) of
-  // weight(p, h) * partial score (p, h, b). A thread scores kBlocksPerPass blocks per pass, with the group's partials
-  // of each block's first kSplitsPerBlock splits loaded together before any sum (one load latency per pass).
-  const int candidates = pos >= 0 ? pos / a.sel_block + 1 : 0;
-  float* const scores =
-      candidates <= kSelectSharedScores ? shared_scores : a.scores + a.list_of(b, t, kv_head) * a.max_blocks;
-  const i64 span_blocks = i64{a.split_rows} * a.cmp_stride / a.sel_block;  // blocks per split
-  const auto partials = [&](int blk, int p) {
-    return a.cmp_score + (p * rows_q + head_row0) * a.score_span + (blk - p * span_blocks);
-  };
-  for (int first = threadIdx.x; first < candidates; first += kBlocksPerPass * kSelectThreads) {
-    int p_first[kBlocksPerPass], p_last[kBlocksPerPass];
-    float value[kBlocksPerPass][kSplitsPerBlock][kRows];
-#pragma unroll
-    for (int u = 0; u < kBlocksPerPass; ++u) {
-      const int blk = first + u * kSelectThreads;
-      // Positions and rows are below kNsaDecodeMaxCapacity = 2^30 (ops.h), so 32-bit arithmetic (and division) is
-      // exact: the block's first token is at most pos, its last below 2^30 + sel_block (unsigned).
-      const int block_begin = min(blk, candidates - 1) * a.sel_block;
-      const unsigned block_last = static_cast<unsigned>(block_begin) + static_cast<unsigned>(a.sel_block - 1);
-      const int j_lo = block_begin - a.cmp_block >= 0 ? (block_begin - a.cmp_block) / a.cmp_stride + 1 : 0;
-      const int j_hi = visible > 0 ? static_cast<int>(min(static_cast<unsigned>(visible - 1),
-                                                          block_last / static_cast<unsigned>(a.cmp_stride)))
-                                   : -1;
-      const bool any = blk < candidates && j_lo <= j_hi;
-      p_first[u] = any ? j_lo / a.split_rows : 0;
-      p_last[u] = any ? j_hi / a.split_rows : -1;
-#pragma unroll
-      for (int s = 0; s < kSplitsPerBlock; ++s) {
-        const int p = p_first[u] + s;
-        const bool live = p <= p_last[u];
-        const float* const partial = live ? partials(blk, p) : a.cmp_score;
-#pragma unroll
-        for (int h = 0; h < kRows; ++h) value[u][s][h] = live && h < a.group ? partial[h * a.score_span] : 0.f;
-      }
-    }
+  const auto sum_pass = [&](int first) {
 #pragma unroll
     for (int u = 0; u < kBlocksPerPass; ++u) {
       const int blk = first + u * kSelectThreads;
       if (blk >= candidates) break;
+      int p_first, p_last;  // recomputed rather than kept in registers across the lse phase
+      splits_of(blk, p_first, p_last);
       float score = 0.f;
 #pragma unroll
       for (int s = 0; s < kSplitsPerBlock; ++s) {
-        const int p = p_first[u] + s;
-        if (p <= p_last[u]) {
+        const int p = p_first + s;
+        if (p <= p_last) {
 #pragma unroll
           for (int h = 0; h < kRows; ++h) {
             if (h < a.group) score += weight_of(p, h) * value[u][s][h];
           }
         }
       }
-      for (int p = p_first[u] + kSplitsPerBlock; p <= p_last[u]; ++p) {
+      for (int p = p_first + kSplitsPerBlock; p <= p_last; ++p) {
         const float* const partial = partials(blk, p);
         float more[kRows];
 #pragma unroll
@@ -600,6 +612,12 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
       }
       scores[blk] = score;
     }
+  };
+  sum_pass(threadIdx.x);
+  for (int first = threadIdx.x + kBlocksPerPass * kSelectThreads; first < candidates;
+       first += kBlocksPerPass * kSelectThreads) {
+    load_pass(first);
+    sum_pass(first);
   }
 
   // Forced blocks: the initial ones and the local ones ending at the query's block.
