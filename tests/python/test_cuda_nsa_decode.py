@@ -2,7 +2,8 @@
 selection agrees with the reference's except near ties (rounding), and o equals the reference computed with the
 kernel's own selection within the input precision's bound; Tq 1..16, groups 1/4/16, every head-dim pair, both
 16-bit dtypes, long contexts over many compressed splits (heuristic and forced split counts, bit-identical run to
-run), CUDA-graph capture and replay with new lengths and tables equal to eager calls, and the inputs the kernels
+run), the selection's exact ties and long candidate lists (up to 4600 blocks, n up to 64) against the expected
+lists, CUDA-graph capture and replay with new lengths and tables equal to eager calls, and the inputs the kernels
 do not take."""
 import pytest
 import torch
