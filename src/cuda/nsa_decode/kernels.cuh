@@ -16,9 +16,10 @@
 //     reference's tie rule, deterministic. A candidate is a 64-bit key (monotone score bits, complemented index)
 //     whose unsigned order is that order. Each lane sorts its candidates' keys in registers (a bitonic network, up
 //     to 16 per lane), each warp takes the top of its share by rounds of a two-redux.sync warp maximum over the
-//     lanes' first keys (the winning lane shifts its list), and warp 0 merges the warps' sorted picks (lane w walks
-//     warp w's list). The chosen blocks lie between the initial and the local ones, so the list (ascending, padded
-//     with -1) is the initial blocks, the chosen ones at their rank among themselves, then the local ones.
+//     lanes' first keys (the winning lane shifts its list); then each pick's rank among all warps' picks (binary
+//     searches in the sorted lists, in parallel) places the overall top at chosen[rank]. The chosen blocks lie
+//     between the initial and the local ones, so the list (ascending, padded with -1) is the initial blocks, the
+//     chosen ones at their rank among themselves, then the local ones.
 //  3. nsa_decode_sparse_kernel: a CTA per (piece, KV head, query, sequence): the selected blocks' keys (16-key
 //     chunks of the listed blocks, looked up in the block table) or the window's keys [a - w + 1, a] (16-key
 //     chunks from the aligned chunk holding a - w + 1), the same tile loop as 1; partial o and lse per head.
@@ -632,7 +633,7 @@ __global__ void __launch_bounds__(kSelectThreads, 2) nsa_decode_select_kernel(Ns
   // The top `rounds` of the other candidates [init_end, local_begin) in the order (score descending, index
   // ascending), as selection keys (one unsigned order, distinct per block). Each warp takes the top `rounds` of its
   // share (every kWarps-th group of 32 candidates) with no block barrier; the overall top `rounds` are among the
-  // warps' picks, and warp 0 merges the warps' sorted lists.
+  // warps' picks.
   {
     const auto key_of = [&](int blk) { return selection_key(scores[blk], blk); };
     const int first = init_end + warp * 32 + lane;
@@ -649,28 +650,34 @@ __global__ void __launch_bounds__(kSelectThreads, 2) nsa_decode_select_kernel(Ns
       }
     }
   }
-  __syncthreads();
+  __syncthreads();  // the warps' picks are written
   allow_next_grid();
-  if (warp != 0) return;
 
-  // The k-way merge of the warps' sorted picks: lane w < kWarps walks list w (its next entry prefetched), each
-  // round the largest of the lanes' current keys wins and its lane steps on. The chosen blocks come out best first.
-  {
-    const bool walker = lane < kWarps;
-    int cursor = 0;
-    std::uint64_t current = walker && rounds > 0 ? picks[lane][0] : 0u;
-    std::uint64_t next = walker && rounds > 1 ? picks[lane][1] : 0u;
-    for (int round = 0; round < rounds; ++round) {
-      const std::uint64_t best = warp_max_key(current);
-      if (lane == 0) chosen[round] = key_block(best);
-      if (best != 0u && current == best) {
-        ++cursor;
-        current = next;
-        next = cursor + 1 < rounds ? picks[lane][cursor + 1] : 0u;
+  // The overall top `rounds` from the warps' picks, without rounds: a pick's rank among all the picks is the count
+  // of picks above it, summed over the warps' lists (sorted: a binary search each, all eight in flight together).
+  // A pick in the overall top `rounds` ranks the same among the picks as among all candidates (every candidate
+  // above it is in its warp's top `rounds` too); every other pick ranks at least `rounds`. So chosen[rank] is the
+  // same best-first list as `rounds` rounds of a maximum over the picks would give.
+  for (int i = threadIdx.x; i < kWarps * rounds; i += kSelectThreads) {
+    const std::uint64_t key = picks[i / rounds][i % rounds];
+    if (key == 0u) continue;  // past the end of its warp's candidates
+    int rank = 0;
+    int above[kWarps];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) above[w] = 0;
+#pragma unroll
+    for (int step = 64; step > 0; step /= 2) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        if (above[w] + step <= rounds && picks[w][above[w] + step - 1] > key) above[w] += step;
       }
     }
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) rank += above[w];
+    if (rank < rounds) chosen[rank] = key_block(key);
   }
-  __syncwarp();
+  __syncthreads();
+  if (warp != 0) return;
 
   // The list, ascending, then -1: the initial blocks, the chosen blocks (all in [init_end, local_begin)) each at
   // init_end + its rank among them (the count of chosen blocks below it), the local blocks.
