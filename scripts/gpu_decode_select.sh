@@ -6,7 +6,8 @@
 # included) and the transformers integration's CUDA tests, the per-kernel profile of a decode step with dependent
 # launches off (select kernel's time at 32K and 128K, batches 1 and 64), and the graph-replay decode benchmark.
 # Logs and the benchmark's JSON/markdown go to $OUT (or /tmp/sparseattn-gpu). Time limits per step (seconds):
-# TEST_S, PROFILE_S, BENCH_S; SKIP_TESTS=1, SKIP_PROFILE=1 or SKIP_BENCH=1 leaves a step out.
+# TEST_S, PROFILE_S, BENCH_S; SKIP_TESTS=1, SKIP_PROFILE=1 or SKIP_BENCH=1 leaves a step out (to split the work
+# over two device calls); DECODE_CONTEXTS (default "32K 128K") sets the benchmark's contexts, batches 1 and 64.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/sparseattn-gpu}"
@@ -42,7 +43,8 @@ if [[ -z "${SKIP_PROFILE:-}" ]]; then
 fi
 if [[ -z "${SKIP_BENCH:-}" ]]; then
   (cd /tmp && timeout "${BENCH_S:-300}" python3 -m sparseattn.bench_inference --sections decode \
-    --out "$out/decode" >"$out/bench_decode.log" 2>&1)
+    --decode-contexts ${DECODE_CONTEXTS:-32K 128K} --decode-batches 1 64 --out "$out/decode" \
+    >"$out/bench_decode.log" 2>&1)
   echo "bench decode: rc $? at $(( $(date +%s) - start )) s"
   tail -30 "$out/bench_decode.log"
 fi
