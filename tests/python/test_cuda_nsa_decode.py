@@ -2,7 +2,8 @@
 selection agrees with the reference's except near ties (rounding), and o equals the reference computed with the
 kernel's own selection within the input precision's bound; Tq 1..16, groups 1/4/16, every head-dim pair, both
 16-bit dtypes, long contexts over many compressed splits (heuristic and forced split counts, bit-identical run to
-run), CUDA-graph capture and replay with new lengths and tables equal to eager calls, and the inputs the kernels
+run), the selection's exact ties and long candidate lists (up to 4600 blocks, n up to 64) against the expected
+lists, CUDA-graph capture and replay with new lengths and tables equal to eager calls, and the inputs the kernels
 do not take."""
 import pytest
 import torch
@@ -126,3 +127,52 @@ def test_trusted_device_data_is_clamped():
     o = call(case, SMALL)
     torch.cuda.synchronize()
     assert o.shape == (2, 1, 4, 64)
+
+
+def cpu_block_indices(case, cfg):
+    """The CPU path's selection of `case` in float64."""
+    cpu = {k: (v.cpu() if torch.is_tensor(v) else [t.cpu() for t in v]) for k, v in case.items()}
+    cpu = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else
+               [t.double() for t in v] if isinstance(v, list) else v) for k, v in cpu.items()}
+    return call(cpu, cfg, return_block_indices=True)[1]
+
+
+@pytest.mark.parametrize("num_selected", [16, 64])
+def test_selection_ties_and_many_candidates(num_selected):
+    """Exact ties and long candidate lists: blocks of one compressed row each (l = d = l' = 16); every query head
+    has q = 100 e_0 and every compressed key is -100 e_0 (probability exactly 0 in float32 and float64, so those
+    blocks' scores tie at 0 exactly) except a few hot rows 100 - i/2 (scores e^6.25 apart: no near ties). The
+    chosen blocks are then the hot ones and the lowest-index tied ones, identical to the CPU reference's. The
+    sequences have about 600, 2000, 4000 and 4600 candidate blocks: up to 4, 8 and 16 per thread of the select
+    kernel (scores in shared memory), and more than 16 with the scores in the workspace."""
+    cfg = sparseattn.NSAConfig(cmp_block=16, cmp_stride=16, sel_block=16, num_selected=num_selected, num_init=1,
+                               num_local=2, window=32)
+    g = torch.Generator().manual_seed(num_selected)
+    lengths = [600 * 16 + 5, 2000 * 16 + 9, 4000 * 16, 4600 * 16 + 15]
+    Hq, Hkv, D = 4, 2, 64
+    case = paged_case(lengths, 1, Hq, Hkv, D, D, 64, cfg, torch.bfloat16, g, device="cuda")
+    q = torch.zeros_like(case["q"])
+    q[..., 0] = 100.0
+    case["q"] = q
+    k_cmp = torch.zeros_like(case["k_cmp"])
+    k_cmp[..., 0] = -100.0
+    expected = torch.empty(len(lengths), 1, Hkv, num_selected, dtype=torch.int32)
+    for b, L in enumerate(lengths):
+        blocks = (L - 1) // 16 + 1
+        for kv in range(Hkv):
+            # Hot rows spread over the candidates (never a forced block), a different order per KV head.
+            hot = [(blocks // 9) * (i + 1) + 3 * kv for i in range(8)]
+            for i, j in enumerate(hot if kv % 2 == 0 else hot[::-1]):
+                k_cmp[b, j, kv, 0] = 100.0 - 0.5 * i
+            # Block 0 and the last two are forced; the slots left after the hot blocks go to the lowest tied ones.
+            tied = [j for j in range(1, blocks - 2) if j not in hot][: num_selected - 3 - len(hot)]
+            expected[b, 0, kv] = torch.tensor(sorted([0, *hot, *tied, blocks - 2, blocks - 1]), dtype=torch.int32)
+    case["k_cmp"] = k_cmp
+    o, idx = call(case, cfg, return_block_indices=True)
+    again = call(case, cfg, return_block_indices=True)[1]
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all()
+    assert torch.equal(idx, again)
+    ref = cpu_block_indices(case, cfg)
+    assert torch.equal(ref, expected)
+    assert torch.equal(idx.cpu(), expected), (idx.cpu() != expected).nonzero()[:8].tolist()

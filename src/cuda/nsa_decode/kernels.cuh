@@ -7,11 +7,19 @@
 //     split's scaled logits in shared memory and, with the split's final max and sum, pools the split-local
 //     probabilities onto the selection blocks the split covers (overlap(j, b) / d weights): partial scores.
 //  2. nsa_decode_select_kernel: a CTA per (KV head, query, sequence). The global lse of each head from the splits'
-//     lse (a fixed merge order), then block b's score S[b] = sum over the splits p touching b and the heads h of
-//     exp(lse_{p,h} - lse_h) * partial score (p, h, b): the same sum as semantics.md section 4's, regrouped. Then
-//     the forced blocks and the top n - forced of the other candidates in the order (score descending, index
-//     ascending): the reference's tie rule, deterministic. Each warp takes the top of its share with warp-wide
-//     arg-max rounds (no block barrier), warp 0 the top of the warps' picks. The list is sorted and padded with -1.
+//     lse (a fixed merge order; 16 threads per head, each loading its first splits' lse together and keeping them
+//     for the weights), then block b's score S[b] = sum over the splits p touching b and the heads h of
+//     exp(lse_{p,h} - lse_h) * partial score (p, h, b): the same sum as semantics.md section 4's, regrouped (each
+//     thread issues the partials' loads of two blocks, up to two splits each, before any sum; the first two blocks'
+//     loads before the lse phase, which they do not need, so that they overlap it). Then the forced blocks
+//     and the top n - forced of the other candidates in the order (score descending, index ascending): the
+//     reference's tie rule, deterministic. A candidate is a 64-bit key (monotone score bits, complemented index)
+//     whose unsigned order is that order. Each lane sorts its candidates' keys in registers (a bitonic network, up
+//     to 16 per lane), each warp takes the top of its share by rounds of a two-redux.sync warp maximum over the
+//     lanes' first keys (the winning lane shifts its list); then each pick's rank among all warps' picks (binary
+//     searches in the sorted lists, in parallel) places the overall top at chosen[rank]. The chosen blocks lie
+//     between the initial and the local ones, so the list (ascending, padded with -1) is the initial blocks, the
+//     chosen ones at their rank among themselves, then the local ones.
 //  3. nsa_decode_sparse_kernel: a CTA per (piece, KV head, query, sequence): the selected blocks' keys (16-key
 //     chunks of the listed blocks, looked up in the block table) or the window's keys [a - w + 1, a] (16-key
 //     chunks from the aligned chunk holding a - w + 1), the same tile loop as 1; partial o and lse per head.
@@ -349,11 +357,6 @@ __global__ void __launch_bounds__(kThreads) nsa_decode_compressed_kernel(NsaDeco
   }
 }
 
-// The arg-max order of selection: a higher score first, then the lower block index.
-__device__ __forceinline__ bool ranks_before(float s, int i, float s_other, int i_other) {
-  return s > s_other || (s == s_other && i < i_other);
-}
-
 // Merges (max, sum of exp(x - max)) pairs: the pair of the union of both sets.
 __device__ __forceinline__ void merge_max_sum(float& m, float& sum, float m_other, float sum_other) {
   const float merged = fmaxf(m, m_other);
@@ -363,45 +366,112 @@ __device__ __forceinline__ void merge_max_sum(float& m, float& sum, float m_othe
   m = merged;
 }
 
-// The best candidate of a warp in the order ranks_before, among those ranking after (previous_score,
-// previous_index); every lane gets it (best_index INT_MAX: none). Lane-local candidates i = begin, begin + step, ...
-// < end; candidate(i, score, block) gives candidate i's score and block, or false where slot i holds none.
-template <class Candidate>
-__device__ __forceinline__ void warp_best_after(int begin, int end, int step, Candidate&& candidate,
-                                                float previous_score, int previous_index, float& best_score,
-                                                int& best_index) {
-  best_score = -INFINITY;
-  best_index = INT_MAX;
-  for (int i = begin; i < end; i += step) {
-    float s;
-    int blk;
-    if (!candidate(i, s, blk)) continue;
-    if (!ranks_before(previous_score, previous_index, s, blk)) continue;  // taken in an earlier round
-    if (best_index == INT_MAX || ranks_before(s, blk, best_score, best_index)) {
-      best_score = s;
-      best_index = blk;
-    }
-  }
+// A candidate (score, block) as one 64-bit key whose unsigned order is the selection order (a higher score first,
+// then the lower block index): the high word is the score's bits made monotone (negative scores flipped, -0 as +0,
+// NaN as 1, below every number), the low word the complemented block index. Key 0 is "no candidate": every
+// candidate's key is above it, and the keys of distinct blocks differ.
+__device__ __forceinline__ std::uint64_t selection_key(float score, int block_index) {
+  std::uint32_t bits = __float_as_uint(score);
+  if ((bits << 1) == 0u) bits = 0u;  // -0 ranks as +0 (equal scores)
+  std::uint32_t high = (bits & 0x80000000u) != 0u ? ~bits : bits | 0x80000000u;
+  if (score != score) high = 1u;
+  return (std::uint64_t{high} << 32) | ~static_cast<std::uint32_t>(block_index);
+}
+__device__ __forceinline__ int key_block(std::uint64_t key) { return static_cast<int>(~static_cast<std::uint32_t>(key)); }
+
+// The largest key of the warp, on every lane (0 where every lane holds 0): the maximum of the high words, then the
+// maximum of the low words among the lanes holding that high word; two redux.sync, no shuffle tree.
+__device__ __forceinline__ std::uint64_t warp_max_key(std::uint64_t key) {
+  const std::uint32_t high = static_cast<std::uint32_t>(key >> 32);
+  const std::uint32_t best_high = __reduce_max_sync(0xffffffffu, high);
+  const std::uint32_t low = high == best_high ? static_cast<std::uint32_t>(key) : 0u;
+  const std::uint32_t best_low = __reduce_max_sync(0xffffffffu, low);
+  return (std::uint64_t{best_high} << 32) | best_low;
+}
+
+// Sorts M keys descending in registers (a bitonic network; every index is a compile-time constant).
+template <int M>
+__device__ __forceinline__ void sort_keys_descending(std::uint64_t (&key)[M]) {
+  static_assert((M & (M - 1)) == 0, "a power of two");
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float s = __shfl_xor_sync(0xffffffffu, best_score, offset);
-    const int i = __shfl_xor_sync(0xffffffffu, best_index, offset);
-    if (i != INT_MAX && (best_index == INT_MAX || ranks_before(s, i, best_score, best_index))) {
-      best_score = s;
-      best_index = i;
+  for (int size = 2; size <= M; size *= 2) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const std::uint64_t x = key[i], y = key[j];
+          const bool swap = (i & size) == 0 ? x < y : x > y;  // descending runs where bit `size` of i is clear
+          key[i] = swap ? y : x;
+          key[j] = swap ? x : y;
+        }
+      }
     }
   }
 }
 
+// The warp's top `rounds` keys, best first, into picks[0 .. rounds) (0 past the warp's candidates). The lane's
+// candidates are i = first + k * step < end, k < M (the caller guarantees no more), their keys key_of(i): each lane
+// sorts its M keys once, then each round takes the largest of the lanes' first keys (warp_max_key) and the lane
+// that held it shifts its list by one. No candidate is read twice.
+template <int M, class KeyOf>
+__device__ __forceinline__ void warp_top_sorted(int first, int end, int step, int rounds, KeyOf&& key_of,
+                                                std::uint64_t* picks) {
+  std::uint64_t key[M];
+#pragma unroll
+  for (int k = 0; k < M; ++k) {
+    const int i = first + k * step;
+    key[k] = i < end ? key_of(i) : std::uint64_t{0};
+  }
+  sort_keys_descending(key);
+  for (int round = 0; round < rounds; ++round) {
+    const std::uint64_t best = warp_max_key(key[0]);
+    if (threadIdx.x % 32 == 0) picks[round] = best;
+    const bool won = best != 0u && key[0] == best;
+#pragma unroll
+    for (int k = 0; k + 1 < M; ++k) key[k] = won ? key[k + 1] : key[k];
+    key[M - 1] = won ? std::uint64_t{0} : key[M - 1];
+  }
+}
+
+// warp_top_sorted for any number of candidates per lane: each round every lane rescans its candidates for the
+// largest key below the previous round's pick.
+template <class KeyOf>
+__device__ __forceinline__ void warp_top_rescan(int first, int end, int step, int rounds, KeyOf&& key_of,
+                                                std::uint64_t* picks) {
+  std::uint64_t previous = ~std::uint64_t{0};
+  for (int round = 0; round < rounds; ++round) {
+    std::uint64_t best = 0;
+    for (int i = first; i < end; i += step) {
+      const std::uint64_t key = key_of(i);
+      if (key < previous && key > best) best = key;
+    }
+    best = warp_max_key(best);
+    if (threadIdx.x % 32 == 0) picks[round] = best;
+    if (best == 0u) {  // the warp's candidates are exhausted: the rest of its picks are empty
+      for (int r = round + 1 + static_cast<int>(threadIdx.x % 32); r < rounds; r += 32) picks[r] = 0u;
+      break;
+    }
+    previous = best;
+  }
+}
+
+// At most 128 registers a thread (two CTAs per SM): at B = 64 the 256 CTAs of 64/4 heads run in one wave.
 template <class T>
-__global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDecodeArgs<T> a) {
+__global__ void __launch_bounds__(kSelectThreads, 2) nsa_decode_select_kernel(NsaDecodeArgs<T> a) {
   constexpr int kWarps = kSelectThreads / 32;
+  // Splits whose lse each of a head's 16 threads holds in registers from the lse phase to the weights.
+  constexpr int kLseSlots = 4;
+  // Candidate blocks scored per pass of a thread (their loads in flight together), and the splits loaded per block.
+  constexpr int kBlocksPerPass = 2, kSplitsPerBlock = 2;
+  static_assert(kMaxSelected <= 64, "the picks and the chosen list hold 64 entries");
   __shared__ float lse_of_head[kRows];
   __shared__ int chosen[64];
-  // Each warp's picks, best first (at most 64 rounds), and the candidates' scores where they fit.
-  __shared__ float pick_score[kWarps][64];
-  __shared__ int pick_index[kWarps][64];
+  // Each warp's picks as selection keys, best first (at most 64 rounds), and the candidates' scores where they fit.
+  __shared__ std::uint64_t picks[kWarps][64];
   __shared__ float shared_scores[kSelectSharedScores];
+  __shared__ float split_weight[kSplitWeights];
   wait_for_previous_grid();  // the compressed splits' partials
   i64 block = blockIdx.x;
   const int kv_head = static_cast<int>(block % a.kv_heads);
@@ -414,15 +484,75 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
   const i64 head_row0 = a.row_of(b, t, kv_head * a.group);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool weights_shared = used * a.group <= kSplitWeights;
 
-  // Each head's lse over the splits: 16 threads per head (kSelectThreads = 16 x kRows) take every 16th split, then
-  // merge their (max, sum) pairs in a fixed butterfly order.
+  // Block b's score: the sum over the splits p touching it (ascending) and the heads h (ascending) of
+  // weight(p, h) * partial score (p, h, b). A thread scores kBlocksPerPass blocks per pass: the group's partials of
+  // each block's first kSplitsPerBlock splits are loaded together (load_pass), then summed in that order. The first
+  // pass's loads are issued before the lse phase, which needs none of them, so that their latency overlaps it.
+  const int candidates = pos >= 0 ? pos / a.sel_block + 1 : 0;
+  float* const scores =
+      candidates <= kSelectSharedScores ? shared_scores : a.scores + a.list_of(b, t, kv_head) * a.max_blocks;
+  const i64 span_blocks = i64{a.split_rows} * a.cmp_stride / a.sel_block;  // blocks per split
+  const auto partials = [&](int blk, int p) {
+    return a.cmp_score + (p * rows_q + head_row0) * a.score_span + (blk - p * span_blocks);
+  };
+  // The splits [p_first, p_last] whose pooled scores cover block blk (p_last < p_first: none, or blk >= candidates).
+  const auto splits_of = [&](int blk, int& p_first, int& p_last) {
+    // Positions and rows are below kNsaDecodeMaxCapacity = 2^30 (ops.h), so 32-bit arithmetic (and division) is
+    // exact: the block's first token is at most pos, its last below 2^30 + sel_block (unsigned).
+    const int block_begin = max(min(blk, candidates - 1), 0) * a.sel_block;
+    const unsigned block_last = static_cast<unsigned>(block_begin) + static_cast<unsigned>(a.sel_block - 1);
+    const int j_lo = block_begin - a.cmp_block >= 0 ? (block_begin - a.cmp_block) / a.cmp_stride + 1 : 0;
+    const int j_hi = visible > 0 ? static_cast<int>(min(static_cast<unsigned>(visible - 1),
+                                                        block_last / static_cast<unsigned>(a.cmp_stride)))
+                                 : -1;
+    const bool any = blk < candidates && j_lo <= j_hi;
+    p_first = any ? j_lo / a.split_rows : 0;
+    p_last = any ? j_hi / a.split_rows : -1;
+  };
+  float value[kBlocksPerPass][kSplitsPerBlock][kRows];
+  const auto load_pass = [&](int first) {
+#pragma unroll
+    for (int u = 0; u < kBlocksPerPass; ++u) {
+      const int blk = first + u * kSelectThreads;
+      int p_first, p_last;
+      splits_of(blk, p_first, p_last);
+#pragma unroll
+      for (int s = 0; s < kSplitsPerBlock; ++s) {
+        const int p = p_first + s;
+        const bool live = p <= p_last;
+        const float* const partial = live ? partials(blk, p) : a.cmp_score;
+#pragma unroll
+        for (int h = 0; h < kRows; ++h) value[u][s][h] = live && h < a.group ? partial[h * a.score_span] : 0.f;
+      }
+    }
+  };
+  load_pass(threadIdx.x);
+
+  // Each head's lse over the splits: 16 threads per head (kSelectThreads = 16 x kRows) take every 16th split (the
+  // first kLseSlots of them loaded together), merge them in split order, then merge the 16 (max, sum) pairs in a
+  // fixed butterfly order; thread 0 of the head's 16 has the lse, which the others take by shuffle. Each thread then
+  // turns its own splits' lse into the weights exp(lse_{p,h} - lse_h) of split p's pooled scores of head h, in
+  // shared memory where they fit (one barrier for both phases).
   {
     static_assert(kSelectThreads == 16 * kRows, "16 threads per head of the group");
     const int h = threadIdx.x / 16, part = threadIdx.x % 16;
+    const bool head = h < a.group;
+    const float* const head_lse = a.cmp_lse + head_row0 + h;
+    float split_lse[kLseSlots];
+#pragma unroll
+    for (int k = 0; k < kLseSlots; ++k) {
+      const int p = part + 16 * k;
+      split_lse[k] = head && p < used ? head_lse[p * rows_q] : -INFINITY;
+    }
     float m = -INFINITY, sum = 0.f;
-    if (h < a.group) {
-      for (int p = part; p < used; p += 16) merge_max_sum(m, sum, a.cmp_lse[p * rows_q + head_row0 + h], 1.f);
+    if (head) {
+#pragma unroll
+      for (int k = 0; k < kLseSlots; ++k) {
+        if (part + 16 * k < used) merge_max_sum(m, sum, split_lse[k], 1.f);
+      }
+      for (int p = part + 16 * kLseSlots; p < used; p += 16) merge_max_sum(m, sum, head_lse[p * rows_q], 1.f);
     }
 #pragma unroll
     for (int offset = 8; offset > 0; offset /= 2) {
@@ -430,48 +560,65 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
       const float sum_other = __shfl_xor_sync(0xffffffffu, sum, offset);
       merge_max_sum(m, sum, m_other, sum_other);
     }
-    if (h < a.group && part == 0) lse_of_head[h] = m == -INFINITY ? -INFINITY : m + logf(sum);
+    const int leader = lane & ~15;  // part 0 of this head
+    m = __shfl_sync(0xffffffffu, m, leader);
+    sum = __shfl_sync(0xffffffffu, sum, leader);
+    const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
+    if (head && part == 0) lse_of_head[h] = lse;
+    if (head && weights_shared) {
+      const auto weight = [&](float split) { return lse == -INFINITY || split == -INFINITY ? 0.f : expf(split - lse); };
+#pragma unroll
+      for (int k = 0; k < kLseSlots; ++k) {
+        const int p = part + 16 * k;
+        if (p < used) split_weight[p * a.group + h] = weight(split_lse[k]);
+      }
+      for (int p = part + 16 * kLseSlots; p < used; p += 16) split_weight[p * a.group + h] = weight(head_lse[p * rows_q]);
+    }
   }
   __syncthreads();
 
-  // The weight of split p's pooled scores of head h: exp(lse_{p,h} - lse_h), in shared memory where they fit.
-  __shared__ float split_weight[kSplitWeights];
-  const bool weights_shared = used * a.group <= kSplitWeights;
+  // The weight of split p's pooled scores of head h (recomputed where the weights do not fit in shared memory).
   const auto weight_of = [&](int p, int h) {
+    if (weights_shared) return split_weight[p * a.group + h];
     const float lse = lse_of_head[h], split_lse = a.cmp_lse[p * rows_q + head_row0 + h];
     return lse == -INFINITY || split_lse == -INFINITY ? 0.f : expf(split_lse - lse);
   };
-  if (weights_shared) {
-    for (int i = threadIdx.x; i < used * a.group; i += kSelectThreads) {
-      split_weight[i] = weight_of(i / a.group, i % a.group);
-    }
-  }
-  __syncthreads();
-
-  const int candidates = pos >= 0 ? pos / a.sel_block + 1 : 0;
-  float* const scores =
-      candidates <= kSelectSharedScores ? shared_scores : a.scores + a.list_of(b, t, kv_head) * a.max_blocks;
-  const i64 span_blocks = i64{a.split_rows} * a.cmp_stride / a.sel_block;  // blocks per split
-  for (int blk = threadIdx.x; blk < candidates; blk += kSelectThreads) {
-    const i64 block_begin = i64{blk} * a.sel_block, block_end = block_begin + a.sel_block;
-    const i64 j_lo = block_begin - a.cmp_block >= 0 ? (block_begin - a.cmp_block) / a.cmp_stride + 1 : 0;
-    const i64 j_hi = min(i64{visible} - 1, (block_end - 1) / a.cmp_stride);
-    float score = 0.f;
-    if (j_lo <= j_hi) {
-      for (int p = static_cast<int>(j_lo / a.split_rows); p <= static_cast<int>(j_hi / a.split_rows); ++p) {
-        const i64 local = blk - p * span_blocks;
-        const float* const partial = a.cmp_score + (p * rows_q + head_row0) * a.score_span + local;
-        // The group's partial scores are loaded together (one latency), then summed in head order.
-        float value[kRows];
+  const auto sum_pass = [&](int first) {
 #pragma unroll
-        for (int h = 0; h < kRows; ++h) value[h] = h < a.group ? partial[h * a.score_span] : 0.f;
+    for (int u = 0; u < kBlocksPerPass; ++u) {
+      const int blk = first + u * kSelectThreads;
+      if (blk >= candidates) break;
+      int p_first, p_last;  // recomputed rather than kept in registers across the lse phase
+      splits_of(blk, p_first, p_last);
+      float score = 0.f;
 #pragma unroll
-        for (int h = 0; h < kRows; ++h) {
-          if (h < a.group) score += (weights_shared ? split_weight[p * a.group + h] : weight_of(p, h)) * value[h];
+      for (int s = 0; s < kSplitsPerBlock; ++s) {
+        const int p = p_first + s;
+        if (p <= p_last) {
+#pragma unroll
+          for (int h = 0; h < kRows; ++h) {
+            if (h < a.group) score += weight_of(p, h) * value[u][s][h];
+          }
         }
       }
+      for (int p = p_first + kSplitsPerBlock; p <= p_last; ++p) {
+        const float* const partial = partials(blk, p);
+        float more[kRows];
+#pragma unroll
+        for (int h = 0; h < kRows; ++h) more[h] = h < a.group ? partial[h * a.score_span] : 0.f;
+#pragma unroll
+        for (int h = 0; h < kRows; ++h) {
+          if (h < a.group) score += weight_of(p, h) * more[h];
+        }
+      }
+      scores[blk] = score;
     }
-    scores[blk] = score;
+  };
+  sum_pass(threadIdx.x);
+  for (int first = threadIdx.x + kBlocksPerPass * kSelectThreads; first < candidates;
+       first += kBlocksPerPass * kSelectThreads) {
+    load_pass(first);
+    sum_pass(first);
   }
 
   // Forced blocks: the initial ones and the local ones ending at the query's block.
@@ -483,78 +630,78 @@ __global__ void __launch_bounds__(kSelectThreads) nsa_decode_select_kernel(NsaDe
   const int rounds = max(take - forced, 0);
   __syncthreads();  // the scores are written
 
-  // The top `rounds` of the other candidates in the order (score descending, index ascending). Each warp first
-  // takes the top `rounds` of its own share (every kWarps-th group of 32 candidates) with warp-wide arg-max rounds
-  // and no block barrier; the overall top `rounds` are among the warps' picks, and warp 0 takes them from there.
-  const auto score_of = [&](int blk, float& score, int& block_index) {
-    score = scores[blk];
-    block_index = blk;
-    return true;
-  };
+  // The top `rounds` of the other candidates [init_end, local_begin) in the order (score descending, index
+  // ascending), as selection keys (one unsigned order, distinct per block). Each warp takes the top `rounds` of its
+  // share (every kWarps-th group of 32 candidates) with no block barrier; the overall top `rounds` are among the
+  // warps' picks.
   {
-    float previous_score = INFINITY, best_score;
-    int previous_index = -1, best_index;
-    for (int round = 0; round < rounds; ++round) {
-      warp_best_after(init_end + warp * 32 + lane, local_begin, kSelectThreads, score_of, previous_score,
-                      previous_index, best_score, best_index);
-      if (lane == 0) {
-        pick_score[warp][round] = best_score;
-        pick_index[warp][round] = best_index;
-      }
-      previous_score = best_score;
-      previous_index = best_index;
-      if (best_index == INT_MAX) {  // the warp's share is exhausted: the rest of its picks are empty
-        for (int r = round + 1 + lane; r < rounds; r += 32) pick_index[warp][r] = INT_MAX;
-        break;
-      }
-    }
-  }
-  __syncthreads();
-  if (warp == 0) {
-    // Pick i of the warps' picks: warp i / rounds, round i % rounds.
-    const auto pick_of = [&](int i, float& score, int& block_index) {
-      block_index = pick_index[i / rounds][i % rounds];
-      score = pick_score[i / rounds][i % rounds];
-      return block_index != INT_MAX;
-    };
-    float previous_score = INFINITY, best_score;
-    int previous_index = -1, best_index;
-    for (int round = 0; round < rounds; ++round) {
-      warp_best_after(lane, kWarps * rounds, 32, pick_of, previous_score, previous_index, best_score, best_index);
-      if (lane == 0) chosen[round] = best_index;
-      previous_score = best_score;
-      previous_index = best_index;
-    }
-  }
-  __syncthreads();
-
-  allow_next_grid();
-  if (warp == 0) {
-    // The list: forced and chosen blocks (all distinct), ascending, then -1. Entry i goes to its rank, the count of
-    // entries below it; slots past the count get -1.
-    const int forced_local = candidates - local_begin;
-    const int count = init_end + forced_local + rounds;
-    const auto entry = [&](int i) {
-      return i < init_end ? i : i < init_end + forced_local ? local_begin + (i - init_end)
-                                                             : chosen[i - init_end - forced_local];
-    };
-    std::int32_t* const out = a.indices + a.list_of(b, t, kv_head) * a.num_selected;
-    const auto store = [&](int slot, int value) {
-      out[slot] = value;
-      if (a.indices_out != nullptr) {
-        a.indices_out[b * a.indices_out_stride[0] + t * a.indices_out_stride[1] + kv_head * a.indices_out_stride[2] +
-                      slot * a.indices_out_stride[3]] = value;
-      }
-    };
-    for (int i = lane; i < a.num_selected; i += 32) {
-      if (i < count) {
-        const int value = entry(i);
-        int rank = 0;
-        for (int j = 0; j < count; ++j) rank += entry(j) < value;
-        store(rank, value);
+    const auto key_of = [&](int blk) { return selection_key(scores[blk], blk); };
+    const int first = init_end + warp * 32 + lane;
+    const int per_lane = (local_begin - init_end + kSelectThreads - 1) / kSelectThreads;  // at most, any lane
+    if (rounds > 0) {
+      if (per_lane <= 4) {
+        warp_top_sorted<4>(first, local_begin, kSelectThreads, rounds, key_of, picks[warp]);
+      } else if (per_lane <= 8) {
+        warp_top_sorted<8>(first, local_begin, kSelectThreads, rounds, key_of, picks[warp]);
+      } else if (per_lane <= 16) {
+        warp_top_sorted<16>(first, local_begin, kSelectThreads, rounds, key_of, picks[warp]);
       } else {
-        store(i, -1);
+        warp_top_rescan(first, local_begin, kSelectThreads, rounds, key_of, picks[warp]);
       }
+    }
+  }
+  __syncthreads();  // the warps' picks are written
+  allow_next_grid();
+
+  // The overall top `rounds` from the warps' picks, without rounds: a pick's rank among all the picks is the count
+  // of picks above it, summed over the warps' lists (sorted: a binary search each, all eight in flight together).
+  // A pick in the overall top `rounds` ranks the same among the picks as among all candidates (every candidate
+  // above it is in its warp's top `rounds` too); every other pick ranks at least `rounds`. So chosen[rank] is the
+  // same best-first list as `rounds` rounds of a maximum over the picks would give.
+  for (int i = threadIdx.x; i < kWarps * rounds; i += kSelectThreads) {
+    const std::uint64_t key = picks[i / rounds][i % rounds];
+    if (key == 0u) continue;  // past the end of its warp's candidates
+    int rank = 0;
+    int above[kWarps];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) above[w] = 0;
+#pragma unroll
+    for (int step = 64; step > 0; step /= 2) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        if (above[w] + step <= rounds && picks[w][above[w] + step - 1] > key) above[w] += step;
+      }
+    }
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) rank += above[w];
+    if (rank < rounds) chosen[rank] = key_block(key);
+  }
+  __syncthreads();
+  if (warp != 0) return;
+
+  // The list, ascending, then -1: the initial blocks, the chosen blocks (all in [init_end, local_begin)) each at
+  // init_end + its rank among them (the count of chosen blocks below it), the local blocks.
+  const int forced_local = candidates - local_begin;
+  const int count = init_end + rounds + forced_local;
+  std::int32_t* const out = a.indices + a.list_of(b, t, kv_head) * a.num_selected;
+  const auto store = [&](int slot, int value) {
+    out[slot] = value;
+    if (a.indices_out != nullptr) {
+      a.indices_out[b * a.indices_out_stride[0] + t * a.indices_out_stride[1] + kv_head * a.indices_out_stride[2] +
+                    slot * a.indices_out_stride[3]] = value;
+    }
+  };
+  for (int i = lane; i < rounds; i += 32) {
+    const int value = chosen[i];
+    int rank = 0;
+    for (int j = 0; j < rounds; ++j) rank += chosen[j] < value;
+    store(init_end + rank, value);
+  }
+  for (int slot = lane; slot < a.num_selected; slot += 32) {
+    if (slot < init_end) {
+      store(slot, slot);
+    } else if (slot >= init_end + rounds) {
+      store(slot, slot < count ? local_begin + (slot - init_end - rounds) : -1);
     }
   }
 }
