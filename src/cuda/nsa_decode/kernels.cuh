@@ -577,27 +577,22 @@ __global__ void __launch_bounds__(kSelectThreads, 2) nsa_decode_select_kernel(Ns
   }
   __syncthreads();
 
-  // The weight of split p's pooled scores of head h (recomputed where the weights do not fit in shared memory).
-  const auto weight_of = [&](int p, int h) {
-    if (weights_shared) return split_weight[p * a.group + h];
-    const float lse = lse_of_head[h], split_lse = a.cmp_lse[p * rows_q + head_row0 + h];
-    return lse == -INFINITY || split_lse == -INFINITY ? 0.f : expf(split_lse - lse);
-  };
-  const auto sum_pass = [&](int first) {
-#pragma unroll
-    for (int u = 0; u < kBlocksPerPass; ++u) {
-      const int blk = first + u * kSelectThreads;
-      if (blk >= candidates) break;
-      int p_first, p_last;  // recomputed rather than kept in registers across the lse phase
-      splits_of(blk, p_first, p_last);
-      float score = 0.f;
+  // Block blk's score, summed over its splits in order, each split's heads in order. With the weights in shared
+  // memory (the usual case) the first kSplitsPerBlock splits' partials come from the pass's registers (`value`);
+  // otherwise every weight is recomputed from the lse and every partial reloaded, in compact loops (the rare path
+  // stays out of the common path's instructions).
+  const auto block_score = [&](int u, int blk) {
+    int p_first, p_last;  // recomputed rather than kept in registers across the lse phase
+    splits_of(blk, p_first, p_last);
+    float score = 0.f;
+    if (weights_shared) {
 #pragma unroll
       for (int s = 0; s < kSplitsPerBlock; ++s) {
         const int p = p_first + s;
         if (p <= p_last) {
 #pragma unroll
           for (int h = 0; h < kRows; ++h) {
-            if (h < a.group) score += weight_of(p, h) * value[u][s][h];
+            if (h < a.group) score += split_weight[p * a.group + h] * value[u][s][h];
           }
         }
       }
@@ -608,17 +603,31 @@ __global__ void __launch_bounds__(kSelectThreads, 2) nsa_decode_select_kernel(Ns
         for (int h = 0; h < kRows; ++h) more[h] = h < a.group ? partial[h * a.score_span] : 0.f;
 #pragma unroll
         for (int h = 0; h < kRows; ++h) {
-          if (h < a.group) score += weight_of(p, h) * more[h];
+          if (h < a.group) score += split_weight[p * a.group + h] * more[h];
         }
       }
-      scores[blk] = score;
+    } else {
+#pragma unroll 1
+      for (int p = p_first; p <= p_last; ++p) {
+        const float* const partial = partials(blk, p);
+#pragma unroll 1
+        for (int h = 0; h < a.group; ++h) {
+          const float lse = lse_of_head[h], split_lse = a.cmp_lse[p * rows_q + head_row0 + h];
+          const float weight = lse == -INFINITY || split_lse == -INFINITY ? 0.f : expf(split_lse - lse);
+          score += weight * partial[h * a.score_span];
+        }
+      }
     }
+    return score;
   };
-  sum_pass(threadIdx.x);
-  for (int first = threadIdx.x + kBlocksPerPass * kSelectThreads; first < candidates;
-       first += kBlocksPerPass * kSelectThreads) {
-    load_pass(first);
-    sum_pass(first);
+  // Passes of kBlocksPerPass blocks per thread; the first pass's loads were issued before the lse phase.
+  for (int first = threadIdx.x; first < candidates; first += kBlocksPerPass * kSelectThreads) {
+    if (first != static_cast<int>(threadIdx.x)) load_pass(first);
+#pragma unroll
+    for (int u = 0; u < kBlocksPerPass; ++u) {
+      const int blk = first + u * kSelectThreads;
+      if (blk < candidates) scores[blk] = block_score(u, blk);
+    }
   }
 
   // Forced blocks: the initial ones and the local ones ending at the query's block.
