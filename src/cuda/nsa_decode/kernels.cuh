@@ -674,7 +674,7 @@ __global__ void __launch_bounds__(kSelectThreads, 2) nsa_decode_select_kernel(Ns
     int above[kWarps];
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) above[w] = 0;
-#pragma unroll
+#pragma unroll 1
     for (int step = 64; step > 0; step /= 2) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
