@@ -5,15 +5,13 @@
 // shared-memory stages (cp.async, mbarriers: pipeline.cuh); each consumer warp computes one token as the
 // one-token forward does (S = Q K^T, online softmax, O += P V, all in registers), taking from its queue the
 // stages it reads. Neighbouring tokens share the forced blocks (block 0 and the local ones), and with real
-// inputs often more: with random ones L2 serves 22% fewer sectors (Nsight Compute, 64/4, T = 64K).
+// inputs often more, so L2 serves fewer sectors than the one-token forward asks for.
 //
 // The producer walks the tokens' index lists from shared memory (copied there at the start): read from global
-// memory, every step of the walk waited on a load, and the walk set the pace of the ring (H100, 64/4, 128/128,
-// group forward: 8K 1.39 -> 1.31 ms, 64K 16.5 -> 15.2). One-token -> group forward: 8K 1.63 -> 1.31 ms, 16K 3.60
-// -> 3.12, 64K 15.9 -> 15.2, 128K 33.1 -> 32.5; 192/128, 16K: 4.71 -> 6.67 (its larger tiles leave fewer stages). forward_plan.h
-// chooses it (use_group_forward). Slower variants: separate K and V stages (K released after S; 64K: 17.1 ms), a
-// round-robin walk over the tokens that balances the consumers (19.0 ms), a persistent grid whose producer runs
-// on across work items (8K 1.51, 64K 18.9 ms, lists still read from global memory).
+// memory, every step of the walk would wait on a load and set the pace of the ring. forward_plan.h chooses this
+// form (use_group_forward) where it beats the one-token forward. Measurements of this kernel and of the variants
+// that were slower (separate K and V stages, a round-robin walk over the tokens, a persistent grid):
+// docs/perf/2026-11-24-selected-forward.md and docs/perf/2026-11-27-measurements-from-source-comments.md.
 //
 // The synchronisation is written in forms that compute-sanitizer's racecheck follows, so that scripts/sanitize.sh
 // runs clean (docs/perf/2026-11-27-sanitizer.md: what the earlier forms reported, and the cost):
@@ -36,9 +34,8 @@ namespace {
 
 using namespace query_outer;
 
-// Tokens per CTA: one consumer warp each, beside a producer warpgroup (one producer warp could not issue the
-// copies fast enough: 21 ms at 64/4, T = 64K). Fewer tokens share less and leave fewer consumers per SM (H100,
-// 64/4, T = 64K: 4 tokens 19.0 ms, 6 17.7, 8 16.4).
+// Tokens per CTA: one consumer warp each, beside a producer warpgroup (one producer warp does not issue the
+// copies fast enough). Fewer tokens share less and leave fewer consumers per SM.
 constexpr int kProducerThreads = 128;
 constexpr int kTokens = kGroupTokens;
 constexpr int kThreads = kProducerThreads + 32 * kTokens;
@@ -179,7 +176,7 @@ struct GroupStages {
         seen = __shfl_sync(0xffffffffu, reader ? atomicOr(count(i), 0u) : 0u, 0);
         if ((seen & ~kDone) > n) break;
         if (seen & kDone) return false;
-        __nanosleep(200);  // off the issue slots of the warps that compute (64/4, T = 64K: 16.4 -> 16.1 ms)
+        __nanosleep(200);  // off the issue slots of the warps that compute
       }
       __threadfence_block();
     }
