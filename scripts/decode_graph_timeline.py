@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import sparseattn as sa
-from sparseattn.bench_inference import paged_view, random_gates
+from sparseattn.bench_inference import capture_graph, paged_view, random_gates
 
 CASES = ((1, 131072), (1, 32768), (64, 32768))
 REPLAYS = 8
@@ -29,19 +29,6 @@ def decode_step(batch, ctx, config):
     lengths = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     return lambda: sa.nsa_decode(q, k_pages, v_pages, block_table=table, cache_seqlens=lengths, k_cmp=k_cmp,
                                  v_cmp=v_cmp, g_cmp=gates[0], g_slc=gates[1], g_swa=gates[2], config=config)
-
-
-def captured(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def replay_timelines(graph, flush_buffer):
@@ -74,7 +61,7 @@ def main():
     config = sa.NSAConfig()
     print(torch.cuda.get_device_name())
     for batch, ctx in CASES:
-        graph = captured(decode_step(batch, ctx, config))
+        graph, _ = capture_graph(decode_step(batch, ctx, config))
         for label, buffer in (("read flush", flush_buffer), ("no flush", None)):
             runs = replay_timelines(graph, buffer)
             spans = [(run[-1].start_ns() + run[-1].duration_ns() - run[0].start_ns()) / 1000 for run in runs if run]

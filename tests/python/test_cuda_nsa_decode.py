@@ -22,16 +22,21 @@ DEFAULT = sparseattn.NSAConfig()
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
+def cpu_block_indices(case, cfg, branches=(True, True, True)):
+    """The CPU path's selection of `case` in float64."""
+    cpu = {k: (v.cpu() if torch.is_tensor(v) else [t.cpu() for t in v]) for k, v in case.items()}
+    cpu = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else
+               [t.double() for t in v] if isinstance(v, list) else v) for k, v in cpu.items()}
+    return call(cpu, cfg, branches, return_block_indices=True)[1]
+
+
 def check_against_reference(case, cfg, dtype, branches=(True, True, True), **kw):
     o, idx = call(case, cfg, branches, return_block_indices=True, **kw) if branches[1] else (
         call(case, cfg, branches, **kw), None)
     torch.cuda.synchronize()
     assert torch.isfinite(o).all()
     if idx is not None:
-        cpu = {k: (v.cpu() if torch.is_tensor(v) else [t.cpu() for t in v]) for k, v in case.items()}
-        cpu = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else
-                   [t.double() for t in v] if isinstance(v, list) else v) for k, v in cpu.items()}
-        _, ref_idx = call(cpu, cfg, branches, return_block_indices=True)
+        ref_idx = cpu_block_indices(case, cfg, branches)
         same_rows = (idx.cpu() == ref_idx).all(-1)
         # Rows may differ only where two blocks' scores tie within rounding: few rows, one swap each.
         assert same_rows.float().mean() >= 0.9, f"{(~same_rows).sum()} of {same_rows.numel()} selections differ"
@@ -127,14 +132,6 @@ def test_trusted_device_data_is_clamped():
     o = call(case, SMALL)
     torch.cuda.synchronize()
     assert o.shape == (2, 1, 4, 64)
-
-
-def cpu_block_indices(case, cfg):
-    """The CPU path's selection of `case` in float64."""
-    cpu = {k: (v.cpu() if torch.is_tensor(v) else [t.cpu() for t in v]) for k, v in case.items()}
-    cpu = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else
-               [t.double() for t in v] if isinstance(v, list) else v) for k, v in cpu.items()}
-    return call(cpu, cfg, return_block_indices=True)[1]
 
 
 @pytest.mark.parametrize("num_selected", [16, 64])
