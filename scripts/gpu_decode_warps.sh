@@ -9,7 +9,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
   >"$out/tests.log" 2>&1)
 echo "tests: rc $? at $(( $(date +%s) - start )) s"; tail -25 "$out/tests.log"
 for warps in 4 8; do
-  SPARSEATTN_DEPENDENT_LAUNCH=0 SPARSEATTN_NSA_DECODE_WARPS=$warps timeout "${PROFILE_S:-70}" \
+  SPARSEATTN_DEPENDENT_LAUNCH=0 SPARSEATTN_NSA_DECODE_WARPS=$warps timeout "${PROFILE_S:-60}" \
     python3 scripts/profile_decode.py --contexts 32K 128K --batches 1 64 --steps 3 --methods nsa_decode \
     >"$out/profile_w$warps.log" 2>&1
   echo "profile, $warps warps: rc $? at $(( $(date +%s) - start )) s"
@@ -18,6 +18,9 @@ python3 - "$out/profile_w4.log" "$out/profile_w8.log" <<'PY'
 """The compressed kernel's time and the step's kernel sum per case, 4 warps against 8 (profile_decode.py's tables)."""
 import re
 import sys
+
+
+names = set()  # the kernels' names: their last template argument is the warp count
 
 
 def parse(path):
@@ -31,6 +34,7 @@ def parse(path):
             cases[header][1] = float(re.search(r"sum ([\d.]+)", line).group(1))
         elif header and "nsa_decode_compressed_kernel" in line:
             cases[header][0] = float(line.split()[0])
+            names.add(line.split("us", 1)[1].strip())
     return cases
 
 
@@ -42,4 +46,5 @@ for header in four | eight:
     cells = [f"{x:.1f}" if x is not None else "-" for x in (a[0], b[0])]
     sums = [f"{x:.1f}" if x is not None else "-" for x in (a[1], b[1])]
     print(f"{header:40s} {cells[0]:>10s} {cells[1]:>10s} {ratio:>6s} {sums[0]:>8s} {sums[1]:>8s}")
+print("compressed kernels seen:", ", ".join(sorted(names)))
 PY
