@@ -292,11 +292,11 @@ __device__ __forceinline__ void attend_tiles(const NsaDecodeArgs<T>& a, int b, i
   float* const sAcc = reinterpret_cast<float*>(sPipe);
   float* const sMax = sAcc + kWarps * kRows * Tile::kAccPitch;
   float* const sSum = sMax + kWarps * kRows;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
-  const auto store_state = [&](int slot) {
+  // Stores the warp's max, sum (summed over the quad first where sum_quads) and accumulator in epilogue slot `slot`.
+  const auto store_state = [&](int slot, bool sum_quads) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      if (sum_quads) l[half] = quad_sum(l[half]);
       const int r = slot * kRows + lane / 4 + half * 8;
 #pragma unroll
       for (int n = 0; n < Dv / 8; ++n) {
@@ -312,7 +312,9 @@ __device__ __forceinline__ void attend_tiles(const NsaDecodeArgs<T>& a, int b, i
   if constexpr (Warps > kWarps) {
     // Two rounds through the four-warp layout: warp w + 4 stores its state in slot w, then warp w merges it into
     // its own and stores the result there.
-    if (warp >= kWarps) store_state(warp - kWarps);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
+    if (warp >= kWarps) store_state(warp - kWarps, false);
     __syncthreads();
     if (warp < kWarps) {
       // m = the larger maximum; l and acc rescaled to it, then added (own first, then warp w + 4's), one pair of
@@ -340,10 +342,10 @@ __device__ __forceinline__ void attend_tiles(const NsaDecodeArgs<T>& a, int b, i
           acc[n][2 * half + 1] = acc[n][2 * half + 1] * self_weight[half] + x.y * other_weight[half];
         }
       }
-      store_state(warp);
+      store_state(warp, false);
     }
   } else {
-    store_state(warp);
+    store_state(warp, true);
   }
   __syncthreads();
 }
