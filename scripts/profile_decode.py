@@ -3,6 +3,7 @@ cache, at given contexts and batches: where a step's time goes, kernel by kernel
 of a graph replay's time, which `python -m sparseattn.bench_inference --sections decode` measures).
 
     python scripts/profile_decode.py [--contexts 8K 128K] [--batches 1 64] [--heads 64/4] [--head-dim 128]
+                                     [--methods nsa_decode flash_decode_paged]
 
 bf16, NSA defaults, Tq = 1, random inputs; the median over --steps profiled steps (each after a warm-up step) of
 each kernel's time. Prints one table per (batch, context).
@@ -31,6 +32,8 @@ def main():
     parser.add_argument("--heads", default="64/4")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--methods", nargs="+", choices=["nsa_decode", "flash_decode_paged"],
+                        default=["nsa_decode", "flash_decode_paged"])
     args = parser.parse_args()
     hq, hkv = (int(x) for x in args.heads.split("/"))
     config = sa.NSAConfig()
@@ -46,7 +49,7 @@ def main():
             gates = random_gates(batch, 1, hq, "cuda", torch.bfloat16)
             steps = decode_steps(q, k, v, gates, k_cmp, v_cmp, config)
             print(f"\n## B = {batch}, S = {context}, {args.heads}, D = {args.head_dim}")
-            for method in ("nsa_decode", "flash_decode_paged"):
+            for method in args.methods:
                 times = median_kernel_us(steps[method], args.steps)
                 print(f"{method}: sum {sum(times.values()):.1f} us")
                 for name, us in sorted(times.items(), key=lambda kv: -kv[1]):

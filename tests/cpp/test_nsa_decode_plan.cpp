@@ -87,5 +87,33 @@ TEST(NsaDecodePlan, TheSparseKernelCombinesWhereRowsHaveFewPartials) {
   EXPECT_EQ(w.fused_combine, w.swa_pieces <= cuda::nsa_dec::kFusedCombineMax);
 }
 
+TEST(NsaDecodePlan, TheCompressedWarpCountChangesNoSize) {
+  using cuda::nsa_dec::compressed_warps_of;
+  EXPECT_EQ(compressed_warps_of(nullptr), 8);
+  EXPECT_EQ(compressed_warps_of("4"), 4);
+  EXPECT_EQ(compressed_warps_of("8"), 8);
+  EXPECT_EQ(compressed_warps_of("16"), 8);
+  EXPECT_EQ(compressed_warps_of(""), 8);
+  for (const std::int64_t capacity : {std::int64_t{1000}, std::int64_t{32768}, std::int64_t{131072}}) {
+    for (const std::int64_t batch : {1, 64}) {
+      const std::int64_t max_cmp = (capacity - 32) / 16 + 1;
+      const Plan eight = defaults(batch, capacity);
+      const Plan four =
+          plan_nsa_decode(batch, 1, 64, 4, 128, 128, capacity, max_cmp, 32, 16, 64, 16, 512, kAll, 0, kH100Sms, 4);
+      EXPECT_EQ(four.cmp_warps, 4);
+      EXPECT_EQ(eight.cmp_warps, 8);
+      // The size query and the launch may read the switch at different times: every size must agree.
+      EXPECT_EQ(eight.bytes, four.bytes);
+      EXPECT_EQ(eight.cmp_smem, four.cmp_smem);
+      EXPECT_EQ(eight.attend_smem, four.attend_smem);
+      EXPECT_EQ(eight.cmp_splits, four.cmp_splits);
+      EXPECT_EQ(eight.split_rows, four.split_rows);
+    }
+  }
+  // Any other count falls back to the default, 8 warps.
+  const Plan odd = plan_nsa_decode(1, 1, 64, 4, 128, 128, 8192, 511, 32, 16, 64, 16, 512, kAll, 0, kH100Sms, 6);
+  EXPECT_EQ(odd.cmp_warps, 8);
+}
+
 }  // namespace
 }  // namespace sparseattn::test

@@ -4,7 +4,8 @@ kernel's own selection within the input precision's bound; Tq 1..16, groups 1/4/
 16-bit dtypes, long contexts over many compressed splits (heuristic and forced split counts, bit-identical run to
 run), the selection's exact ties and long candidate lists (up to 4600 blocks, n up to 64) against the expected
 lists, CUDA-graph capture and replay with new lengths and tables equal to eager calls, and the inputs the kernels
-do not take."""
+do not take. The cases that run the compressed kernel run with both of its warp counts (8, the default, and 4 where
+SPARSEATTN_NSA_DECODE_WARPS=4)."""
 import pytest
 import torch
 
@@ -30,6 +31,16 @@ def cpu_block_indices(case, cfg, branches=(True, True, True)):
     return call(cpu, cfg, branches, return_block_indices=True)[1]
 
 
+@pytest.fixture(params=[None, "4"], ids=["warps8", "warps4"])
+def compressed_warps(request, monkeypatch):
+    """The compressed kernel's warp count for the test: the default (8 warps) or SPARSEATTN_NSA_DECODE_WARPS=4."""
+    if request.param is None:
+        monkeypatch.delenv("SPARSEATTN_NSA_DECODE_WARPS", raising=False)
+    else:
+        monkeypatch.setenv("SPARSEATTN_NSA_DECODE_WARPS", request.param)
+    return request.param
+
+
 def check_against_reference(case, cfg, dtype, branches=(True, True, True), **kw):
     o, idx = call(case, cfg, branches, return_block_indices=True, **kw) if branches[1] else (
         call(case, cfg, branches, **kw), None)
@@ -52,7 +63,7 @@ def check_against_reference(case, cfg, dtype, branches=(True, True, True), **kw)
 @pytest.mark.parametrize("dims", list(sparseattn.CUDA_HEAD_DIMS))
 @pytest.mark.parametrize("Hq,Hkv", [(2, 2), (8, 2), (16, 1)])
 @pytest.mark.parametrize("Tq", [1, 5, 16])
-def test_matches_reference(dtype, dims, Hq, Hkv, Tq):
+def test_matches_reference(dtype, dims, Hq, Hkv, Tq, compressed_warps):
     g = torch.Generator().manual_seed(hash((str(dtype), dims, Hq, Tq)) % 2**31)
     lengths = [Tq + 3, 300, 517, 1000]
     case = paged_case(lengths, Tq, Hq, Hkv, dims[0], dims[1], 32, SMALL, dtype, g, shared_prefix=64, device="cuda")
@@ -61,7 +72,7 @@ def test_matches_reference(dtype, dims, Hq, Hkv, Tq):
 
 @pytest.mark.parametrize("branches", [(True, False, False), (False, True, False), (False, False, True),
                                       (False, True, True)])
-def test_single_branches(branches):
+def test_single_branches(branches, compressed_warps):
     g = torch.Generator().manual_seed(9)
     case = paged_case([33, 250, 700], 2, 8, 2, 128, 128, 16, SMALL, torch.bfloat16, g, device="cuda")
     check_against_reference(case, SMALL, torch.bfloat16, branches)
@@ -69,7 +80,7 @@ def test_single_branches(branches):
 
 @pytest.mark.parametrize("num_splits", [0, 3, 1])
 @pytest.mark.parametrize("Tq", [1, 4])
-def test_long_context_split_kv(num_splits, Tq):
+def test_long_context_split_kv(num_splits, Tq, compressed_warps):
     g = torch.Generator().manual_seed(num_splits * 10 + Tq)
     lengths = [20000, 9000, 3000 + Tq]
     case = paged_case(lengths, Tq, 16, 1, 128, 128, 64, DEFAULT, torch.bfloat16, g, device="cuda", scale=0.5)
@@ -78,7 +89,7 @@ def test_long_context_split_kv(num_splits, Tq):
     assert torch.equal(o, again)  # deterministic
 
 
-def test_cuda_graph_replay_equals_eager():
+def test_cuda_graph_replay_equals_eager(compressed_warps):
     g = torch.Generator().manual_seed(21)
     case = paged_case([900, 2000], 1, 16, 4, 128, 128, 64, DEFAULT, torch.bfloat16, g, device="cuda",
                       spare_pages=40, max_cmp=200)
@@ -135,7 +146,7 @@ def test_trusted_device_data_is_clamped():
 
 
 @pytest.mark.parametrize("num_selected", [16, 64])
-def test_selection_ties_and_many_candidates(num_selected):
+def test_selection_ties_and_many_candidates(num_selected, compressed_warps):
     """Exact ties and long candidate lists: blocks of one compressed row each (l = d = l' = 16); every query head
     has q = 100 e_0 and every compressed key is -100 e_0 (probability exactly 0 in float32 and float64, so those
     blocks' scores tie at 0 exactly) except a few hot rows 100 - i/2 (scores e^6.25 apart: no near ties). The

@@ -2,8 +2,9 @@
 //
 //  1. nsa_decode_compressed_kernel: a CTA per (compressed split, KV head, query, sequence). Its 16 rows are the
 //     group's query heads (G <= 16, padded), which share the query position a; it attends to the visible
-//     compressed rows of its split on mma.sync m16n8k16 (Q K^T and P V), each of the 4 warps taking one 16-row
-//     chunk of every 64-row tile, and writes the split's partial o (normalised) and lse per head. It keeps the
+//     compressed rows of its split on mma.sync, each of its 8 warps taking 8 rows of every 64-row tile (S on
+//     m16n8k16, P V on m16n8k8; with SPARSEATTN_NSA_DECODE_WARPS=4, each of 4 warps one 16-row chunk, both on
+//     m16n8k16: plan.h), and writes the split's partial o (normalised) and lse per head. It keeps the
 //     split's scaled logits in shared memory and, with the split's final max and sum, pools the split-local
 //     probabilities onto the selection blocks the split covers (overlap(j, b) / d weights): partial scores.
 //  2. nsa_decode_select_kernel: a CTA per (KV head, query, sequence). The global lse of each head from the splits'
@@ -125,20 +126,29 @@ struct RowState {
   float sum[kRows];
 };
 
-// The tile loop shared by the compressed and the sparse kernels. chunk(tile, c) gives chunk c of tile `tile`;
-// the group's rows of q are loaded for query t; the result is left in shared memory: the four warps'
-// accumulators, maxima and sums (epilogue layout), merged by merge_rows. With kLogits, each key's scaled logit
-// (-inf where masked) goes to logits[row * logit_pitch + tile * 64 + key].
-template <class T, int Dqk, int Dv, bool kLogits, class Chunk>
+// The tile loop shared by the compressed and the sparse kernels, on CTAs of Warps warps (4 or 8): each warp takes
+// 64 / Warps keys of every 64-key tile (4 warps: a 16-key chunk each, S and P V on m16n8k16; 8 warps: half a chunk
+// each, S on one m16n8k16 n-tile per k-step and P V on m16n8k8). chunk(tile, c) gives chunk c of tile `tile`;
+// the group's rows of q are loaded for query t; the result is left in shared memory in the epilogue layout of four
+// warps' accumulators, maxima and sums, merged by merge_rows (with 8 warps, warp w + 4 hands its state to warp w,
+// which merges it into its own first: a fixed order). With kLogits, each key's scaled logit (-inf where masked)
+// goes to logits[row * logit_pitch + tile * 64 + key].
+template <class T, int Dqk, int Dv, bool kLogits, int Warps, class Chunk>
 __device__ __forceinline__ void attend_tiles(const NsaDecodeArgs<T>& a, int b, int t, int kv_head, int tiles,
                                              Chunk&& chunk, unsigned char* smem, float* logits, int logit_pitch) {
+  static_assert(Warps == kWarps || Warps == 2 * kWarps, "a 16-key chunk or half of one per warp");
   using Tile = AttendTile<Dqk, Dv>;
+  constexpr int Threads = 32 * Warps;
+  constexpr int kWarpKeys = kTileKeys / Warps;
+  // With 8 warps, Q's fragments are read from shared memory at each tile: held in registers they would not fit the
+  // 128 registers a thread of two resident 256-thread CTAs has beside the accumulator.
+  constexpr bool kQInRegisters = Tile::kQInRegisters && Warps == kWarps;
   T* const sQ = reinterpret_cast<T*>(smem);
   T* const sPipe = sQ + kRows * Dqk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   const SmemTile<T, kRows, Dqk> q_tile{sQ};
-  load_rows<T, kRows, Dqk, kThreads>(
+  load_rows<T, kRows, Dqk, Threads>(
       q_tile, [&](int r) -> const T* { return r < a.group ? a.q.row(b, t, kv_head * a.group + r) : nullptr; },
       a.q.data);
 
@@ -148,12 +158,12 @@ __device__ __forceinline__ void attend_tiles(const NsaDecodeArgs<T>& a, int b, i
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const ChunkRef<T> ref = chunk(tile, c);
-      load_strided_rows<T, kChunkKeys, Dqk, kThreads>(SmemTile<T, kChunkKeys, Dqk>{k_stage + c * kChunkKeys * Dqk},
-                                                      ref.rows > 0 ? ref.k : a.k.data, ref.k_stride, ref.rows,
-                                                      a.k.data);
-      load_strided_rows<T, kChunkKeys, Dv, kThreads>(SmemTile<T, kChunkKeys, Dv>{v_stage + c * kChunkKeys * Dv},
-                                                     ref.rows > 0 ? ref.v : a.v.data, ref.v_stride, ref.rows,
-                                                     a.v.data);
+      load_strided_rows<T, kChunkKeys, Dqk, Threads>(SmemTile<T, kChunkKeys, Dqk>{k_stage + c * kChunkKeys * Dqk},
+                                                     ref.rows > 0 ? ref.k : a.k.data, ref.k_stride, ref.rows,
+                                                     a.k.data);
+      load_strided_rows<T, kChunkKeys, Dv, Threads>(SmemTile<T, kChunkKeys, Dv>{v_stage + c * kChunkKeys * Dv},
+                                                    ref.rows > 0 ? ref.v : a.v.data, ref.v_stride, ref.rows,
+                                                    a.v.data);
     }
   };
 
@@ -164,13 +174,13 @@ __device__ __forceinline__ void attend_tiles(const NsaDecodeArgs<T>& a, int b, i
 
   if (tiles > 0) issue(0, 0);
   cp_async_commit();  // group 0: Q and tile 0
-  std::uint32_t q_frag[Tile::kQInRegisters ? Dqk / 16 : 1][4];
+  std::uint32_t q_frag[kQInRegisters ? Dqk / 16 : 1][4];
   for (int it = 0; it < tiles; ++it) {
     if (it + 1 < tiles) issue(it + 1, (it + 1) % 2);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();  // tile `it` (and Q) landed for every thread
-    if constexpr (Tile::kQInRegisters) {
+    if constexpr (kQInRegisters) {
       if (it == 0) {
 #pragma unroll
         for (int kk = 0; kk < Dqk / 16; ++kk) load_a(q_frag[kk], q_tile, 0, kk * 16);
@@ -179,73 +189,163 @@ __device__ __forceinline__ void attend_tiles(const NsaDecodeArgs<T>& a, int b, i
     const int slot = it % 2;
     const SmemTile<T, kTileKeys, Dqk> k_tile{sPipe + slot * Tile::kStageElements};
     const SmemTile<T, kTileKeys, Dv> v_tile{sPipe + slot * Tile::kStageElements + Tile::kKElements};
-    const ChunkRef<T> ref = chunk(it, warp);
+    if constexpr (kWarpKeys == kChunkKeys) {
+      const ChunkRef<T> ref = chunk(it, warp);
 
-    float s[2][4];
+      float s[2][4];
 #pragma unroll
-    for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < Dqk / 16; ++kk) {
-      std::uint32_t qa[4];
-      if constexpr (Tile::kQInRegisters) {
+      for (int kk = 0; kk < Dqk / 16; ++kk) {
+        std::uint32_t qa[4];
+        if constexpr (kQInRegisters) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) qa[i] = q_frag[kk][i];
-      } else {
-        load_a(qa, q_tile, 0, kk * 16);
+          for (int i = 0; i < 4; ++i) qa[i] = q_frag[kk][i];
+        } else {
+          load_a(qa, q_tile, 0, kk * 16);
+        }
+        std::uint32_t kb[4];
+        load_b_rows(kb, k_tile, warp * kChunkKeys, kk * 16);
+        mma_pair<T>(s[0], s[1], qa, kb);
       }
-      std::uint32_t kb[4];
-      load_b_rows(kb, k_tile, warp * kChunkKeys, kk * 16);
-      mma_pair<T>(s[0], s[1], qa, kb);
-    }
-    if constexpr (kLogits) {
+      if constexpr (kLogits) {
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
+        for (int n = 0; n < 2; ++n) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int row = lane / 4 + (i / 2) * 8, col = n * 8 + 2 * (lane % 4) + (i % 2);
-          const bool keep = col >= ref.lo && col <= ref.hi;
-          logits[row * logit_pitch + it * kTileKeys + warp * kChunkKeys + col] =
-              keep ? s[n][i] * a.scale_log2 : -INFINITY;
+          for (int i = 0; i < 4; ++i) {
+            const int row = lane / 4 + (i / 2) * 8, col = n * 8 + 2 * (lane % 4) + (i % 2);
+            const bool keep = col >= ref.lo && col <= ref.hi;
+            logits[row * logit_pitch + it * kTileKeys + warp * kChunkKeys + col] =
+                keep ? s[n][i] * a.scale_log2 : -INFINITY;
+          }
         }
       }
-    }
-    const bool masked = !(ref.lo == 0 && ref.hi == kChunkKeys - 1);
-    float correction[2];
-    const int col_lo[2] = {ref.lo, ref.lo}, col_hi[2] = {ref.hi, ref.hi};
-    with_mask(masked, [&](auto mask) {
-      softmax_probabilities<kChunkKeys, decltype(mask)::value>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
-    });
-    rescale_rows<Dv>(acc, correction);
-    const std::uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
-                                 pack2<T>(s[1][2], s[1][3])};
+      const bool masked = !(ref.lo == 0 && ref.hi == kChunkKeys - 1);
+      float correction[2];
+      const int col_lo[2] = {ref.lo, ref.lo}, col_hi[2] = {ref.hi, ref.hi};
+      with_mask(masked, [&](auto mask) {
+        softmax_probabilities<kChunkKeys, decltype(mask)::value>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
+      });
+      rescale_rows<Dv>(acc, correction);
+      const std::uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
+                                   pack2<T>(s[1][2], s[1][3])};
 #pragma unroll
-    for (int np = 0; np < Dv / 16; ++np) {
-      std::uint32_t vb[4];
-      load_b_cols(vb, v_tile, warp * kChunkKeys, np * 16);
-      mma_pair<T>(acc[2 * np], acc[2 * np + 1], pa, vb);
+      for (int np = 0; np < Dv / 16; ++np) {
+        std::uint32_t vb[4];
+        load_b_cols(vb, v_tile, warp * kChunkKeys, np * 16);
+        mma_pair<T>(acc[2 * np], acc[2 * np + 1], pa, vb);
+      }
+    } else {
+      // Keys [key0, key0 + 8) of the tile: half of chunk key0 / 16, columns (chunk-relative) shifted by `shift`.
+      const int key0 = warp * kWarpKeys, shift = key0 % kChunkKeys;
+      const ChunkRef<T> ref = chunk(it, key0 / kChunkKeys);
+      float s[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < Dqk / 32; ++kk) {
+        // B of two k-steps at once: the 8 keys' columns [32 kk, 32 kk + 32) as four 8x8 matrices.
+        std::uint32_t kb[4];
+        ldmatrix_x4(kb, k_tile.at(key0 + lane % 8, kk * 32 + (lane / 8) * 8));
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+          std::uint32_t qa[4];
+          if constexpr (kQInRegisters) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) qa[i] = q_frag[2 * kk + step][i];
+          } else {
+            load_a(qa, q_tile, 0, (2 * kk + step) * 16);
+          }
+          const std::uint32_t kb_step[2] = {kb[2 * step], kb[2 * step + 1]};
+          mma_16816<T>(s[0], qa, kb_step);
+        }
+      }
+      const int col_lo[2] = {ref.lo - shift, ref.lo - shift}, col_hi[2] = {ref.hi - shift, ref.hi - shift};
+      if constexpr (kLogits) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = lane / 4 + (i / 2) * 8, col = 2 * (lane % 4) + (i % 2);
+          const bool keep = col >= col_lo[0] && col <= col_hi[0];
+          logits[row * logit_pitch + it * kTileKeys + key0 + col] = keep ? s[0][i] * a.scale_log2 : -INFINITY;
+        }
+      }
+      const bool masked = !(col_lo[0] <= 0 && col_hi[0] >= kWarpKeys - 1);
+      float correction[2];
+      with_mask(masked, [&](auto mask) {
+        softmax_probabilities<kWarpKeys, decltype(mask)::value>(s, m, l, col_lo, col_hi, a.scale_log2, correction);
+      });
+      rescale_rows<Dv>(acc, correction);
+      const std::uint32_t pa[2] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3])};
+#pragma unroll
+      for (int nq = 0; nq < Dv / 32; ++nq) {
+        // B of four n-tiles: the 8 keys' rows of V columns [32 nq, 32 nq + 32), transposed.
+        std::uint32_t vb[4];
+        ldmatrix_x4_trans(vb, v_tile.at(key0 + lane % 8, nq * 32 + (lane / 8) * 8));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma_1688<T>(acc[4 * nq + j], pa, vb[j]);
+      }
     }
     __syncthreads();  // every warp is done with this slot before tile it + 2 is issued into it
   }
   cp_async_wait<0>();
   __syncthreads();
 
-  // Epilogue layout: sAcc [warp][row][kAccPitch], then sMax [warp][row], sSum [warp][row].
+  // Epilogue layout: sAcc [warp][row][kAccPitch], then sMax [warp][row], sSum [warp][row], for kWarps warps.
   float* const sAcc = reinterpret_cast<float*>(sPipe);
   float* const sMax = sAcc + kWarps * kRows * Tile::kAccPitch;
   float* const sSum = sMax + kWarps * kRows;
+  // Stores the warp's max, sum (summed over the quad first where sum_quads) and accumulator in epilogue slot `slot`.
+  const auto store_state = [&](int slot, bool sum_quads) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    l[half] = quad_sum(l[half]);
-    const int r = warp * kRows + lane / 4 + half * 8;
+    for (int half = 0; half < 2; ++half) {
+      if (sum_quads) l[half] = quad_sum(l[half]);
+      const int r = slot * kRows + lane / 4 + half * 8;
 #pragma unroll
-    for (int n = 0; n < Dv / 8; ++n) {
-      *reinterpret_cast<float2*>(sAcc + r * Tile::kAccPitch + n * 8 + 2 * (lane % 4)) =
-          make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
+      for (int n = 0; n < Dv / 8; ++n) {
+        *reinterpret_cast<float2*>(sAcc + r * Tile::kAccPitch + n * 8 + 2 * (lane % 4)) =
+            make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
+      }
+      if (lane % 4 == 0) {
+        sMax[r] = m[half];
+        sSum[r] = l[half];
+      }
     }
-    if (lane % 4 == 0) {
-      sMax[r] = m[half];
-      sSum[r] = l[half];
+  };
+  if constexpr (Warps > kWarps) {
+    // Two rounds through the four-warp layout: warp w + 4 stores its state in slot w, then warp w merges it into
+    // its own and stores the result there.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) l[half] = quad_sum(l[half]);
+    if (warp >= kWarps) store_state(warp - kWarps, false);
+    __syncthreads();
+    if (warp < kWarps) {
+      // m = the larger maximum; l and acc rescaled to it, then added (own first, then warp w + 4's), one pair of
+      // the other's accumulator at a time.
+      float self_weight[2], other_weight[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp * kRows + lane / 4 + half * 8;
+        const float m_other = sMax[r], l_other = sSum[r];
+        const float mx = fmaxf(m[half], m_other);
+        const float use = mx == -INFINITY ? 0.f : mx;
+        self_weight[half] = exp2f(m[half] - use);  // 0 where the maximum is -inf
+        other_weight[half] = exp2f(m_other - use);
+        l[half] = l[half] * self_weight[half] + l_other * other_weight[half];
+        m[half] = mx;
+      }
+      __syncwarp();  // the quad's reads of the maxima and sums come before its first lane overwrites them
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp * kRows + lane / 4 + half * 8;
+#pragma unroll
+        for (int n = 0; n < Dv / 8; ++n) {
+          const float2 x = *reinterpret_cast<const float2*>(sAcc + r * Tile::kAccPitch + n * 8 + 2 * (lane % 4));
+          acc[n][2 * half] = acc[n][2 * half] * self_weight[half] + x.x * other_weight[half];
+          acc[n][2 * half + 1] = acc[n][2 * half + 1] * self_weight[half] + x.y * other_weight[half];
+        }
+      }
+      store_state(warp, false);
     }
+  } else {
+    store_state(warp, true);
   }
   __syncthreads();
 }
@@ -270,13 +370,14 @@ __device__ __forceinline__ void merge_rows(const unsigned char* smem, int dqk, R
   __syncthreads();
 }
 
-// Writes the CTA's rows (the group's heads of query t) as normalised partial o [row][Dv] and lse (natural log).
-template <int Dv>
+// Writes the CTA's rows (the group's heads of query t) as normalised partial o [row][Dv] and lse (natural log);
+// Threads: the CTA's threads.
+template <int Dv, int Threads>
 __device__ __forceinline__ void write_partials(const unsigned char* smem, int dqk, const RowState& state, int group,
                                                float* partial_o, float* partial_lse, i64 row0) {
   const float* sAcc = reinterpret_cast<const float*>(smem + 2 * kRows * dqk);
   const float* sMax = sAcc + kWarps * kRows * (Dv + 8);
-  for (int item = threadIdx.x; item < group * Dv; item += kThreads) {
+  for (int item = threadIdx.x; item < group * Dv; item += Threads) {
     const int r = item / Dv, c = item % Dv;
     const float row_max = state.max[r], sum = state.sum[r];
     float out = 0.f;
@@ -288,13 +389,27 @@ __device__ __forceinline__ void write_partials(const unsigned char* smem, int dq
     }
     if (partial_o != nullptr) partial_o[(row0 + r) * Dv + c] = out;
   }
-  for (int r = threadIdx.x; r < group; r += kThreads) {
+  for (int r = threadIdx.x; r < group; r += Threads) {
     partial_lse[row0 + r] = state.sum[r] > 0.f ? (state.max[r] + log2f(state.sum[r])) * kLn2 : -INFINITY;
   }
 }
 
-template <class T, int Dqk, int Dv>
-__global__ void __launch_bounds__(kThreads) nsa_decode_compressed_kernel(NsaDecodeArgs<T> a) {
+// Shared memory of an SM of compute capability 9.0 and what it reserves per CTA.
+inline constexpr std::size_t kSm90SmemPerSm = 228 * 1024, kSmemReservedPerCta = 1024;
+// CTAs of the compressed kernel resident per SM that its register budget assumes (__launch_bounds__): with 8 warps,
+// two (16 warps per SM, at most 128 registers per thread) where two CTAs with the largest split's logits fit an
+// SM's shared memory; otherwise 0, no constraint beyond the CTA size.
+template <int Warps, int Dqk, int Dv>
+inline constexpr int kCompressedMinBlocks =
+    Warps > kWarps && 2 * (attend_smem_bytes(Dqk, Dv) + sizeof(float) * kRows * kMaxSplitRows + sizeof(RowState) +
+                           kSmemReservedPerCta) <= kSm90SmemPerSm
+        ? 2
+        : 0;
+
+template <class T, int Dqk, int Dv, int Warps>
+__global__ void __launch_bounds__(32 * Warps, kCompressedMinBlocks<Warps, Dqk, Dv>)
+    nsa_decode_compressed_kernel(NsaDecodeArgs<T> a) {
+  constexpr int Threads = 32 * Warps;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ RowState state;
   i64 block = blockIdx.x;
@@ -325,17 +440,17 @@ __global__ void __launch_bounds__(kThreads) nsa_decode_compressed_kernel(NsaDeco
     ref.hi = ref.rows - 1;
     return ref;
   };
-  attend_tiles<T, Dqk, Dv, true>(a, b, t, kv_head, tiles, chunk, smem, logits, a.split_rows);
+  attend_tiles<T, Dqk, Dv, true, Warps>(a, b, t, kv_head, tiles, chunk, smem, logits, a.split_rows);
   allow_next_grid();
   merge_rows<Dv>(smem, Dqk, state);
   const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
   const i64 row0 = split * rows_q + a.row_of(b, t, kv_head * a.group);
-  write_partials<Dv>(smem, Dqk, state, a.group, a.has_cmp ? a.cmp_o : nullptr, a.cmp_lse, row0);
+  write_partials<Dv, Threads>(smem, Dqk, state, a.group, a.has_cmp ? a.cmp_o : nullptr, a.cmp_lse, row0);
   if (!a.has_sel) return;
 
   // Pooled split-local probabilities: score(r, block) = sum_j overlap(j, block) / d * 2^(logit - max) / sum.
   const int first_block = static_cast<int>(i64{row_begin} * a.cmp_stride / a.sel_block);
-  for (int item = threadIdx.x; item < a.group * a.score_span; item += kThreads) {
+  for (int item = threadIdx.x; item < a.group * a.score_span; item += Threads) {
     const int r = item / a.score_span, local = item % a.score_span;
     const i64 block_begin = i64{first_block + local} * a.sel_block, block_end = block_begin + a.sel_block;
     // Rows j overlapping the block: j * d < block_end and j * d + l > block_begin.
@@ -877,11 +992,11 @@ __global__ void __launch_bounds__(kThreads) nsa_decode_sparse_kernel(NsaDecodeAr
     ref.v = a.v.data + page * a.v.page_stride + row * a.v.row_stride + kv_head * a.v.head_stride;
     return ref;
   };
-  attend_tiles<T, Dqk, Dv, false>(a, b, t, kv_head, tiles, chunk, smem, nullptr, 0);
+  attend_tiles<T, Dqk, Dv, false, kWarps>(a, b, t, kv_head, tiles, chunk, smem, nullptr, 0);
   allow_next_grid();
   merge_rows<Dv>(smem, Dqk, state);
   const i64 rows_q = i64{a.batch} * a.q_len * a.q_heads;
-  write_partials<Dv>(smem, Dqk, state, a.group, a.piece_o, a.piece_lse,
+  write_partials<Dv, kThreads>(smem, Dqk, state, a.group, a.piece_o, a.piece_lse,
                      piece * rows_q + a.row_of(b, t, kv_head * a.group));
   if (!a.fused_combine) return;
   // The list's last CTA to finish combines its rows (the pipeline's shared memory is free once all have arrived).

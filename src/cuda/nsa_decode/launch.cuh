@@ -3,6 +3,8 @@
 // one stream.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/nsa_decode/launch.h"
 #include "cuda/primitives/launch.cuh"
 
@@ -24,10 +26,18 @@ void launch_nsa_decode(const NsaDecodeArgs<T>& a, const Plan& plan, cudaStream_t
   dispatch_head_dims(plan.dqk, plan.dv, [&](auto dim_qk, auto dim_v) {
     constexpr int Dqk = decltype(dim_qk)::value, Dv = decltype(dim_v)::value;
     if (plan.compressed) {
-      const auto kernel = nsa_decode_compressed_kernel<T, Dqk, Dv>;
-      set_dynamic_smem(kernel, plan.cmp_smem);
-      launch_dependent(dependent(), kernel, dim3(static_cast<unsigned>(lists * plan.cmp_splits)), dim3(kThreads),
-                       plan.cmp_smem, stream, a);
+      const auto launch_compressed = [&](auto warps) {
+        constexpr int Warps = decltype(warps)::value;
+        const auto kernel = nsa_decode_compressed_kernel<T, Dqk, Dv, Warps>;
+        set_dynamic_smem(kernel, plan.cmp_smem);
+        launch_dependent(dependent(), kernel, dim3(static_cast<unsigned>(lists * plan.cmp_splits)),
+                         dim3(32 * Warps), plan.cmp_smem, stream, a);
+      };
+      if (plan.cmp_warps == 2 * kWarps) {
+        launch_compressed(std::integral_constant<int, 2 * kWarps>{});
+      } else {
+        launch_compressed(std::integral_constant<int, kWarps>{});
+      }
       check_launch("nsa_decode_compressed_kernel");
     }
     if (plan.has_sel) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/nsa_decode/launch.h"
@@ -21,7 +22,7 @@ namespace {
 using nsa_dec::Plan;
 
 // The plan of a call (a default empty plan where the shapes are not those of a valid call: the size query runs
-// before validation).
+// before validation); the compressed kernel's warp count from the environment (nsa_dec::kCompressedWarpsEnv).
 Plan plan_of(const NsaDecodeParams& p) {
   if (p.q.rank != 4 || p.k_cache.rank != 4 || p.v_cache.rank != 4 || p.block_table.rank != 2) return {};
   const bool branch[3] = {p.gates[0].present(), p.gates[1].present(), p.gates[2].present()};
@@ -31,7 +32,8 @@ Plan plan_of(const NsaDecodeParams& p) {
   return nsa_dec::plan_nsa_decode(p.q.shape[0], p.q.shape[1], p.q.shape[2], p.k_cache.shape[2], p.q.shape[3],
                                      p.v_cache.shape[3], capacity, max_cmp, c.cmp_block, c.cmp_stride, c.sel_block,
                                      c.num_selected, c.window, branch, p.num_splits,
-                                     multiprocessors(p.q.device_index));
+                                     multiprocessors(p.q.device_index),
+                                     nsa_dec::compressed_warps_of(std::getenv(nsa_dec::kCompressedWarpsEnv)));
 }
 
 template <class T>

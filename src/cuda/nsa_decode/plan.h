@@ -6,12 +6,21 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 
 namespace sparseattn::cuda::nsa_dec {
 
 inline constexpr int kWarps = 4;
 inline constexpr int kThreads = 32 * kWarps;
+// The compressed kernel runs on CTAs of 2 * kWarps warps (half a 16-key chunk per warp: twice the warps per SM in
+// the same shared memory, for a kernel bound by its own instruction latency) or, where the environment sets
+// kCompressedWarpsEnv=4, of kWarps warps: an A/B switch read on the host at each call (the plan's sizes do not
+// depend on it).
+inline constexpr const char* kCompressedWarpsEnv = "SPARSEATTN_NSA_DECODE_WARPS";
+inline int compressed_warps_of(const char* value) {
+  return value != nullptr && std::strcmp(value, "4") == 0 ? kWarps : 2 * kWarps;
+}
 inline constexpr int kRows = 16;        // one m16 tile of rows: the group's query heads (G <= 16), padded
 inline constexpr int kTileKeys = 64;    // keys per pipeline stage: four 16-key chunks, one per warp
 inline constexpr int kChunkKeys = 16;   // the unit of a page lookup and of a key mask interval
@@ -39,6 +48,7 @@ struct Plan {
   bool has_cmp = false, has_sel = false, has_swa = false;
   bool compressed = false;  // the compressed pass runs (g_cmp or g_slc)
   bool fused_combine = false;  // the sparse kernel's last CTA of each list combines (kFusedCombineMax)
+  int cmp_warps = 2 * kWarps;  // warps per CTA of the compressed kernel (kCompressedWarpsEnv)
   // Compressed rows: split p covers rows [p * split_rows, (p + 1) * split_rows); its pooled scores cover selection
   // blocks [p * split_rows * d / l', + score_span).
   std::int64_t split_rows = 0, cmp_splits = 0, score_span = 0;
@@ -71,13 +81,14 @@ inline Plan plan_nsa_decode(std::int64_t batch, std::int64_t q_len, std::int64_t
                             std::int64_t dqk, std::int64_t dv, std::int64_t capacity, std::int64_t max_cmp,
                             std::int64_t cmp_block, std::int64_t cmp_stride, std::int64_t sel_block,
                             std::int64_t num_selected, std::int64_t window, const bool (&branch)[3],
-                            std::int64_t requested_splits, int sms) {
+                            std::int64_t requested_splits, int sms, int cmp_warps = 2 * kWarps) {
   Plan p;
   if (kv_heads <= 0 || q_heads % kv_heads != 0 || cmp_stride <= 0 || sel_block <= 0) return p;
   p.batch = batch, p.q_len = q_len, p.q_heads = q_heads, p.kv_heads = kv_heads, p.group = q_heads / kv_heads;
   p.dqk = dqk, p.dv = dv, p.capacity = capacity, p.max_cmp = max_cmp;
   p.has_cmp = branch[0], p.has_sel = branch[1], p.has_swa = branch[2];
   p.compressed = p.has_cmp || p.has_sel;
+  p.cmp_warps = cmp_warps == kWarps ? kWarps : 2 * kWarps;
   const std::int64_t base = std::max<std::int64_t>(batch * q_len * kv_heads, 1);
   const std::int64_t slots = 2 * std::int64_t{std::max(sms, 1)};
   if (p.compressed) {

@@ -31,6 +31,25 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const std::uint32_t (&a
   }
 }
 
+// D = A * B + C for m16n8k8 (fp32 accumulation; T is __half or __nv_bfloat16): A (16x8, row-major) in 2 x b32
+// registers, a[0] rows lane/4 and a[1] rows lane/4 + 8, columns 2*(lane%4) and 2*(lane%4) + 1 (the layout of one
+// m16n8 C fragment packed to 16 bits: d[0..1] and d[2..3]); B (8x8, column-major) in one b32 register, k rows
+// 2*(lane%4) and 2*(lane%4) + 1 of column lane/4. bf16 needs sm_80.
+template <class T>
+__device__ __forceinline__ void mma_1688(float (&d)[4], const std::uint32_t (&a)[2], std::uint32_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b));
+  }
+}
+
 __device__ __forceinline__ std::uint32_t shared_address(const void* pointer) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(pointer));
 }
