@@ -97,6 +97,8 @@ class Ring {
   __device__ __forceinline__ void release(unsigned use) const { arrive(empty_ + slot(use)); }
   // `count` releases at once: for consumers that do not read this use of the slot.
   __device__ __forceinline__ void release(unsigned use, int count) const { arrive(empty_ + slot(use), count); }
+  // The full barrier of this use's slot: a TMA producer's copies complete it (expected bytes, one arrival).
+  __device__ __forceinline__ std::uint64_t* full_barrier(unsigned use) const { return full_ + slot(use); }
 
  private:
   __device__ __forceinline__ static int parity(unsigned use) { return static_cast<int>((use / kSlots) & 1u); }
@@ -120,6 +122,17 @@ template <class... Rings>
 __device__ __forceinline__ void init_rings(const Rings&... rings) {
   if (threadIdx.x == 0) {
     (rings.init(ProducerConsumers::kProducerThreads, ProducerConsumers::kConsumerThreads), ...);
+    fence_init();
+  }
+  __syncthreads();
+}
+
+// init_rings for a producer of `full_arrivals` arrivals per filled slot (1: one thread issues TMA copies whose bytes
+// complete the phase).
+template <class... Rings>
+__device__ __forceinline__ void init_rings_with_full_arrivals(int full_arrivals, const Rings&... rings) {
+  if (threadIdx.x == 0) {
+    (rings.init(full_arrivals, ProducerConsumers::kConsumerThreads), ...);
     fence_init();
   }
   __syncthreads();
