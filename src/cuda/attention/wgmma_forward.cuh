@@ -94,9 +94,12 @@ inline constexpr bool kForwardTmaMask = std::is_same_v<Mask, FlashMask> || std::
 // of each 64-column panel. Loops that are not unrolled, in few registers: the TMA producer's warp runs it for the
 // rare tiles that end before kRows rows.
 template <int kRows, int kDim, class T, class G>
-__device__ __forceinline__ void warp_copy_tile_rows(T* tile, const Tokens<G>& g, i64 batch, i64 row0, int valid,
-                                                    i64 head) {
+__device__ __forceinline__ void warp_copy_tile_rows(T* tile, const Tokens<G>& g, int batch, int row0, int valid,
+                                                    int head) {
   const int lane = static_cast<int>(threadIdx.x % 32), chunk = lane % 8;
+  // The row's address from values the compiler sees as made here, so that it computes it here, on this rare path,
+  // instead of hoisting its 64-bit parts out of the producer's loop into registers that the loop's state needs.
+  asm volatile("" : "+r"(batch), "+r"(row0), "+r"(head));
   const G* first = g.row(batch, row0, head) + chunk * 8;
 #pragma unroll 1
   for (int panel = 0; panel < kDim / 64; ++panel) {
@@ -119,22 +122,21 @@ __device__ __forceinline__ void warp_copy_tile_rows(T* tile, const Tokens<G>& g,
 // too) and the mbarriers order everything: no fence on the TMA path.
 template <int kRows, int kDim, class Ring, class T, class G>
 __device__ __forceinline__ void produce_tma_tile(const Ring& ring, unsigned use, T* tile, const Tokens<G>& g,
-                                                 const CUtensorMap* map, i64 batch, i64 row0, i64 valid, i64 head) {
+                                                 const CUtensorMap* map, int batch, int row0, int valid, int head) {
   const bool leader = threadIdx.x % 32 == 0;
   if (valid >= kRows) {
     if (leader) {
       ring.acquire(use);
       std::uint64_t* full = ring.full_barrier(use);
       tma::arrive_expect_bytes(full, static_cast<std::uint32_t>(kRows * kDim * sizeof(T)));
-      const int row = static_cast<int>(row0), h = static_cast<int>(head), b = static_cast<int>(batch);
 #pragma unroll
       for (int panel = 0; panel < kDim / 64; ++panel) {
-        tma::load_box(tile + panel * kRows * 64, map, full, 64 * panel, h, row, b);
+        tma::load_box(tile + panel * kRows * 64, map, full, 64 * panel, head, row0, batch);
       }
     }
   } else {
     ring.acquire(use);
-    warp_copy_tile_rows<kRows, kDim>(tile, g, batch, row0, static_cast<int>(valid), head);
+    warp_copy_tile_rows<kRows, kDim>(tile, g, batch, row0, valid, head);
     cp_async_commit();
     cp_async_wait<0>();
     tma::fence_shared_to_async();
@@ -194,19 +196,24 @@ __device__ __forceinline__ void attention_forward_wgmma(const AttnArgs<T>& a, co
       }
       unsigned key_tiles = 0, query_tiles = 0;
       for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
+        // Token coordinates in 32 bits (the tensor maps' dimensions are below 2^31), so that the loop's state fits
+        // the producer's registers.
+        const int batch = static_cast<int>(seq.batch), k_row0 = static_cast<int>(seq.k_begin);
+        const int keys = static_cast<int>(seq.S), hk = static_cast<int>(w.hk);
         KeyTileWalk<Mask> walk;
         const i64 first = walk.next(mc, seq, w, w.tile_begin, kN);
         for (i64 it = first; it < w.tile_end; it = walk.next(mc, seq, w, it + 1, kN), ++key_tiles) {
-          const i64 j0 = it * kN;
-          produce_tma_tile<kN, Dqk>(k_ring, key_tiles, sK + k_ring.slot(key_tiles) * Tile::kK, a.k, &maps.k,
-                                    seq.batch, seq.k_begin + j0, seq.S - j0, w.hk);
+          const int j0 = static_cast<int>(it) * kN;
+          produce_tma_tile<kN, Dqk>(k_ring, key_tiles, sK + k_ring.slot(key_tiles) * Tile::kK, a.k, &maps.k, batch,
+                                    k_row0 + j0, keys - j0, hk);
           if (it == first) {  // Q after the first K, as the cp.async producer does
             produce_tma_tile<kM, Dqk>(q_ring, query_tiles, sQ + q_ring.slot(query_tiles) * Tile::kQ, a.q, &maps.q,
-                                      seq.batch, seq.q_begin + w.t0, w.rows, w.h);
+                                      batch, static_cast<int>(seq.q_begin + w.t0), static_cast<int>(w.rows),
+                                      static_cast<int>(w.h));
             ++query_tiles;
           }
-          produce_tma_tile<kN, Dv>(v_ring, key_tiles, sV + v_ring.slot(key_tiles) * Tile::kV, a.v, &maps.v,
-                                   seq.batch, seq.k_begin + j0, seq.S - j0, w.hk);
+          produce_tma_tile<kN, Dv>(v_ring, key_tiles, sV + v_ring.slot(key_tiles) * Tile::kV, a.v, &maps.v, batch,
+                                   k_row0 + j0, keys - j0, hk);
         }
       });
       return;
