@@ -74,8 +74,8 @@ inline bool switch_on(const char* name, bool default_on) {
 }
 
 // The tensor map of token tensor `view` ([B, T, H, D] or packed [N, H, D], 16-bit elements) with boxes of 64
-// columns x `rows` tokens of one head (rows <= 256: 128 for the attention forward's tiles, the key count of a tile
-// for the selected-attention kernels) (128-byte swizzle, zero fill outside the tensor, L2 promotion by 256 bytes).
+// columns x `rows` tokens of one head, rows <= 256 (128-byte swizzle, zero fill outside the tensor, L2 promotion by
+// 256 bytes; the attention forward's boxes are 128 rows).
 // False where TMA cannot describe it: D not a multiple of 64, a base not 16-byte aligned, a stride not a multiple
 // of 16 bytes or past 2^40 bytes, a dimension of 2^31 or more (32-bit coordinates), the innermost stride not 1, or
 // the encoder refuses. A dimension of size 1 takes a stride of its own choosing (its only coordinate is 0).
