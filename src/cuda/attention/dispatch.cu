@@ -158,6 +158,13 @@ Launch launch_of(const TensorView& q, const TensorView& k, const Sequences& seqs
   return l;
 }
 
+// The forward's tensors, for the tensor maps of the wgmma forward's TMA variant (launchers.cuh).
+void set_forward_views(Launch& l, const TensorView& q, const TensorView& k, const TensorView& v) {
+  l.q_view = &q;
+  l.k_view = &k;
+  l.v_view = &v;
+}
+
 template <class T, class Mask>
 void dispatch(bool forward, i64 dqk, i64 dv, const AttnArgs<T>& a, const typename Mask::Config& mc,
               const Launch& l) {
@@ -315,7 +322,8 @@ CompressedMask::Config compressed_mask(const P& p) {
 
 void flash_attention(const FlashAttentionParams& p) {
   const DeviceGuard device(p.q.device_index);
-  const Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
+  Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
+  set_forward_views(l, p.q, p.k, p.v);
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k, p.v, p.o, p.lse, {}, {}, {}, {}, nullptr, p.scale);
@@ -429,6 +437,7 @@ void compressed_attention(const CompressedAttentionParams& p) {
   const DeviceGuard device(p.q.device_index);
   Launch l = launch_of(p.q, p.k_cmp, p.seqs, 0, p.stream);
   l.max_k = compressed_max_k(p, l.max_q);
+  set_forward_views(l, p.q, p.k_cmp, p.v_cmp);
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, {}, {}, {}, {}, nullptr, p.scale);

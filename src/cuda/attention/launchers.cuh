@@ -22,6 +22,11 @@ struct Launch {
   bool delta_given;  // backward: AttnArgs::delta holds the caller's rowsum(dO * O), no delta kernel
   int multiprocessors;  // of the device: the grid of the persistent kernels
   cudaStream_t stream;
+  // The forward's q, k and v tensors, which the TMA variant of the wgmma forward describes with tensor maps; null
+  // where the caller leaves them out (then the cp.async kernel runs).
+  const TensorView* q_view = nullptr;
+  const TensorView* k_view = nullptr;
+  const TensorView* v_view = nullptr;
 };
 
 // Query-tile grids: (query heads, query tiles, sequences); key-block grids: (KV heads x head splits, key blocks,
@@ -45,12 +50,45 @@ inline unsigned persistent_ctas(const Launch& l, const QueryTileOrder& order) {
   return static_cast<unsigned>(std::min<i64>(order.count, l.multiprocessors));
 }
 
+// Whether the wgmma forward takes its TMA producer: yes unless SPARSEATTN_ATTENTION_TMA is "0" (the cp.async
+// producer), read at every call.
+inline bool attention_tma_requested() { return tma::switch_on("SPARSEATTN_ATTENTION_TMA", true); }
+
+// Launches the TMA variant of the wgmma forward where it may run; false otherwise: the switch is on, the device has
+// TMA (sm_90 or later, the driver's encoder found), the kernel runs there from its sm_90a code (wgmma::kernel_runs:
+// compiled for sm_90a, so its TMA instructions are there too, and not forced off by SPARSEATTN_ATTENTION_MMA), and
+// q, k and v each have a tensor map with boxes of 64 columns x 128 rows (tma::token_map: 16-byte aligned base,
+// strides multiples of 16 bytes, innermost stride 1, dimensions below 2^31). The maps are encoded on the host into
+// the kernel's parameter: no allocation, no synchronisation.
+template <class T, int Dqk, int Dv, class Mask>
+bool launch_forward_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  using Tile = WgmmaFwdTile<Dqk, Dv>;
+  static_assert(Tile::kM == 128 && Tile::kN == 128, "the tensor maps' boxes are 128 rows");
+  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || !attention_tma_requested()) return false;
+  if (!tma::device_supports(l.q_view->device_index)) return false;
+  auto kernel = attention_forward_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
+  if (!wgmma::kernel_runs(kernel)) return false;
+  ForwardTmaMaps maps;
+  if (!tma::token_map(&maps.q, *l.q_view, Tile::kM) || !tma::token_map(&maps.k, *l.k_view, Tile::kN) ||
+      !tma::token_map(&maps.v, *l.v_view, Tile::kN)) {
+    return false;
+  }
+  set_dynamic_smem(kernel, Tile::kSmemBytes);
+  const QueryTileOrder order = query_tile_order(l, Tile::kM);
+  kernel<<<persistent_ctas(l, order), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, order, maps);
+  check_launch("attention_forward_wgmma_tma_kernel");
+  return true;
+}
+
 // Launches the wgmma forward (kThreshold: its variant with the sparse-softmax threshold) where it runs; false
-// otherwise.
+// otherwise. The plain masks (kForwardTmaMask) take the TMA variant where launch_forward_wgmma_tma allows it.
 template <class T, int Dqk, int Dv, class Mask, bool kThreshold>
 bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   if constexpr (WgmmaFwdTile<Dqk, Dv>::kSupported) {
     using Tile = WgmmaFwdTile<Dqk, Dv>;
+    if constexpr (kForwardTmaMask<Mask> && !kThreshold) {
+      if (launch_forward_wgmma_tma<T, Dqk, Dv, Mask>(args, mc, l)) return true;
+    }
     auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask, kThreshold>;
     if (!wgmma::kernel_runs(kernel)) return false;
     set_dynamic_smem(kernel, Tile::kSmemBytes);

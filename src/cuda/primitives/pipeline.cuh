@@ -51,6 +51,13 @@ __device__ __forceinline__ void arrive_on_copies(std::uint64_t* barrier) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier)) : "memory");
 }
 
+// An arrival triggered once all of this thread's earlier cp.async copies have landed, on top of the barrier's expected
+// arrivals: the pending count goes up by one now and down by one then, so the phase cannot complete before the
+// copies land (a producer whose copies and whose counted arrival are separate: the TMA producer's zero-filled tiles).
+__device__ __forceinline__ void arrive_on_copies_extra(std::uint64_t* barrier) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier)) : "memory");
+}
+
 // Blocks until the phase of the given parity has completed.
 __device__ __forceinline__ void wait(std::uint64_t* barrier, int parity) {
   const std::uint32_t address = shared_address(barrier);
@@ -97,6 +104,8 @@ class Ring {
   __device__ __forceinline__ void release(unsigned use) const { arrive(empty_ + slot(use)); }
   // `count` releases at once: for consumers that do not read this use of the slot.
   __device__ __forceinline__ void release(unsigned use, int count) const { arrive(empty_ + slot(use), count); }
+  // The full barrier of this use's slot: a TMA producer's copies complete it (expected bytes, one arrival).
+  __device__ __forceinline__ std::uint64_t* full_barrier(unsigned use) const { return full_ + slot(use); }
 
  private:
   __device__ __forceinline__ static int parity(unsigned use) { return static_cast<int>((use / kSlots) & 1u); }
@@ -120,6 +129,17 @@ template <class... Rings>
 __device__ __forceinline__ void init_rings(const Rings&... rings) {
   if (threadIdx.x == 0) {
     (rings.init(ProducerConsumers::kProducerThreads, ProducerConsumers::kConsumerThreads), ...);
+    fence_init();
+  }
+  __syncthreads();
+}
+
+// init_rings for a producer of `full_arrivals` arrivals per filled slot (1: one thread issues TMA copies whose bytes
+// complete the phase).
+template <class... Rings>
+__device__ __forceinline__ void init_rings_with_full_arrivals(int full_arrivals, const Rings&... rings) {
+  if (threadIdx.x == 0) {
+    (rings.init(full_arrivals, ProducerConsumers::kConsumerThreads), ...);
     fence_init();
   }
   __syncthreads();

@@ -1,0 +1,273 @@
+"""The TMA producer of the wgmma attention forward (the default; SPARSEATTN_ATTENTION_TMA=0 for the cp.async
+producer): NSA's compressed attention and sliding window, and flash_attention's dense causal and windowed forwards,
+against float64 (attention_check.py's bound) and bit for bit against the cp.async producer, at odd lengths, varlen
+packed batches whose sequences end inside key tiles (those tiles stay on cp.async with zero fill), every head-dim
+pair of the wgmma forward, bf16 and fp16. Where the device runs the wgmma kernels (sm_90a), a profile shows that
+the switch selects the TMA kernel; elsewhere both runs take the same kernel and the comparisons still hold."""
+import pytest
+import torch
+
+import sparseattn
+from attention_check import assert_bounded, assert_lse, naive_attention, poison_allocator
+from helpers import cu_seqlens_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not sparseattn._C.built_with_cuda(),
+                       reason="needs a CUDA GPU and a CUDA build of sparseattn"),
+]
+
+SWITCH = "SPARSEATTN_ATTENTION_TMA"
+DTYPES = [torch.bfloat16, torch.float16]
+WGMMA_DIMS = [(64, 64), (128, 128), (192, 128)]  # the head-dim pairs of the wgmma forward (WgmmaFwdTile)
+
+
+def forward_both(monkeypatch, op, *inputs):
+    """op(*inputs) -> (o, lse) with the cp.async producer, then with the TMA producer; outputs poisoned first."""
+    results = []
+    for value in ("0", "1"):
+        monkeypatch.setenv(SWITCH, value)
+        poison_allocator()
+        with torch.no_grad():
+            o, lse = op(*inputs)
+        torch.cuda.synchronize()
+        results.append((o.clone(), lse.clone()))
+    monkeypatch.delenv(SWITCH)
+    return results
+
+
+def check(monkeypatch, op, ref_fn, inputs, dtype, rows=None):
+    """Both producers against float64 (o: attention_check's bound against the same math in `dtype`; lse), and
+    the TMA producer's o and lse equal to the cp.async producer's bit for bit. rows: the packed rows that belong
+    to a sequence (the others are no sequence's)."""
+    (o_cp, lse_cp), (o_tma, lse_tma) = forward_both(monkeypatch, op, *inputs)
+    with torch.no_grad():
+        o64, lse64 = ref_fn(*(x.double() for x in inputs))
+        o_lp, _ = ref_fn(*inputs)
+    if rows is not None:
+        o_cp, o_tma, o64, o_lp = o_cp[:rows], o_tma[:rows], o64[:rows], o_lp[:rows]
+        lse_cp, lse_tma, lse64 = lse_cp[..., :rows], lse_tma[..., :rows], lse64[..., :rows]
+    for o, lse in ((o_cp, lse_cp), (o_tma, lse_tma)):
+        assert_bounded("o", o, o64, o_lp, dtype)
+        assert_lse(lse, lse64)
+    assert torch.equal(o_tma, o_cp), "o: the TMA producer differs from the cp.async producer"
+    assert torch.equal(lse_tma, lse_cp), "lse: the TMA producer differs from the cp.async producer"
+
+
+# ------------------------------------------------------------------------------------------ compressed attention
+
+def num_blocks(T, block, stride):
+    return (T - block) // stride + 1 if T >= block else 0
+
+
+def cmp_visible(T, Tc, block, stride, device):
+    t = torch.arange(T, device=device)[:, None]
+    j = torch.arange(Tc, device=device)[None, :]
+    return j * stride + block - 1 <= t
+
+
+# (B, T, Hq, Hkv, block, stride): Tc = 255 (a last key tile of 127), 256 (whole tiles only), 524 (12 in the last
+# tile), 185 at group 4; T leaves a short last query tile except at 4096.
+CMP_CASES = [
+    (2, 4097, 4, 1, 32, 16),
+    (1, 4112, 4, 2, 32, 16),
+    (1, 2100, 2, 1, 8, 4),
+    (1, 2999, 8, 2, 32, 16),
+    (1, 4096, 2, 2, 32, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+@pytest.mark.parametrize("case", CMP_CASES, ids=lambda c: "B{}T{}H{}-{}l{}d{}".format(*c))
+def test_compressed_batched(monkeypatch, dtype, dims, case):
+    B, T, Hq, Hkv, block, stride = case
+    Dqk, Dv = dims
+    Tc = num_blocks(T, block, stride)
+    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(B, Tc, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(B, Tc, Hkv, Dv, dtype=dtype, device="cuda")
+    vis = cmp_visible(T, Tc, block, stride, "cuda")
+
+    def op(q, k, v):
+        return sparseattn.compressed_attention(q, k, v, block=block, stride=stride)
+
+    def ref(q, k, v):
+        outs = [naive_attention(q[b], k[b], v[b], vis, Dqk ** -0.5) for b in range(B)]
+        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+
+    check(monkeypatch, op, ref, (q, k, v), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+def test_compressed_varlen(monkeypatch, dtype, dims):
+    """Packed sequences whose compressed keys (0, 0, 130, 256, 1, 186, 7) start at rows that are not multiples of
+    128 and end inside key tiles; 5 spare rows after the last sequence."""
+    lengths = [0, 1, 2100, 4112, 47, 3000, 129]
+    block, stride, Hkv, group = 32, 16, 2, 2
+    Dqk, Dv = dims
+    cu = cu_seqlens_of(lengths, device="cuda")
+    blocks = [num_blocks(n, block, stride) for n in lengths]
+    cu_cmp = cu_seqlens_of(blocks, device="cuda")
+    q = torch.randn(int(cu[-1]) + 5, Hkv * group, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(int(cu_cmp[-1]) + 5, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(int(cu_cmp[-1]) + 5, Hkv, Dv, dtype=dtype, device="cuda")
+
+    def op(q, k, v):
+        return sparseattn.compressed_attention(q, k, v, block=block, stride=stride, cu_seqlens=cu,
+                                               cu_seqlens_cmp=cu_cmp)
+
+    def ref(q, k, v):
+        outs, lses = [], []
+        for b, n in enumerate(lengths):
+            qs, ks, vs = q[cu[b]:cu[b + 1]], k[cu_cmp[b]:cu_cmp[b + 1]], v[cu_cmp[b]:cu_cmp[b + 1]]
+            o, lse = naive_attention(qs, ks, vs, cmp_visible(n, blocks[b], block, stride, q.device), Dqk ** -0.5)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses, dim=1)  # the rows of the sequences only
+
+    check(monkeypatch, op, ref, (q, k, v), dtype, rows=int(cu[-1]))
+
+
+# ------------------------------------------------------------------------------- flash_attention (dense, window)
+
+def flash_visible(T, S, causal, left, right, device):
+    t = torch.arange(T, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    a = t + S - T
+    vis = torch.ones(T, S, dtype=torch.bool, device=device)
+    if causal:
+        vis &= j <= a
+    if left >= 0:
+        vis &= j >= a - left
+    if right >= 0:
+        vis &= j <= a + right
+    return vis
+
+
+# (B, T, S, Hq, Hkv, causal, window): dense causal, NSA's sliding window (window (w - 1, 0)), whole tiles only,
+# fewer queries than keys, not causal.
+FLASH_CASES = [
+    (1, 4097, 4097, 2, 1, True, (-1, -1)),
+    (2, 1000, 1000, 4, 2, True, (511, 0)),
+    (1, 2048, 2048, 4, 1, True, (-1, -1)),
+    (1, 3001, 3001, 4, 4, True, (255, 0)),
+    (1, 640, 1030, 4, 1, False, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: "B{}T{}S{}H{}-{}c{}w{}".format(*c))
+def test_flash_batched(monkeypatch, dtype, dims, case):
+    B, T, S, Hq, Hkv, causal, window = case
+    Dqk, Dv = dims
+    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
+    vis = flash_visible(T, S, causal, window[0], window[1], "cuda")
+
+    def op(q, k, v):
+        return sparseattn.flash_attention(q, k, v, causal=causal, window=window, return_lse=True)
+
+    def ref(q, k, v):
+        outs = [naive_attention(q[b], k[b], v[b], vis, Dqk ** -0.5) for b in range(B)]
+        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+
+    check(monkeypatch, op, ref, (q, k, v), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [(-1, -1), (511, 0)], ids=["causal", "window512"])
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+def test_flash_varlen(monkeypatch, dtype, window, dims):
+    """Packed sequences that start and end inside tiles; keys and values as [N, H, D] views of [H, N, D] storage
+    (strides that are not the contiguous ones)."""
+    lengths = [5, 300, 1000, 129, 2048, 77, 1500]
+    Hq, Hkv = 4, 2
+    Dqk, Dv = dims
+    cu = cu_seqlens_of(lengths, device="cuda")
+    N = int(cu[-1])
+    q = torch.randn(N, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(Hkv, N, Dqk, dtype=dtype, device="cuda").transpose(0, 1)
+    v = torch.randn(Hkv, N, Dv, dtype=dtype, device="cuda").transpose(0, 1)
+
+    def op(q, k, v):
+        return sparseattn.flash_attention(q, k, v, causal=True, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), return_lse=True)
+
+    def ref(q, k, v):
+        outs, lses = [], []
+        for b in range(len(lengths)):
+            qs, ks, vs = q[cu[b]:cu[b + 1]], k[cu[b]:cu[b + 1]], v[cu[b]:cu[b + 1]]
+            vis = flash_visible(qs.shape[0], ks.shape[0], True, window[0], window[1], q.device)
+            o, lse = naive_attention(qs, ks, vs, vis, Dqk ** -0.5)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    check(monkeypatch, op, ref, (q, k, v), dtype)
+
+
+# ------------------------------------------------------------------------------------ NSA, and the kernel choice
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nsa_compressed_and_window_branches(monkeypatch, dtype):
+    """nsa_attention with the compressed and window branches (no selected branch): the same output bit for bit."""
+    T, Hq, Hkv, D = 3001, 8, 2, 128
+    config = sparseattn.NSAConfig(window=512)
+    q = torch.randn(1, T, Hq, D, dtype=dtype, device="cuda")
+    k = torch.randn(1, T, Hkv, D, dtype=dtype, device="cuda")
+    v = torch.randn(1, T, Hkv, D, dtype=dtype, device="cuda")
+    g_cmp, g_swa = (torch.rand(1, T, Hq, dtype=dtype, device="cuda") for _ in range(2))
+    outputs = []
+    for value in ("0", "1"):
+        monkeypatch.setenv(SWITCH, value)
+        poison_allocator()
+        with torch.no_grad():
+            outputs.append(sparseattn.nsa_attention(q, k, v, g_cmp, None, g_swa, config=config).clone())
+    assert not torch.isnan(outputs[0]).any()
+    assert torch.equal(outputs[1], outputs[0]), "nsa_attention: the TMA producer changes the output"
+
+
+def forward_kernels(monkeypatch, value, fn):
+    """The names of the CUDA kernels that fn() launches with SPARSEATTN_ATTENTION_TMA=value (None: unset)."""
+    if value is None:
+        monkeypatch.delenv(SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(SWITCH, value)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "attention_forward" in e.name]
+
+
+def test_switch_selects_the_tma_kernel(monkeypatch):
+    """With the switch on or unset (the default), compressed_attention and flash_attention run
+    attention_forward_wgmma_tma_kernel where the cp.async run shows the wgmma forward (an sm_90a build on Hopper);
+    the mma.sync override still wins."""
+    T, D = 2000, 128
+    q = torch.randn(1, T, 4, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, T, 2, D, dtype=torch.bfloat16, device="cuda")
+    Tc = num_blocks(T, 32, 16)
+    calls = {
+        "compressed": lambda: sparseattn.compressed_attention(q, k[:, :Tc], k[:, :Tc]),
+        "flash": lambda: sparseattn.flash_attention(q, k, k, causal=True),
+    }
+    monkeypatch.delenv("SPARSEATTN_ATTENTION_MMA", raising=False)
+    for name, fn in calls.items():
+        plain = forward_kernels(monkeypatch, "0", fn)
+        if not plain:
+            pytest.skip("the profiler shows no CUDA kernels here")
+        if not any("attention_forward_wgmma_kernel" in n for n in plain):
+            pytest.skip("the wgmma forward does not run here (not an sm_90a build on Hopper)")
+        assert not any("tma_kernel" in n for n in plain), f"{name}: TMA kernel with the switch off: {plain}"
+        with_tma = forward_kernels(monkeypatch, "1", fn)
+        assert any("attention_forward_wgmma_tma_kernel" in n for n in with_tma), f"{name}: {with_tma}"
+        by_default = forward_kernels(monkeypatch, None, fn)
+        assert any("attention_forward_wgmma_tma_kernel" in n for n in by_default), f"{name}: {by_default}"
+        monkeypatch.setenv("SPARSEATTN_ATTENTION_MMA", "sync")
+        forced = forward_kernels(monkeypatch, "1", fn)
+        assert forced and not any("wgmma" in n for n in forced), f"{name}: {forced}"
+        monkeypatch.delenv("SPARSEATTN_ATTENTION_MMA")
