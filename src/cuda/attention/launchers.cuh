@@ -50,9 +50,16 @@ inline unsigned persistent_ctas(const Launch& l, const QueryTileOrder& order) {
   return static_cast<unsigned>(std::min<i64>(order.count, l.multiprocessors));
 }
 
-// Whether the wgmma forward takes its TMA producer: yes unless SPARSEATTN_ATTENTION_TMA is "0" (the cp.async
-// producer), read at every call.
-inline bool attention_tma_requested() { return tma::switch_on("SPARSEATTN_ATTENTION_TMA", true); }
+// The longest key sequence from which the wgmma forward takes its TMA producer by default. Below it the cp.async
+// producer is as fast or faster: its work items hold few key tiles (docs/perf/2026-11-28-attention-tma.md).
+inline constexpr i64 kAttentionTmaMinKeys = 1536;
+
+// Whether the wgmma forward takes its TMA producer: SPARSEATTN_ATTENTION_TMA=1 wherever it may run, =0 never (the
+// cp.async producer), otherwise where the longest key sequence has at least kAttentionTmaMinKeys keys; read at every
+// call.
+inline bool attention_tma_requested(i64 max_k) {
+  return tma::switch_on("SPARSEATTN_ATTENTION_TMA", max_k >= kAttentionTmaMinKeys);
+}
 
 // Launches the TMA variant of the wgmma forward where it may run; false otherwise: the switch is on, the device has
 // TMA (sm_90 or later, the driver's encoder found), the kernel runs there from its sm_90a code (wgmma::kernel_runs:
@@ -64,7 +71,7 @@ template <class T, int Dqk, int Dv, class Mask>
 bool launch_forward_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   using Tile = WgmmaFwdTile<Dqk, Dv>;
   static_assert(Tile::kM == 128 && Tile::kN == 128, "the tensor maps' boxes are 128 rows");
-  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || !attention_tma_requested()) return false;
+  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || !attention_tma_requested(l.max_k)) return false;
   if (!tma::device_supports(l.q_view->device_index)) return false;
   auto kernel = attention_forward_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
   if (!wgmma::kernel_runs(kernel)) return false;
