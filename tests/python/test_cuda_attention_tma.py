@@ -1,10 +1,10 @@
-"""The TMA producer of the wgmma attention forward (the default from 1536 keys on; SPARSEATTN_ATTENTION_TMA=1 forces
-it, =0 the cp.async producer): NSA's compressed attention and sliding window, and flash_attention's dense causal and
-windowed forwards, against float64 (attention_check.py's bound) and bit for bit against the cp.async producer, at odd
-lengths, varlen packed batches whose sequences end inside key tiles (those tiles stay on cp.async with zero fill),
-every head-dim pair of the wgmma forward, bf16 and fp16. Where the device runs the wgmma kernels (sm_90a), a profile
-shows that the switch selects the TMA kernel; elsewhere both runs take the same kernel and the comparisons still
-hold."""
+"""The TMA producer of the wgmma attention forward (the default from 1536 keys and 128 queries on;
+SPARSEATTN_ATTENTION_TMA=1 forces it, =0 the cp.async producer): NSA's compressed attention and sliding window, and
+flash_attention's dense causal and windowed forwards, against float64 (attention_check.py's bound) and bit for bit
+against the cp.async producer, at odd lengths, varlen packed batches whose sequences end inside key tiles (those
+tiles stay on cp.async with zero fill), every head-dim pair of the wgmma forward, bf16 and fp16. Where the device
+runs the wgmma kernels (sm_90a), a profile shows that the switch selects the TMA kernel; elsewhere both runs take the
+same kernel and the comparisons still hold."""
 import pytest
 import torch
 
@@ -246,9 +246,9 @@ def forward_kernels(monkeypatch, value, fn):
 
 def test_switch_selects_the_tma_kernel(monkeypatch):
     """With the switch on, compressed_attention and flash_attention run attention_forward_wgmma_tma_kernel where the
-    cp.async run shows the wgmma forward (an sm_90a build on Hopper); unset, the TMA kernel runs from 1536 keys on
-    (flash_attention's 2000 keys) and the cp.async kernel below (the 124 compressed keys); the mma.sync override
-    still wins."""
+    cp.async run shows the wgmma forward (an sm_90a build on Hopper); unset, the TMA kernel runs from 1536 keys and
+    128 queries on (flash_attention's 2000 of each) and the cp.async kernel below (the 124 compressed keys); the
+    mma.sync override still wins."""
     T, D = 2000, 128
     q = torch.randn(1, T, 4, D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, T, 2, D, dtype=torch.bfloat16, device="cuda")

@@ -50,15 +50,18 @@ inline unsigned persistent_ctas(const Launch& l, const QueryTileOrder& order) {
   return static_cast<unsigned>(std::min<i64>(order.count, l.multiprocessors));
 }
 
-// The longest key sequence from which the wgmma forward takes its TMA producer by default. Below it the cp.async
-// producer is as fast or faster: its work items hold few key tiles (docs/perf/2026-11-28-attention-tma.md).
+// The sizes from which the wgmma forward takes its TMA producer by default: the longest key sequence and the longest
+// query sequence (a whole query tile). Below them the cp.async producer is as fast or faster: the work items hold
+// few key tiles, or their query tiles end early and take the producer warp's zero-filled copy
+// (docs/perf/2026-11-28-attention-tma.md).
 inline constexpr i64 kAttentionTmaMinKeys = 1536;
+inline constexpr i64 kAttentionTmaMinQueries = 128;
 
 // Whether the wgmma forward takes its TMA producer: SPARSEATTN_ATTENTION_TMA=1 wherever it may run, =0 never (the
-// cp.async producer), otherwise where the longest key sequence has at least kAttentionTmaMinKeys keys; read at every
-// call.
-inline bool attention_tma_requested(i64 max_k) {
-  return tma::switch_on("SPARSEATTN_ATTENTION_TMA", max_k >= kAttentionTmaMinKeys);
+// cp.async producer), otherwise where the call reaches both sizes above; read at every call.
+inline bool attention_tma_requested(const Launch& l) {
+  return tma::switch_on("SPARSEATTN_ATTENTION_TMA",
+                        l.max_k >= kAttentionTmaMinKeys && l.max_q >= kAttentionTmaMinQueries);
 }
 
 // Launches the TMA variant of the wgmma forward where it may run; false otherwise: the switch is on, the device has
@@ -71,7 +74,7 @@ template <class T, int Dqk, int Dv, class Mask>
 bool launch_forward_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   using Tile = WgmmaFwdTile<Dqk, Dv>;
   static_assert(Tile::kM == 128 && Tile::kN == 128, "the tensor maps' boxes are 128 rows");
-  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || !attention_tma_requested(l.max_k)) return false;
+  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || !attention_tma_requested(l)) return false;
   if (!tma::device_supports(l.q_view->device_index)) return false;
   auto kernel = attention_forward_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
   if (!wgmma::kernel_runs(kernel)) return false;
