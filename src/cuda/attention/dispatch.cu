@@ -165,11 +165,11 @@ void set_forward_views(Launch& l, const TensorView& q, const TensorView& k, cons
   l.v_view = &v;
 }
 
-// The backward's tensors, for the tensor maps of the wgmma dQ's TMA variant (launchers.cuh).
+// The backward's tensors, for the tensor maps of the wgmma dQ's TMA variant (launchers.cuh); without d_o, none.
 void set_backward_views(Launch& l, const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& d_o) {
   set_forward_views(l, q, k, v);
-  l.d_o_view = &d_o;
+  l.d_o_view = d_o.present() ? &d_o : nullptr;
 }
 
 template <class T, class Mask>
