@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a GPU machine (as scripts/gpu_check.sh): build the package with CUDA kernels once, run the GPU tests of the
-# attention forward's TMA producer (tests/python/test_cuda_attention_tma.py: against float64 and bit for bit against
-# the cp.async producer), then time both producers (scripts/measure_attention_tma.py: NSA compressed and sliding
-# window at 64/4, D = 128, T = 64K and 8K; flash_attention dense causal at 16K), within about six minutes on one
-# H100. Logs go to $OUT (or /tmp/sparseattn-gpu). Extra arguments go to the timing script.
+# attention forward's and dQ's TMA producers (tests/python/test_cuda_attention_tma.py: against float64 and bit for
+# bit against the cp.async producers), then time both producers (scripts/measure_attention_tma.py: NSA compressed and
+# sliding window at 64/4, D = 128, T = 64K and 8K; flash_attention dense causal at 16K; with --backward the dQ kernel
+# too), within about six minutes on one H100. Logs go to $OUT (or /tmp/sparseattn-gpu). Extra arguments go to the
+# timing script:
+#   bash scripts/gpu_attention_tma.sh --backward
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_build.sh"
 status=0
 timeout "${SPARSEATTN_TMA_TEST_SECONDS:-200}" python3 -m pytest tests/python/test_cuda_attention_tma.py -v -n 8 \
@@ -13,7 +15,7 @@ grep -E "\] (FAILED|ERROR) " "$out/pytest-attention-tma.log" | head -30
 grep -cE "\] PASSED " "$out/pytest-attention-tma.log" | sed 's/^/tests passed so far: /'
 grep -E "\] SKIPPED " "$out/pytest-attention-tma.log" | head -5
 echo "tests done: $(( $(date +%s) - start )) s"
-timeout "${SPARSEATTN_TMA_TIMING_SECONDS:-120}" python3 scripts/measure_attention_tma.py "$@" 2>&1 |
+timeout "${SPARSEATTN_TMA_TIMING_SECONDS:-180}" python3 scripts/measure_attention_tma.py "$@" 2>&1 |
   tee "$out/timing-attention-tma.log" || status=1
 echo "total: $(( $(date +%s) - start )) s"
 exit $status

@@ -1,12 +1,15 @@
-"""Forward kernel times of the wgmma attention forward with its TMA producer (SPARSEATTN_ATTENTION_TMA=1) against
-its cp.async producer (the switch at 0): NSA's compressed attention and sliding window (64/4 heads, D = 128, batch
-1, at T = 64K and 8K by default) and flash_attention's dense causal forward (32/8 heads at 16K). GPU time of the
-forward kernel under torch.profiler per call (mean of --reps calls after a warm-up), the two producers alternated
---rounds times and averaged; TFLOP/s from the visible (query, key) pairs (4 D flops each). The last column names the
-kernel that ran with the switch on (attention_forward_wgmma_tma_kernel where the TMA producer was taken).
+"""Kernel times of the wgmma attention forward (and, with --backward, of the dQ kernel) with their TMA producers
+(SPARSEATTN_ATTENTION_TMA=1) against their cp.async producers (the switch at 0): NSA's compressed attention and
+sliding window (64/4 heads, D = 128, batch 1, at T = 64K and 8K by default) and flash_attention's dense causal call
+(32/8 heads at 16K). GPU time under torch.profiler per call (mean of --reps calls after a warm-up) of the forward
+kernel (profiler names holding "attention_forward") or of the dQ kernel (names holding "attention_dq", timed in a
+forward and backward call), the two producers alternated --rounds times and averaged; TFLOP/s from the visible
+(query, key) pairs (forward 4 D flops each: Q K^T and P V; dQ 6 D: Q K^T, dO V^T and dS K). The last column names
+the kernel that ran with the switch on (attention_forward_wgmma_tma_kernel, attention_dq_wgmma_tma_kernel where the
+TMA producer was taken).
 
     python scripts/measure_attention_tma.py [--seqlens 64K,8K] [--heads 64/4] [--dim 128] [--window 512]
-        [--flash-seqlen 16K] [--flash-heads 32/8] [--reps 5] [--rounds 2]
+        [--flash-seqlen 16K] [--flash-heads 32/8] [--reps 5] [--rounds 2] [--backward]
 """
 import argparse
 import os
@@ -20,8 +23,8 @@ from sparseattn.bench import kernel_name, parse_seqlen
 SWITCH = "SPARSEATTN_ATTENTION_TMA"
 
 
-def forward_ms(fn, reps):
-    """GPU ms per call of the attention forward kernels of fn (one warm-up call first), and their names."""
+def kernel_ms(fn, reps, part):
+    """GPU ms per call of fn's kernels whose name holds `part` (one warm-up call first), and their names."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -30,7 +33,7 @@ def forward_ms(fn, reps):
         torch.cuda.synchronize()
     total, names = 0.0, set()
     for event in prof.key_averages():
-        if "attention_forward" in event.key:
+        if part in event.key:
             total += event.device_time_total / 1000 / reps
             names.add(kernel_name(event.key).split("<")[0])
     return total, sorted(names)
@@ -47,6 +50,43 @@ def window_pairs(t, window):
     return int(torch.clamp(i + 1, max=window).sum())
 
 
+def forward_and_backward(op, q, k, v):
+    """A call that runs op's forward and backward (gradients of q, k and v against a fixed d_o)."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    d_o = torch.randn_like(q)
+
+    def call():
+        torch.autograd.grad(op(*leaves), leaves, d_o)
+    return call
+
+
+def forward_only(op, q, k, v):
+    def call():
+        with torch.no_grad():
+            op(q, k, v)
+    return call
+
+
+def print_table(title, cases, part, reps, rounds):
+    """One table: per case, the kernels holding `part` with the switch at 0 and at 1 (cases: name, fn, flops)."""
+    print(title)
+    print("| case | cp.async ms | TMA ms | TMA / cp.async | cp.async TFLOP/s | TMA TFLOP/s | kernel with the switch on |")
+    print("|---|---|---|---|---|---|---|")
+    for name, fn, flops in cases:
+        sums = {"0": 0.0, "1": 0.0}
+        names = []
+        for _ in range(rounds):
+            for value in ("0", "1"):
+                os.environ[SWITCH] = value
+                ms, seen = kernel_ms(fn, reps, part)
+                sums[value] += ms / rounds
+                if value == "1":
+                    names = seen
+        base, tma = sums["0"], sums["1"]
+        print(f"| {name} | {base:.3f} | {tma:.3f} | {tma / base:.3f} | {flops / base / 1e9:.0f} | "
+              f"{flops / tma / 1e9:.0f} | {', '.join(names)} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", default="64K,8K")
@@ -57,6 +97,7 @@ def main():
     parser.add_argument("--flash-heads", default="32/8")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--backward", action="store_true", help="also time the dQ kernel (a second table)")
     args = parser.parse_args()
     hq, hkv = (int(x) for x in args.heads.split("/"))
     fq, fkv = (int(x) for x in args.flash_heads.split("/"))
@@ -66,41 +107,33 @@ def main():
     def randn(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-    cases = []  # (name, fn, flops)
+    cases = []  # (name, op, (q, k, v), visible pairs of one head)
     for t in (parse_seqlen(s) for s in args.seqlens.split(",")):
         q, k, v = randn(1, t, hq, d), randn(1, t, hkv, d), randn(1, t, hkv, d)
         tc = (t - block) // stride + 1
         k_cmp, v_cmp = randn(1, tc, hkv, d), randn(1, tc, hkv, d)
         label = f"{hq}/{hkv} T={t // 1024}K"
-        cases.append((f"compressed {label}", lambda q=q, k=k_cmp, v=v_cmp: sa.compressed_attention(q, k, v),
-                      4 * d * hq * compressed_pairs(t, block, stride)))
+        cases.append((f"compressed {label}", lambda q, k, v: sa.compressed_attention(q, k, v)[0], (q, k_cmp, v_cmp),
+                      hq * compressed_pairs(t, block, stride)))
         cases.append((f"window {args.window} {label}",
-                      lambda q=q, k=k, v=v: sa.flash_attention(q, k, v, causal=True, window=(args.window - 1, 0)),
-                      4 * d * hq * window_pairs(t, args.window)))
+                      lambda q, k, v: sa.flash_attention(q, k, v, causal=True, window=(args.window - 1, 0)),
+                      (q, k, v), hq * window_pairs(t, args.window)))
     t = args.flash_seqlen
     q, k, v = randn(1, t, fq, d), randn(1, t, fkv, d), randn(1, t, fkv, d)
-    cases.append((f"flash causal {fq}/{fkv} T={t // 1024}K", lambda: sa.flash_attention(q, k, v, causal=True),
-                  4 * d * fq * (t * (t + 1) // 2)))
+    cases.append((f"flash causal {fq}/{fkv} T={t // 1024}K", lambda q, k, v: sa.flash_attention(q, k, v, causal=True),
+                  (q, k, v), fq * (t * (t + 1) // 2)))
 
-    print(f"{torch.cuda.get_device_name()}, bf16, D {d}, batch 1; forward kernel ms per call (mean of {args.reps} "
-          f"calls, {args.rounds} alternating rounds)")
-    print("| case | cp.async ms | TMA ms | TMA / cp.async | cp.async TFLOP/s | TMA TFLOP/s | kernel with the switch on |")
-    print("|---|---|---|---|---|---|---|")
     previous = os.environ.get(SWITCH)
-    for name, fn, flops in cases:
-        sums = {"0": 0.0, "1": 0.0}
-        names = []
-        with torch.no_grad():
-            for _ in range(args.rounds):
-                for value in ("0", "1"):
-                    os.environ[SWITCH] = value
-                    ms, seen = forward_ms(fn, args.reps)
-                    sums[value] += ms / args.rounds
-                    if value == "1":
-                        names = seen
-        base, tma = sums["0"], sums["1"]
-        print(f"| {name} | {base:.3f} | {tma:.3f} | {tma / base:.3f} | {flops / base / 1e9:.0f} | "
-              f"{flops / tma / 1e9:.0f} | {', '.join(names)} |", flush=True)
+    print_table(f"{torch.cuda.get_device_name()}, bf16, D {d}, batch 1; forward kernel ms per call (mean of "
+                f"{args.reps} calls, {args.rounds} alternating rounds)",
+                [(name, forward_only(op, *tensors), 4 * d * pairs) for name, op, tensors, pairs in cases],
+                "attention_forward", args.reps, args.rounds)
+    if args.backward:
+        print()
+        print_table(f"{torch.cuda.get_device_name()}, bf16, D {d}, batch 1; dQ kernel ms per forward and backward "
+                    f"call (mean of {args.reps} calls, {args.rounds} alternating rounds)",
+                    [(name, forward_and_backward(op, *tensors), 6 * d * pairs) for name, op, tensors, pairs in cases],
+                    "attention_dq", args.reps, args.rounds)
     if previous is None:
         os.environ.pop(SWITCH, None)
     else:

@@ -1,10 +1,11 @@
-"""The TMA producer of the wgmma attention forward (the default from 1536 keys and 128 queries on;
-SPARSEATTN_ATTENTION_TMA=1 forces it, =0 the cp.async producer): NSA's compressed attention and sliding window, and
-flash_attention's dense causal and windowed forwards, against float64 (attention_check.py's bound) and bit for bit
-against the cp.async producer, at odd lengths, varlen packed batches whose sequences end inside key tiles (those
-tiles stay on cp.async with zero fill), every head-dim pair of the wgmma forward, bf16 and fp16. Where the device
-runs the wgmma kernels (sm_90a), a profile shows that the switch selects the TMA kernel; elsewhere both runs take the
-same kernel and the comparisons still hold."""
+"""The TMA producers of the wgmma attention forward and dQ (the default from 1536 keys and 128 queries on;
+SPARSEATTN_ATTENTION_TMA=1 forces them, =0 the cp.async producers): NSA's compressed attention and sliding window,
+and flash_attention's dense causal and windowed calls, against float64 (attention_check.py's bound) and bit for bit
+against the cp.async producers, at odd lengths, varlen packed batches whose sequences end inside key and query tiles
+(those tiles stay on cp.async with zero fill), every head-dim pair of the wgmma forward and dQ, bf16 and fp16; the
+backward's dq (the dQ kernel's TMA variant) and dk, dv (the dK/dV kernel, the same with either switch). Where the
+device runs the wgmma kernels (sm_90a), a profile shows that the switch selects the TMA kernels; elsewhere both runs
+take the same kernels and the comparisons still hold."""
 import pytest
 import torch
 
@@ -20,7 +21,8 @@ pytestmark = [
 
 SWITCH = "SPARSEATTN_ATTENTION_TMA"
 DTYPES = [torch.bfloat16, torch.float16]
-WGMMA_DIMS = [(64, 64), (128, 128), (192, 128)]  # the head-dim pairs of the wgmma forward (WgmmaFwdTile)
+# The head-dim pairs of the wgmma forward and dQ (WgmmaFwdTile, WgmmaDqTile) among those of head_dims.h.
+WGMMA_DIMS = [(64, 64), (128, 128), (192, 128)]
 
 
 def forward_both(monkeypatch, op, *inputs):
@@ -53,6 +55,43 @@ def check(monkeypatch, op, ref_fn, inputs, dtype, rows=None):
         assert_lse(lse, lse64)
     assert torch.equal(o_tma, o_cp), "o: the TMA producer differs from the cp.async producer"
     assert torch.equal(lse_tma, lse_cp), "lse: the TMA producer differs from the cp.async producer"
+
+
+def backward_both(monkeypatch, op, inputs, d_o):
+    """The gradients (dq, dk, dv) of op(*inputs)[0] against d_o with the cp.async producers, then with the TMA
+    producers (the forward's too, whose outputs are the same bit for bit); gradients poisoned first."""
+    results = []
+    for value in ("0", "1"):
+        monkeypatch.setenv(SWITCH, value)
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        poison_allocator()
+        o, _ = op(*leaves)
+        poison_allocator()
+        grads = torch.autograd.grad(o, leaves, d_o)
+        torch.cuda.synchronize()
+        results.append([g.clone() for g in grads])
+    monkeypatch.delenv(SWITCH)
+    return results
+
+
+def check_backward(monkeypatch, op, ref_fn, inputs, dtype, rows=None):
+    """dq, dk and dv of both producers against float64 (attention_check's bound against the same math in `dtype`),
+    and the TMA run's equal to the cp.async run's bit for bit. rows: per input, the packed rows that belong to a
+    sequence (the others are no sequence's, and ref_fn leaves them out)."""
+    q, v = inputs[0], inputs[2]
+    d_o = torch.randn(*q.shape[:-1], v.shape[-1], dtype=dtype, device=q.device)
+    cp_grads, tma_grads = backward_both(monkeypatch, op, inputs, d_o)
+    ref64 = [x.detach().double().requires_grad_() for x in inputs]
+    g64 = torch.autograd.grad(ref_fn(*ref64)[0], ref64, d_o[:rows[0]].double() if rows else d_o.double())
+    lowp = [x.detach().clone().requires_grad_() for x in inputs]
+    g_lp = torch.autograd.grad(ref_fn(*lowp)[0], lowp, d_o[:rows[0]] if rows else d_o)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        cp, tma, r64, lp = cp_grads[i], tma_grads[i], g64[i], g_lp[i]
+        if rows is not None:
+            cp, tma, r64, lp = cp[:rows[i]], tma[:rows[i]], r64[:rows[i]], lp[:rows[i]]
+        assert_bounded(name, cp, r64, lp, dtype)
+        assert_bounded(name, tma, r64, lp, dtype)
+        assert torch.equal(tma, cp), f"{name}: the TMA producers differ from the cp.async producers"
 
 
 # ------------------------------------------------------------------------------------------ compressed attention
@@ -129,6 +168,68 @@ def test_compressed_varlen(monkeypatch, dtype, dims):
         return torch.cat(outs), torch.cat(lses, dim=1)  # the rows of the sequences only
 
     check(monkeypatch, op, ref, (q, k, v), dtype, rows=int(cu[-1]))
+
+
+# (B, T, Hq, Hkv, block, stride): Tc = 255 (a last 64-key tile of 63 rows) with a last query tile of 1 row; Tc = 256
+# (whole key tiles) with a last query tile of 16 rows.
+CMP_BACKWARD_CASES = [
+    (2, 4097, 4, 1, 32, 16),
+    (1, 4112, 4, 2, 32, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+@pytest.mark.parametrize("case", CMP_BACKWARD_CASES, ids=lambda c: "B{}T{}H{}-{}l{}d{}".format(*c))
+def test_compressed_backward_batched(monkeypatch, dtype, dims, case):
+    B, T, Hq, Hkv, block, stride = case
+    Dqk, Dv = dims
+    Tc = num_blocks(T, block, stride)
+    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(B, Tc, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(B, Tc, Hkv, Dv, dtype=dtype, device="cuda")
+    vis = cmp_visible(T, Tc, block, stride, "cuda")
+
+    def op(q, k, v):
+        return sparseattn.compressed_attention(q, k, v, block=block, stride=stride)
+
+    def ref(q, k, v):
+        outs = [naive_attention(q[b], k[b], v[b], vis, Dqk ** -0.5) for b in range(B)]
+        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+
+    check_backward(monkeypatch, op, ref, (q, k, v), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+def test_compressed_backward_varlen(monkeypatch, dtype, dims):
+    """The packed sequences of test_compressed_varlen: queries (0, 1, 2100, 4112, 47, 3000, 129) that start and end
+    inside 128-row query tiles, compressed keys (0, 0, 130, 256, 1, 186, 7) inside 64-row key tiles; 5 spare rows."""
+    lengths = [0, 1, 2100, 4112, 47, 3000, 129]
+    block, stride, Hkv, group = 32, 16, 2, 2
+    Dqk, Dv = dims
+    cu = cu_seqlens_of(lengths, device="cuda")
+    blocks = [num_blocks(n, block, stride) for n in lengths]
+    cu_cmp = cu_seqlens_of(blocks, device="cuda")
+    q = torch.randn(int(cu[-1]) + 5, Hkv * group, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(int(cu_cmp[-1]) + 5, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(int(cu_cmp[-1]) + 5, Hkv, Dv, dtype=dtype, device="cuda")
+
+    def op(q, k, v):
+        return sparseattn.compressed_attention(q, k, v, block=block, stride=stride, cu_seqlens=cu,
+                                               cu_seqlens_cmp=cu_cmp)
+
+    def ref(q, k, v):
+        outs, lses = [], []
+        for b, n in enumerate(lengths):
+            qs, ks, vs = q[cu[b]:cu[b + 1]], k[cu_cmp[b]:cu_cmp[b + 1]], v[cu_cmp[b]:cu_cmp[b + 1]]
+            o, lse = naive_attention(qs, ks, vs, cmp_visible(n, blocks[b], block, stride, q.device), Dqk ** -0.5)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    rows = (int(cu[-1]), int(cu_cmp[-1]), int(cu_cmp[-1]))
+    check_backward(monkeypatch, op, ref, (q, k, v), dtype, rows=rows)
 
 
 # ------------------------------------------------------------------------------- flash_attention (dense, window)
@@ -211,6 +312,64 @@ def test_flash_varlen(monkeypatch, dtype, window, dims):
     check(monkeypatch, op, ref, (q, k, v), dtype)
 
 
+# (B, T, S, Hq, Hkv, causal, window): dense causal (a last 64-key tile of 1 row, a last 128-query tile of 1 row),
+# NSA's sliding window (40 and 104 rows), fewer queries than keys (not causal; a last key tile of 6 rows).
+FLASH_BACKWARD_CASES = [FLASH_CASES[0], FLASH_CASES[1], FLASH_CASES[4]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+@pytest.mark.parametrize("case", FLASH_BACKWARD_CASES, ids=lambda c: "B{}T{}S{}H{}-{}c{}w{}".format(*c))
+def test_flash_backward_batched(monkeypatch, dtype, dims, case):
+    B, T, S, Hq, Hkv, causal, window = case
+    Dqk, Dv = dims
+    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
+    v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
+    vis = flash_visible(T, S, causal, window[0], window[1], "cuda")
+
+    def op(q, k, v):
+        return sparseattn.flash_attention(q, k, v, causal=causal, window=window, return_lse=True)
+
+    def ref(q, k, v):
+        outs = [naive_attention(q[b], k[b], v[b], vis, Dqk ** -0.5) for b in range(B)]
+        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+
+    check_backward(monkeypatch, op, ref, (q, k, v), dtype)
+
+
+@pytest.mark.parametrize("window,dtype", [((-1, -1), torch.bfloat16), ((511, 0), torch.float16)],
+                         ids=["causal-bf16", "window512-fp16"])
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+def test_flash_backward_varlen(monkeypatch, window, dtype, dims):
+    """The packed sequences of test_flash_varlen (starts and ends inside 64-row key tiles and 128-row query tiles;
+    keys and values as [N, H, D] views of [H, N, D] storage)."""
+    lengths = [5, 300, 1000, 129, 2048, 77, 1500]
+    Hq, Hkv = 4, 2
+    Dqk, Dv = dims
+    cu = cu_seqlens_of(lengths, device="cuda")
+    N = int(cu[-1])
+    q = torch.randn(N, Hq, Dqk, dtype=dtype, device="cuda")
+    k = torch.randn(Hkv, N, Dqk, dtype=dtype, device="cuda").transpose(0, 1)
+    v = torch.randn(Hkv, N, Dv, dtype=dtype, device="cuda").transpose(0, 1)
+
+    def op(q, k, v):
+        return sparseattn.flash_attention(q, k, v, causal=True, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), return_lse=True)
+
+    def ref(q, k, v):
+        outs, lses = [], []
+        for b in range(len(lengths)):
+            qs, ks, vs = q[cu[b]:cu[b + 1]], k[cu[b]:cu[b + 1]], v[cu[b]:cu[b + 1]]
+            vis = flash_visible(qs.shape[0], ks.shape[0], True, window[0], window[1], q.device)
+            o, lse = naive_attention(qs, ks, vs, vis, Dqk ** -0.5)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    check_backward(monkeypatch, op, ref, (q, k, v), dtype)
+
+
 # ------------------------------------------------------------------------------------ NSA, and the kernel choice
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -232,8 +391,9 @@ def test_nsa_compressed_and_window_branches(monkeypatch, dtype):
     assert torch.equal(outputs[1], outputs[0]), "nsa_attention: the TMA producer changes the output"
 
 
-def forward_kernels(monkeypatch, value, fn):
-    """The names of the CUDA kernels that fn() launches with SPARSEATTN_ATTENTION_TMA=value (None: unset)."""
+def launched_kernels(monkeypatch, value, fn, part):
+    """The names of the CUDA kernels whose name holds `part` that fn() launches with SPARSEATTN_ATTENTION_TMA=value
+    (None: unset)."""
     if value is None:
         monkeypatch.delenv(SWITCH, raising=False)
     else:
@@ -241,36 +401,47 @@ def forward_kernels(monkeypatch, value, fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if "attention_forward" in e.name]
+    return [e.name for e in prof.events() if part in e.name]
 
 
 def test_switch_selects_the_tma_kernel(monkeypatch):
-    """With the switch on, compressed_attention and flash_attention run attention_forward_wgmma_tma_kernel where the
-    cp.async run shows the wgmma forward (an sm_90a build on Hopper); unset, the TMA kernel runs from 1536 keys and
-    128 queries on (flash_attention's 2000 of each) and the cp.async kernel below (the 124 compressed keys); the
-    mma.sync override still wins."""
+    """With the switch on, compressed_attention and flash_attention run attention_forward_wgmma_tma_kernel and, in
+    their backward, attention_dq_wgmma_tma_kernel where the cp.async run shows the wgmma kernels (an sm_90a build on
+    Hopper); unset, the TMA kernels run from 1536 keys and 128 queries on (flash_attention's 2000 of each) and the cp.async kernels
+    below (the 124 compressed keys); the mma.sync override still wins."""
     T, D = 2000, 128
     q = torch.randn(1, T, 4, D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, T, 2, D, dtype=torch.bfloat16, device="cuda")
     Tc = num_blocks(T, 32, 16)
-    calls = {
-        "compressed": lambda: sparseattn.compressed_attention(q, k[:, :Tc], k[:, :Tc]),
-        "flash": lambda: sparseattn.flash_attention(q, k, k, causal=True),
+    d_o = torch.randn(1, T, 4, D, dtype=torch.bfloat16, device="cuda")
+    forward_calls = {
+        "compressed": lambda q, k: sparseattn.compressed_attention(q, k[:, :Tc], k[:, :Tc])[0],
+        "flash": lambda q, k: sparseattn.flash_attention(q, k, k, causal=True),
     }
     monkeypatch.delenv("SPARSEATTN_ATTENTION_MMA", raising=False)
-    for name, fn in calls.items():
-        plain = forward_kernels(monkeypatch, "0", fn)
-        if not plain:
-            pytest.skip("the profiler shows no CUDA kernels here")
-        if not any("attention_forward_wgmma_kernel" in n for n in plain):
-            pytest.skip("the wgmma forward does not run here (not an sm_90a build on Hopper)")
-        assert not any("tma_kernel" in n for n in plain), f"{name}: TMA kernel with the switch off: {plain}"
-        with_tma = forward_kernels(monkeypatch, "1", fn)
-        assert any("attention_forward_wgmma_tma_kernel" in n for n in with_tma), f"{name}: {with_tma}"
-        by_default = forward_kernels(monkeypatch, None, fn)
-        assert any("attention_forward_wgmma_tma_kernel" in n for n in by_default) == (name == "flash"), \
-            f"{name} with the switch unset: {by_default}"
-        monkeypatch.setenv("SPARSEATTN_ATTENTION_MMA", "sync")
-        forced = forward_kernels(monkeypatch, "1", fn)
-        assert forced and not any("wgmma" in n for n in forced), f"{name}: {forced}"
-        monkeypatch.delenv("SPARSEATTN_ATTENTION_MMA")
+    for name, call in forward_calls.items():
+        def forward():
+            with torch.no_grad():
+                call(q, k)
+
+        def backward():
+            leaves = [q.detach().requires_grad_(), k.detach().requires_grad_()]
+            torch.autograd.grad(call(*leaves), leaves, d_o)
+
+        for fn, part, kernel in ((forward, "attention_forward", "attention_forward_wgmma"),
+                                 (backward, "attention_dq", "attention_dq_wgmma")):
+            plain = launched_kernels(monkeypatch, "0", fn, part)
+            if not plain:
+                pytest.skip("the profiler shows no CUDA kernels here")
+            if not any(f"{kernel}_kernel" in n for n in plain):
+                pytest.skip(f"{kernel} does not run here (not an sm_90a build on Hopper)")
+            assert not any("tma_kernel" in n for n in plain), f"{name}: TMA kernel with the switch off: {plain}"
+            with_tma = launched_kernels(monkeypatch, "1", fn, part)
+            assert any(f"{kernel}_tma_kernel" in n for n in with_tma), f"{name}: {with_tma}"
+            by_default = launched_kernels(monkeypatch, None, fn, part)
+            assert any(f"{kernel}_tma_kernel" in n for n in by_default) == (name == "flash"), \
+                f"{name} with the switch unset: {by_default}"
+            monkeypatch.setenv("SPARSEATTN_ATTENTION_MMA", "sync")
+            forced = launched_kernels(monkeypatch, "1", fn, part)
+            assert forced and not any("wgmma" in n for n in forced), f"{name}: {forced}"
+            monkeypatch.delenv("SPARSEATTN_ATTENTION_MMA")

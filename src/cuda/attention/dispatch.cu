@@ -165,6 +165,13 @@ void set_forward_views(Launch& l, const TensorView& q, const TensorView& k, cons
   l.v_view = &v;
 }
 
+// The backward's tensors, for the tensor maps of the wgmma dQ's TMA variant (launchers.cuh); without d_o, none.
+void set_backward_views(Launch& l, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& d_o) {
+  set_forward_views(l, q, k, v);
+  l.d_o_view = d_o.present() ? &d_o : nullptr;
+}
+
 template <class T, class Mask>
 void dispatch(bool forward, i64 dqk, i64 dv, const AttnArgs<T>& a, const typename Mask::Config& mc,
               const Launch& l) {
@@ -391,6 +398,7 @@ void flash_attention_backward(const FlashAttentionBackwardParams& p, const detai
   const DeviceGuard device(p.q.device_index);
   Launch l = launch_of(p.q, p.k, p.seqs_q, flash_max_k(p), p.stream);
   l.delta_given = options.delta.present();
+  set_backward_views(l, p.q, p.k, p.v, p.d_o);
   const BiasGradientPlan plan = bias_gradient_plan(p);
   const BackwardWorkspace workspace = flash_backward_workspace(p, l, plan);
   float* dbias_workspace =
@@ -460,6 +468,7 @@ void compressed_attention_backward(const CompressedAttentionBackwardParams& p,
   Launch l = launch_of(p.q, p.k_cmp, p.seqs, 0, p.stream);
   l.max_k = compressed_max_k(p, l.max_q);
   l.delta_given = options.delta.present();
+  set_backward_views(l, p.q, p.k_cmp, p.v_cmp, p.d_o);
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     AttnArgs<T> a = args_of<T>(p.q, p.k_cmp, p.v_cmp, p.o, p.lse, p.d_o, p.dq, p.dk_cmp, p.dv_cmp, p.workspace,

@@ -22,11 +22,12 @@ struct Launch {
   bool delta_given;  // backward: AttnArgs::delta holds the caller's rowsum(dO * O), no delta kernel
   int multiprocessors;  // of the device: the grid of the persistent kernels
   cudaStream_t stream;
-  // The forward's q, k and v tensors, which the TMA variant of the wgmma forward describes with tensor maps; null
-  // where the caller leaves them out (then the cp.async kernel runs).
+  // The q, k and v tensors (and the backward's d_o), which the TMA variants of the wgmma forward and dQ describe
+  // with tensor maps; null where the caller leaves them out (then the cp.async kernels run).
   const TensorView* q_view = nullptr;
   const TensorView* k_view = nullptr;
   const TensorView* v_view = nullptr;
+  const TensorView* d_o_view = nullptr;
 };
 
 // Query-tile grids: (query heads, query tiles, sequences); key-block grids: (KV heads x head splits, key blocks,
@@ -50,15 +51,15 @@ inline unsigned persistent_ctas(const Launch& l, const QueryTileOrder& order) {
   return static_cast<unsigned>(std::min<i64>(order.count, l.multiprocessors));
 }
 
-// The sizes from which the wgmma forward takes its TMA producer by default: the longest key sequence and the longest
-// query sequence (a whole query tile). Below them the cp.async producer is as fast or faster: the work items hold
-// few key tiles, or their query tiles end early and take the producer warp's zero-filled copy
+// The sizes from which the wgmma forward and dQ take their TMA producers by default: the longest key sequence and
+// the longest query sequence (a whole query tile). Below them the cp.async producer is as fast or faster: the work
+// items hold few key tiles, or their query tiles end early and take the producer warp's zero-filled copy
 // (docs/perf/2026-11-28-attention-tma.md).
 inline constexpr i64 kAttentionTmaMinKeys = 1536;
 inline constexpr i64 kAttentionTmaMinQueries = 128;
 
-// Whether the wgmma forward takes its TMA producer: SPARSEATTN_ATTENTION_TMA=1 wherever it may run, =0 never (the
-// cp.async producer), otherwise where the call reaches both sizes above; read at every call.
+// Whether the wgmma forward and dQ take their TMA producers: SPARSEATTN_ATTENTION_TMA=1 wherever they may run, =0
+// never (the cp.async producers), otherwise where the call reaches both sizes above; read at every call.
 inline bool attention_tma_requested(const Launch& l) {
   return tma::switch_on("SPARSEATTN_ATTENTION_TMA",
                         l.max_k >= kAttentionTmaMinKeys && l.max_q >= kAttentionTmaMinQueries);
@@ -91,12 +92,12 @@ bool launch_forward_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Conf
 }
 
 // Launches the wgmma forward (kThreshold: its variant with the sparse-softmax threshold) where it runs; false
-// otherwise. The plain masks (kForwardTmaMask) take the TMA variant where launch_forward_wgmma_tma allows it.
+// otherwise. The plain masks (kTmaMask) take the TMA variant where launch_forward_wgmma_tma allows it.
 template <class T, int Dqk, int Dv, class Mask, bool kThreshold>
 bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   if constexpr (WgmmaFwdTile<Dqk, Dv>::kSupported) {
     using Tile = WgmmaFwdTile<Dqk, Dv>;
-    if constexpr (kForwardTmaMask<Mask> && !kThreshold) {
+    if constexpr (kTmaMask<Mask> && !kThreshold) {
       if (launch_forward_wgmma_tma<T, Dqk, Dv, Mask>(args, mc, l)) return true;
     }
     auto kernel = attention_forward_wgmma_kernel<T, Dqk, Dv, Mask, kThreshold>;
@@ -110,11 +111,41 @@ bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& 
   return false;
 }
 
-// Launches the wgmma dQ kernel where it runs; false otherwise.
+// Launches the TMA variant of the wgmma dQ where it may run; false otherwise: as launch_forward_wgmma_tma (the
+// switch, TMA on the device, the kernel's sm_90a code), with tensor maps of q and d_o (boxes of 64 columns x 128
+// rows, the query tile) and of k and v (64 columns x 64 rows, the key tile).
+template <class T, int Dqk, int Dv, class Mask>
+bool launch_dq_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  using Tile = WgmmaDqTile<Dqk, Dv>;
+  static_assert(Tile::kM == 128 && Tile::kN == 64, "the tensor maps' boxes are 128 query rows and 64 key rows");
+  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || l.d_o_view == nullptr ||
+      !attention_tma_requested(l)) {
+    return false;
+  }
+  if (!tma::device_supports(l.q_view->device_index)) return false;
+  auto kernel = attention_dq_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
+  if (!wgmma::kernel_runs(kernel)) return false;
+  DqTmaMaps maps;
+  if (!tma::token_map(&maps.q, *l.q_view, Tile::kM) || !tma::token_map(&maps.d_o, *l.d_o_view, Tile::kM) ||
+      !tma::token_map(&maps.k, *l.k_view, Tile::kN) || !tma::token_map(&maps.v, *l.v_view, Tile::kN)) {
+    return false;
+  }
+  set_dynamic_smem(kernel, Tile::kSmemBytes);
+  const QueryTileOrder order = query_tile_order(l, Tile::kM);
+  kernel<<<persistent_ctas(l, order), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, order, maps);
+  check_launch("attention_dq_wgmma_tma_kernel");
+  return true;
+}
+
+// Launches the wgmma dQ kernel where it runs; false otherwise. The plain masks (kTmaMask) take the TMA variant where
+// launch_dq_wgmma_tma allows it.
 template <class T, int Dqk, int Dv, class Mask>
 bool launch_dq_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   if constexpr (WgmmaDqTile<Dqk, Dv>::kSupported) {
     using Tile = WgmmaDqTile<Dqk, Dv>;
+    if constexpr (kTmaMask<Mask>) {
+      if (launch_dq_wgmma_tma<T, Dqk, Dv, Mask>(args, mc, l)) return true;
+    }
     auto kernel = attention_dq_wgmma_kernel<T, Dqk, Dv, Mask>;
     if (!wgmma::kernel_runs(kernel)) return false;
     set_dynamic_smem(kernel, Tile::kSmemBytes);

@@ -10,7 +10,10 @@
 // and the K/V tiles of kN = 64 keys into mbarrier stages; two consumer warpgroups of 64 queries each take turns
 // to issue S = Q K^T and dP = dO V^T (shared-memory operands), compute P and dS = P (dP - delta) in registers,
 // and dQ += dS K with dS as the register A operand and K as an MN-major operand. Registers: dQ 64 + S 32 +
-// dP 32 + dS 16 at 128/128 (dQ 96 at 192/128).
+// dP 32 + dS 16 at 128/128 (dQ 96 at 192/128). As the forward, it has a TMA variant for the plain masks
+// (attention_dq_wgmma_tma_kernel, kTmaMask; tma_producer.cuh) with the same consumers: one producer warp whose lane
+// 0 copies each whole tile as 64-column boxes (64 rows for K and V, 128 for Q and dO), the two tiles of a slot
+// making one arrival each on its full barrier.
 //
 // dK/dV: a CTA of two warpgroups owns kN = 128 keys of one KV head (64 per warpgroup) and loops over query
 // tiles of kM = 64 rows of its share of the group's heads (head splits as the mma.sync kernel), with Q, dO, lse
@@ -22,8 +25,11 @@
 // 256/256 keeps the two-pass mma.sync kernel (dK and dV alone would take 256 registers).
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/attention/wgmma_forward.cuh"
 #include "cuda/attention/mma_sync_kernels.cuh"
+#include "cuda/attention/tma_producer.cuh"
 #include "cuda/primitives/wgmma.cuh"
 
 namespace sparseattn::cuda::attention {
@@ -319,9 +325,18 @@ struct WgmmaDqTile : pipeline::ProducerConsumers {
                                             sizeof(float) * (kGateKeys + kKeyTerms) + wgmma::kTileAlignment;
 };
 
-template <class T, int Dqk, int Dv, class Mask>
-__global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
-    attention_dq_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc, QueryTileOrder order) {
+// The kernel parameter of the dQ's TMA variant: the tensor maps of q and d_o with boxes of 64 columns x 128 rows
+// (the query tile) and of k and v with boxes of 64 columns x 64 rows (the key tile; tma::token_map).
+struct DqTmaMaps {
+  CUtensorMap q, d_o, k, v;
+};
+
+// The dQ of both kernels below; Maps: DqTmaMaps (the TMA producer, tma_producer.cuh) or NoTmaMaps (cp.async).
+template <class T, int Dqk, int Dv, class Mask, class Maps>
+__device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const typename Mask::Config& mc,
+                                                   const QueryTileOrder& order, [[maybe_unused]] const Maps& maps) {
+  constexpr bool kTma = std::is_same_v<Maps, DqTmaMaps>;
+  static_assert(!kTma || kTmaMask<Mask>, "the TMA producer serves the plain masks");
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = WgmmaDqTile<Dqk, Dv>;
   constexpr int kM = Tile::kM, kN = Tile::kN, kStages = Tile::kStages;
@@ -339,9 +354,43 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
   // K/V ring, its n-th query tile with keys to see use n of the Q/dO ring.
   const pipeline::Ring<1> q_ring(barriers);
   const pipeline::Ring<kStages> kv_ring(barriers + q_ring.kBarriers);
-  pipeline::init_rings(q_ring, kv_ring);
+  if constexpr (kTma) {
+    // A slot holds two tiles (K and V; Q and dO), each of which makes one arrival (produce_tma_tile).
+    pipeline::init_rings_with_full_arrivals(2, q_ring, kv_ring);
+  } else {
+    pipeline::init_rings(q_ring, kv_ring);
+  }
 
-  if (threadIdx.x < Tile::kProducerThreads) {
+  if constexpr (kTma) {
+    if (threadIdx.x < Tile::kProducerThreads) {
+      if (!enter_tma_producer(&maps.q, &maps.d_o, &maps.k, &maps.v)) return;
+      unsigned key_tiles = 0, query_tiles = 0;
+      for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
+        // Token coordinates in 32 bits (the tensor maps' dimensions are below 2^31), so that the loop's state fits
+        // the producer's registers.
+        const int batch = static_cast<int>(seq.batch), k_row0 = static_cast<int>(seq.k_begin);
+        const int keys = static_cast<int>(seq.S), hk = static_cast<int>(w.hk);
+        const int q_row0 = static_cast<int>(seq.q_begin + w.t0), rows = static_cast<int>(w.rows),
+                  h = static_cast<int>(w.h);
+        KeyTileWalk<Mask> walk;
+        const int first = static_cast<int>(walk.next(mc, seq, w, w.tile_begin, kN)),
+                  tile_end = static_cast<int>(w.tile_end);
+        for (int it = first; it < tile_end; it = static_cast<int>(walk.next(mc, seq, w, it + 1, kN)), ++key_tiles) {
+          const int j0 = it * kN, stage = kv_ring.slot(key_tiles);
+          produce_tma_tile<kN, Dqk>(kv_ring, key_tiles, sK + stage * Tile::kK, a.k, &maps.k, batch, k_row0 + j0,
+                                    keys - j0, hk);
+          produce_tma_tile<kN, Dv>(kv_ring, key_tiles, sV + stage * Tile::kV, a.v, &maps.v, batch, k_row0 + j0,
+                                   keys - j0, hk);
+          if (it == first) {  // Q and dO after the first K/V, as the cp.async producer does
+            produce_tma_tile<kM, Dqk>(q_ring, query_tiles, sQ, a.q, &maps.q, batch, q_row0, rows, h);
+            produce_tma_tile<kM, Dv>(q_ring, query_tiles, sDO, a.d_o, &maps.d_o, batch, q_row0, rows, h);
+            ++query_tiles;
+          }
+        }
+      });
+      return;
+    }
+  } else if (threadIdx.x < Tile::kProducerThreads) {
     pipeline::release_registers<Tile::kProducerRegisters>();
     constexpr int kCopiers = Tile::kProducerThreads, kUnroll = Tile::kProducerUnroll;
     unsigned key_tiles = 0, query_tiles = 0;
@@ -556,6 +605,21 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     }
   }
 #endif
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
+    attention_dq_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc, QueryTileOrder order) {
+  attention_dq_wgmma<T, Dqk, Dv, Mask>(a, mc, order, NoTmaMaps{});
+}
+
+// The TMA variant (kTmaMask policies); the host launches it where the device runs its sm_90a code and every tensor
+// has a map (launch_dq_wgmma_tma).
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
+    attention_dq_wgmma_tma_kernel(AttnArgs<T> a, typename Mask::Config mc, QueryTileOrder order,
+                                  const __grid_constant__ DqTmaMaps maps) {
+  attention_dq_wgmma<T, Dqk, Dv, Mask>(a, mc, order, maps);
 }
 
 }  // namespace sparseattn::cuda::attention

@@ -19,10 +19,10 @@
 // 128-row query tile common. A skipped tile's softmax step leaves m and l as they are and gives P = 0; the producer
 // loads every tile as before.
 //
-// The TMA variant (attention_forward_wgmma_tma_kernel, for the plain masks: kForwardTmaMask) has the same consumers;
+// The TMA variant (attention_forward_wgmma_tma_kernel, for the plain masks: kTmaMask) has the same consumers;
 // its producer is one warp, whose lane 0 copies each whole tile with TMA boxes (tma.cuh: 64 columns x 128 rows per
 // box, written with the 128-byte swizzle, the layout of wgmma.cuh's swizzled tiles), so the producer takes a few
-// instructions per tile instead of a copy per 16 bytes (produce_tma_tile below).
+// instructions per tile instead of a copy per 16 bytes (tma_producer.cuh, shared with the dQ's TMA variant).
 //
 // Why the producer and the turns: with both warpgroups loading, a CTA barrier per key tile and the consumers in
 // lockstep, the same loop is bound by instruction issue and leaves the tensor pipe idle about half of the time.
@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "cuda/attention/mma_sync_kernels.cuh"
+#include "cuda/attention/tma_producer.cuh"
 #include "cuda/primitives/pipeline.cuh"
 #include "cuda/primitives/tma.cuh"
 #include "cuda/primitives/wgmma.cuh"
@@ -81,72 +82,8 @@ __device__ __forceinline__ bool consumers_vote(bool vote, unsigned* words, unsig
 struct ForwardTmaMaps {
   CUtensorMap q, k, v;
 };
-struct ForwardNoMaps {};
 
-// The masking policies whose forward has a TMA variant: those of NSA's compressed and sliding-window branches and of
-// flash_attention's dense causal or windowed calls (the policies with terms or gates keep the cp.async producer,
-// which keeps their units' code size and compile time as they are).
-template <class Mask>
-inline constexpr bool kForwardTmaMask = std::is_same_v<Mask, FlashMask> || std::is_same_v<Mask, CompressedMask>;
-
-// Rows [0, valid) of a kRows x kDim swizzled tile (wgmma.cuh's layout) from rows row0 + r of head `head` of g, zero
-// from row `valid` on, by the 32 lanes of a warp with cp.async: lane l copies 16-byte chunk l % 8 of rows l / 8 + 4 i
-// of each 64-column panel. Loops that are not unrolled, in few registers: the TMA producer's warp runs it for the
-// rare tiles that end before kRows rows.
-template <int kRows, int kDim, class T, class G>
-__device__ __forceinline__ void warp_copy_tile_rows(T* tile, const Tokens<G>& g, int batch, int row0, int valid,
-                                                    int head) {
-  const int lane = static_cast<int>(threadIdx.x % 32), chunk = lane % 8;
-  // The row's address from values the compiler sees as made here, so that it computes it here, on this rare path,
-  // instead of hoisting its 64-bit parts out of the producer's loop into registers that the loop's state needs.
-  asm volatile("" : "+r"(batch), "+r"(row0), "+r"(head));
-  const G* first = g.row(batch, row0, head) + chunk * 8;
-#pragma unroll 1
-  for (int panel = 0; panel < kDim / 64; ++panel) {
-#pragma unroll 1
-    for (int r = lane / 8; r < kRows; r += 4) {
-      const bool ok = r < valid;
-      cp_async_16(tile + wgmma::swizzled_offset<kRows>(r, panel * 64 + chunk * 8),
-                  ok ? first + r * g.row_stride + panel * 64 : g.data, ok ? 16 : 0);
-    }
-  }
-}
-
-// A tile of kRows rows x kDim columns (rows [row0, row0 + valid) of head `head` of g, zero past them) into the
-// swizzled `tile` of one use of `ring`, by the TMA producer's warp. A whole tile (valid >= kRows) is kDim / 64 boxes
-// of `map` at token coordinates (row0, head, batch) that lane 0 issues after an arrive.expect_tx of their bytes on
-// the use's full barrier (its one arrival). A tile that ends early is copied by the warp with cp.async and zero fill,
-// so that no row past `valid` (another sequence's, or a batch row's unwritten padding) reaches shared memory, without
-// waiting: every lane adds an arrival that its copies' landing triggers (arrive_on_copies_extra), then, once all
-// lanes have, lane 0 makes the counted arrival, so the phase completes when the last copy lands and the producer
-// goes on to the next tile meanwhile. The consumers fence the generic proxy's writes for the async proxy after their
-// wait on the full barrier (pipeline.cuh), before their wgmma reads and before they release the slot to a later TMA
-// write.
-template <int kRows, int kDim, class Ring, class T, class G>
-__device__ __forceinline__ void produce_tma_tile(const Ring& ring, unsigned use, T* tile, const Tokens<G>& g,
-                                                 const CUtensorMap* map, int batch, int row0, int valid, int head) {
-  const bool leader = threadIdx.x % 32 == 0;
-  if (valid >= kRows) {
-    if (leader) {
-      ring.acquire(use);
-      std::uint64_t* full = ring.full_barrier(use);
-      tma::arrive_expect_bytes(full, static_cast<std::uint32_t>(kRows * kDim * sizeof(T)));
-#pragma unroll
-      for (int panel = 0; panel < kDim / 64; ++panel) {
-        tma::load_box(tile + panel * kRows * 64, map, full, 64 * panel, head, row0, batch);
-      }
-    }
-  } else {
-    ring.acquire(use);
-    warp_copy_tile_rows<kRows, kDim>(tile, g, batch, row0, valid, head);
-    pipeline::arrive_on_copies_extra(ring.full_barrier(use));
-    __syncwarp();
-    if (leader) pipeline::arrive(ring.full_barrier(use));
-  }
-  __syncwarp();
-}
-
-// The forward of both kernels below; Maps: ForwardTmaMaps (the TMA producer) or ForwardNoMaps (cp.async).
+// The forward of both kernels below; Maps: ForwardTmaMaps (the TMA producer) or NoTmaMaps (cp.async).
 // kThreshold: the variant with flash_attention's sparse-softmax threshold (FlashTermsMask with terms.threshold).
 template <class T, int Dqk, int Dv, class Mask, bool kThreshold, class Maps>
 __device__ __forceinline__ void attention_forward_wgmma(const AttnArgs<T>& a, const typename Mask::Config& mc,
@@ -154,7 +91,7 @@ __device__ __forceinline__ void attention_forward_wgmma(const AttnArgs<T>& a, co
                                                         [[maybe_unused]] const Maps& maps) {
   static_assert(!kThreshold || kHasTerms<Mask>, "the threshold comes with FlashTermsMask");
   constexpr bool kTma = std::is_same_v<Maps, ForwardTmaMaps>;
-  static_assert(!kTma || (kForwardTmaMask<Mask> && !kThreshold), "the TMA producer serves the plain masks");
+  static_assert(!kTma || (kTmaMask<Mask> && !kThreshold), "the TMA producer serves the plain masks");
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = WgmmaFwdTile<Dqk, Dv>;
   constexpr int kM = Tile::kM, kN = Tile::kN, kStages = Tile::kStages, kQBuffers = Tile::kQBuffers;
@@ -187,13 +124,7 @@ __device__ __forceinline__ void attention_forward_wgmma(const AttnArgs<T>& a, co
 
   if constexpr (kTma) {
     if (threadIdx.x < Tile::kProducerThreads) {
-      pipeline::release_registers<Tile::kProducerRegisters>();
-      if (threadIdx.x >= 32) return;  // one warp produces
-      if (threadIdx.x == 0) {
-        tma::prefetch_map(&maps.q);
-        tma::prefetch_map(&maps.k);
-        tma::prefetch_map(&maps.v);
-      }
+      if (!enter_tma_producer(&maps.q, &maps.k, &maps.v)) return;
       unsigned key_tiles = 0, query_tiles = 0;
       for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask&, const QueryWork& w) {
         // Token coordinates in 32 bits (the tensor maps' dimensions are below 2^31), so that the loop's state fits
@@ -443,10 +374,10 @@ __device__ __forceinline__ void attention_forward_wgmma(const AttnArgs<T>& a, co
 template <class T, int Dqk, int Dv, class Mask, bool kThreshold = false>
 __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
     attention_forward_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc, QueryTileOrder order) {
-  attention_forward_wgmma<T, Dqk, Dv, Mask, kThreshold>(a, mc, order, ForwardNoMaps{});
+  attention_forward_wgmma<T, Dqk, Dv, Mask, kThreshold>(a, mc, order, NoTmaMaps{});
 }
 
-// The TMA variant (kForwardTmaMask policies); the host launches it where the device runs its sm_90a code and every
+// The TMA variant (kTmaMask policies); the host launches it where the device runs its sm_90a code and every
 // tensor has a map (launch_forward_wgmma_tma).
 template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(WgmmaFwdTile<Dqk, Dv>::kThreads, 1)
