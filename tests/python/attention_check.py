@@ -64,6 +64,34 @@ def naive_attention(q, k, v, visible, scale):
     return o, lse
 
 
+def num_blocks(T, block, stride):
+    """Compressed blocks of a T-token sequence (block tokens each, stride apart)."""
+    return (T - block) // stride + 1 if T >= block else 0
+
+
+def cmp_visible(T, Tc, block, stride, device):
+    """[T, Tc] bool: query t sees compressed block j once the block ends at or before t (naive_attention's mask)."""
+    t = torch.arange(T, device=device)[:, None]
+    j = torch.arange(Tc, device=device)[None, :]
+    return j * stride + block - 1 <= t
+
+
+def flash_visible(T, S, causal, left, right, device):
+    """[T, S] bool: flash_attention's visibility with the queries as the last T of S key positions; left/right < 0:
+    no bound on that side (naive_attention's mask)."""
+    t = torch.arange(T, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    a = t + S - T
+    vis = torch.ones(T, S, dtype=torch.bool, device=device)
+    if causal:
+        vis &= j <= a
+    if left >= 0:
+        vis &= j >= a - left
+    if right >= 0:
+        vis &= j <= a + right
+    return vis
+
+
 def max_err(got, ref):
     return (got.double() - ref.double()).abs().max().item() if got.numel() else 0.0
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import sparseattn
-from attention_check import assert_bounded, assert_lse, naive_attention, poison_allocator
+from attention_check import (assert_bounded, assert_lse, cmp_visible, flash_visible, naive_attention, num_blocks,
+                             poison_allocator)
 from helpers import cu_seqlens_of
 
 pytestmark = [
@@ -95,15 +96,6 @@ def check_backward(monkeypatch, op, ref_fn, inputs, dtype, rows=None):
 
 
 # ------------------------------------------------------------------------------------------ compressed attention
-
-def num_blocks(T, block, stride):
-    return (T - block) // stride + 1 if T >= block else 0
-
-
-def cmp_visible(T, Tc, block, stride, device):
-    t = torch.arange(T, device=device)[:, None]
-    j = torch.arange(Tc, device=device)[None, :]
-    return j * stride + block - 1 <= t
 
 
 # (B, T, Hq, Hkv, block, stride): Tc = 255 (a last key tile of 127), 256 (whole tiles only), 524 (12 in the last
@@ -233,19 +225,6 @@ def test_compressed_backward_varlen(monkeypatch, dtype, dims):
 
 
 # ------------------------------------------------------------------------------- flash_attention (dense, window)
-
-def flash_visible(T, S, causal, left, right, device):
-    t = torch.arange(T, device=device)[:, None]
-    j = torch.arange(S, device=device)[None, :]
-    a = t + S - T
-    vis = torch.ones(T, S, dtype=torch.bool, device=device)
-    if causal:
-        vis &= j <= a
-    if left >= 0:
-        vis &= j >= a - left
-    if right >= 0:
-        vis &= j <= a + right
-    return vis
 
 
 # (B, T, S, Hq, Hkv, causal, window): dense causal, NSA's sliding window (window (w - 1, 0)), whole tiles only,

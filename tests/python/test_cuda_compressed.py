@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import sparseattn
-from attention_check import naive_attention, run_and_compare
+from attention_check import cmp_visible, naive_attention, num_blocks, run_and_compare
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not sparseattn._C.built_with_cuda(),
@@ -11,16 +11,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [torch.bfloat16, torch.float16]
-
-
-def cmp_visible(T, Tc, block, stride, device):
-    t = torch.arange(T, device=device)[:, None]
-    j = torch.arange(Tc, device=device)[None, :]
-    return j * stride + block - 1 <= t
-
-
-def num_blocks(T, block, stride):
-    return (T - block) // stride + 1 if T >= block else 0
 
 
 # (B, T, Hq, Hkv, Dqk, Dv, block, stride)

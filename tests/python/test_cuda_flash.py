@@ -4,7 +4,7 @@ import torch
 
 import sparseattn
 from sparseattn import _ops
-from attention_check import naive_attention, run_and_compare
+from attention_check import flash_visible, naive_attention, run_and_compare
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not sparseattn._C.built_with_cuda(),
@@ -12,20 +12,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [torch.bfloat16, torch.float16]
-
-
-def flash_visible(T, S, causal, left, right, device):
-    t = torch.arange(T, device=device)[:, None]
-    j = torch.arange(S, device=device)[None, :]
-    a = t + S - T
-    vis = torch.ones(T, S, dtype=torch.bool, device=device)
-    if causal:
-        vis &= j <= a
-    if left >= 0:
-        vis &= j >= a - left
-    if right >= 0:
-        vis &= j <= a + right
-    return vis
 
 
 def naive_flash(q, k, v, causal, window, scale):
