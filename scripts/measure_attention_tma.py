@@ -4,15 +4,16 @@ and sliding window (64/4 heads, D = 128, batch 1, at T = 64K and 8K by default) 
 call (32/8 heads at 16K). GPU time under torch.profiler per call (mean of --reps calls after a warm-up) of the forward
 kernel (profiler names holding "attention_forward"), of the dQ kernel (names holding "attention_dq", timed in a
 forward and backward call) or of the dK/dV kernel (names holding "attention_dkv" but not the head splits' reduction,
-"reduce"; timed in a forward and backward call at the head dims of --dkv-dims, those of its TMA variant: 64/64 and
-192/128), the two producers alternated --rounds times and averaged; TFLOP/s from the visible (query, key) pairs
-(forward 4 D flops each: Q K^T and P V; dQ 6 D: Q K^T, dO V^T and dS K; dK/dV 8 D: K Q^T, V dO^T, P^T dO and dS^T Q,
-with D the mean of Dqk and Dv). The last column names the kernel that ran with the switch on
-(attention_forward_wgmma_tma_kernel, attention_dq_wgmma_tma_kernel, attention_dkv_wgmma_tma_kernel where the TMA
-producer was taken).
+"reduce"; timed in a forward and backward call at each head-dim pair of --dkv-dims: at 128/128 its TMA variant's
+consumers take turns instead of overlapping their own update, WgmmaDkvTmaTile::kOverlapsUpdate), the two producers
+alternated --rounds times and averaged; TFLOP/s from the visible (query, key) pairs (forward 4 D flops each: Q K^T
+and P V; dQ 6 D: Q K^T, dO V^T and dS K; dK/dV 8 D: K Q^T, V dO^T, P^T dO and dS^T Q, with D the mean of Dqk and
+Dv). The last column names the kernel that ran with the switch on (attention_forward_wgmma_tma_kernel,
+attention_dq_wgmma_tma_kernel, attention_dkv_wgmma_tma_kernel where the TMA producer was taken).
 
     python scripts/measure_attention_tma.py [--seqlens 64K,8K] [--heads 64/4] [--dim 128] [--window 512]
-        [--flash-seqlen 16K] [--flash-heads 32/8] [--reps 5] [--rounds 2] [--backward] [--dkv-dims 64/64,192/128]
+        [--flash-seqlen 16K] [--flash-heads 32/8] [--reps 5] [--rounds 2] [--backward]
+        [--dkv-dims 128/128,64/64,192/128]
 """
 import argparse
 import os
@@ -104,8 +105,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--backward", action="store_true",
                         help="also time the dQ kernel (a second table) and the dK/dV kernel (a third)")
-    parser.add_argument("--dkv-dims", default="64/64,192/128",
-                        help="Dqk/Dv pairs of the dK/dV table (its TMA variant serves 64/64 and 192/128)")
+    parser.add_argument("--dkv-dims", default="128/128,64/64,192/128", help="Dqk/Dv pairs of the dK/dV table")
     args = parser.parse_args()
     hq, hkv = (int(x) for x in args.heads.split("/"))
     fq, fkv = (int(x) for x in args.flash_heads.split("/"))

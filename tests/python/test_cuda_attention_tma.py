@@ -3,9 +3,9 @@ SPARSEATTN_ATTENTION_TMA=1 forces them, =0 the cp.async producers): NSA's compre
 and flash_attention's dense causal and windowed calls, against float64 (attention_check.py's bound) and bit for bit
 against the cp.async producers, at odd lengths, varlen packed batches whose sequences end inside key and query tiles
 (those tiles stay on cp.async with zero fill), every head-dim pair of the wgmma forward and dQ, bf16 and fp16; the
-backward's dq (the dQ kernel's TMA variant) and dk, dv (the dK/dV kernel's TMA variant at 64/64 and 192/128: query
-steps of 64 and 32 rows, 128 keys per CTA; 128/128 keeps the cp.async kernel with either switch), with group sizes 1
-and above (head splits), and NSA's backward (P factors from the gates). Where the device runs the wgmma kernels
+backward's dq (the dQ kernel's TMA variant) and dk, dv (the dK/dV kernel's TMA variant: query steps of 64 rows, 32 at
+192/128, against 128 keys per CTA), with group sizes 1 and above (head splits), and NSA's backward (P factors from the
+gates). Where the device runs the wgmma kernels
 (sm_90a), a profile shows that the switch selects the TMA kernels; elsewhere both runs take the same kernels and the
 comparisons still hold."""
 import pytest
@@ -377,9 +377,10 @@ def test_nsa_compressed_and_window_branches(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nsa_backward_compressed_and_window_branches(monkeypatch, dtype):
-    """nsa_attention's backward with the compressed and window branches at D = 64 (the dK/dV kernel's TMA variant; the
-    gates reach the branches' backward as P factors): the gradients of q, k, v and both gates bit for bit."""
-    T, Hq, Hkv, D = 3001, 8, 2, 64
+    """nsa_attention's backward with the compressed and window branches (the gates reach the branches' backward as P
+    factors, which the dK/dV's TMA producer copies with lse and delta): the gradients of q, k, v and both gates bit
+    for bit."""
+    T, Hq, Hkv, D = 3001, 8, 2, 128
     config = sparseattn.NSAConfig(window=512)
     inputs = [torch.randn(1, T, h, D, dtype=dtype, device="cuda") for h in (Hq, Hkv, Hkv)]
     inputs += [torch.rand(1, T, Hq, dtype=dtype, device="cuda") for _ in range(2)]
@@ -414,10 +415,10 @@ def launched_kernels(monkeypatch, value, fn, part):
 @pytest.mark.parametrize("D", [128, 64])
 def test_switch_selects_the_tma_kernel(monkeypatch, D):
     """With the switch on, compressed_attention and flash_attention run attention_forward_wgmma_tma_kernel and, in
-    their backward, attention_dq_wgmma_tma_kernel and (at D = 64, not 128) attention_dkv_wgmma_tma_kernel where the
-    cp.async run shows the wgmma kernels (an sm_90a build on Hopper); unset, the TMA kernels run from 1536 keys and
-    128 queries on (flash_attention's 2000 of each) and the cp.async kernels below (the 124 compressed keys); the
-    mma.sync override still wins."""
+    their backward, attention_dq_wgmma_tma_kernel and attention_dkv_wgmma_tma_kernel where the cp.async run shows the
+    wgmma kernels (an sm_90a build on Hopper); unset, the TMA kernels run from 1536 keys and 128 queries on
+    (flash_attention's 2000 of each) and the cp.async kernels below (the 124 compressed keys); the mma.sync override
+    still wins. D = 128 and 64: the dK/dV consumers' two schedules (WgmmaDkvTmaTile::kOverlapsUpdate)."""
     T = 2000
     q = torch.randn(1, T, 4, D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, T, 2, D, dtype=torch.bfloat16, device="cuda")
@@ -437,11 +438,9 @@ def test_switch_selects_the_tma_kernel(monkeypatch, D):
             leaves = [q.detach().requires_grad_(), k.detach().requires_grad_()]
             torch.autograd.grad(call(*leaves), leaves, d_o)
 
-        checks = [(forward, "attention_forward", "attention_forward_wgmma"),
-                  (backward, "attention_dq", "attention_dq_wgmma")]
-        if D != 128:  # the dK/dV's TMA variant serves 64/64 and 192/128 (WgmmaDkvTmaTile)
-            checks.append((backward, "attention_dkv", "attention_dkv_wgmma"))
-        for fn, part, kernel in checks:
+        for fn, part, kernel in ((forward, "attention_forward", "attention_forward_wgmma"),
+                                 (backward, "attention_dq", "attention_dq_wgmma"),
+                                 (backward, "attention_dkv", "attention_dkv_wgmma")):
             plain = launched_kernels(monkeypatch, "0", fn, part)
             if not plain:
                 pytest.skip("the profiler shows no CUDA kernels here")

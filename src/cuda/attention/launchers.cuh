@@ -242,13 +242,13 @@ bool launch_dkv_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& 
   return true;
 }
 
-// Launches the wgmma dK/dV kernel where it runs; false otherwise. The plain masks (kTmaMask) take the TMA variant at
-// the head-dim pairs it serves (WgmmaDkvTmaTile::kSupported: 64/64 and 192/128) where launch_dkv_wgmma_tma allows it.
+// Launches the wgmma dK/dV kernel where it runs; false otherwise. The plain masks (kTmaMask) take the TMA variant
+// where launch_dkv_wgmma_tma allows it.
 template <class T, int Dqk, int Dv, class Mask>
 bool launch_dkv_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   if constexpr (WgmmaDkvTile<Dqk, Dv>::kSupported) {
     using Tile = WgmmaDkvTile<Dqk, Dv>;
-    if constexpr (kTmaMask<Mask> && WgmmaDkvTmaTile<Dqk, Dv>::kSupported) {
+    if constexpr (kTmaMask<Mask>) {
       if (launch_dkv_wgmma_tma<T, Dqk, Dv, Mask>(args, mc, l)) return true;
     }
     auto kernel = attention_dkv_wgmma_kernel<T, Dqk, Dv, Mask>;

@@ -2,7 +2,8 @@
 // dK/dV, wgmma_backward.cuh): one warp of the producer warpgroup, whose lane 0 copies each whole tile with TMA boxes
 // (tma.cuh: 64 columns x kRows rows per box, written with the 128-byte swizzle, the layout of wgmma.cuh's swizzled
 // tiles: panel p of a kRows-row tile at tile + p * kRows * 64), so the producer takes a few instructions per tile
-// instead of a copy per 16 bytes. The consumers are those of the cp.async kernels.
+// instead of a copy per 16 bytes. The forward's and dQ's consumers are those of their cp.async kernels; the dK/dV's
+// repeat its kernel's MMAs and arithmetic.
 #pragma once
 
 #include <type_traits>
@@ -16,9 +17,9 @@
 
 namespace sparseattn::cuda::attention {
 
-// The masking policies whose wgmma forward, dQ and dK/dV have a TMA variant: those of NSA's compressed and sliding-window
-// branches and of flash_attention's dense causal or windowed calls (the policies with terms or gates keep the
-// cp.async producer, which keeps their units' code size and compile time as they are).
+// The masking policies whose wgmma forward, dQ and dK/dV have a TMA variant: those of NSA's compressed and
+// sliding-window branches and of flash_attention's dense causal or windowed calls (the policies with terms or gates
+// keep the cp.async kernels, which keeps their units' code size and compile time as they are).
 template <class Mask>
 inline constexpr bool kTmaMask = std::is_same_v<Mask, FlashMask> || std::is_same_v<Mask, CompressedMask>;
 

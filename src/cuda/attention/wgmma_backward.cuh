@@ -22,7 +22,11 @@
 // register A operands and dO, Q as MN-major B operands; the update of one step is in flight while the next
 // step's P^T and dS^T are computed (wgmma::overlapped_steps). Registers: dK 64 + dV 64 + S^T 32 + dP^T 32 + the
 // A fragments 32 at D = 128; at 192/128 dK 96 + dV 64 + S^T 16 + dP^T 16 + 16 with query steps of kM = 32 rows.
-// 256/256 keeps the two-pass mma.sync kernel (dK and dV alone would take 256 registers).
+// 256/256 keeps the two-pass mma.sync kernel (dK and dV alone would take 256 registers). Its TMA variant for the
+// plain masks (attention_dkv_wgmma_tma_kernel, kTmaMask) adds a producer warpgroup whose one TMA warp fills a ring of
+// query-step slots (Q, dO, lse, delta, P factors), so that the two consumer warpgroups wait on mbarriers instead of
+// loading between CTA barriers; at 128/128 their registers (setmaxnreg: 232) do not hold the update in flight beside
+// the elementwise part, so there the two take turns instead (WgmmaDkvTmaTile::kOverlapsUpdate).
 #pragma once
 
 #include <type_traits>
@@ -305,8 +309,9 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
 // producer warpgroup of which one warp copies (tma_producer.cuh). The producer loads K and V once (their own
 // one-use ring) and each step's Q and dO tiles (64-column boxes of kM rows) and its lse, delta and P-factor rows
 // into a ring of kBuffers slots, running ahead of the consumers by the slots they have released, instead of every
-// thread loading the next step between two CTA barriers. The consumers' arithmetic is the kernel above's, MMA for
-// MMA, so dK and dV are the same bit for bit.
+// thread loading the next step between two CTA barriers. The consumers issue the kernel above's MMAs in its order
+// and compute its elementwise part, so dK and dV are the same bit for bit; at 128/128 the order of a consumer's
+// update and its next step's elementwise part differs (kOverlapsUpdate), not the values.
 struct DkvTmaMaps {
   CUtensorMap q, d_o, k, v;  // q, d_o: boxes of 64 columns x kM rows; k, v: 64 columns x kN rows (tma::token_map)
 };
@@ -314,22 +319,26 @@ struct DkvTmaMaps {
 template <int Dqk, int Dv>
 struct WgmmaDkvTmaTile {
   using Consumers = WgmmaDkvTile<Dqk, Dv>;
-  // The pairs whose consumers fit the registers that setmaxnreg can give them (240 at most, with 24 left to each
-  // producer thread): at 128/128 the step loop's MMA operands alone take 224 (dK 64 + dV 64 + S^T 32 + dP^T 32 + the
-  // A fragments 32), and ptxas serialises the MMAs of a loop that needs more than 240, so 128/128 keeps the kernel
-  // above.
-  static constexpr bool kSupported = Consumers::kSupported && !(Dqk == 128 && Dv == 128);
+  static constexpr bool kSupported = Consumers::kSupported;
   static constexpr int kM = Consumers::kM, kN = Consumers::kN;
+  // Whether a consumer runs its elementwise part while its previous update is in flight (wgmma::overlapped_steps),
+  // as the kernel above does. Not at 128/128: there the operands of the MMAs in flight take 224 registers (dK 64 +
+  // dV 64 + S^T 32 + dP^T 32 + the A fragments 32) and the elementwise part's values do not fit beside them in the
+  // 240 that setmaxnreg can give at most (ptxas serialises the MMAs), so a consumer lands its update before it
+  // issues its scores, and lands those before its elementwise part, which runs while the other consumer's MMAs
+  // occupy the tensor cores (the two take turns to issue, pipeline::Turns); at most 192 operand registers are live.
+  static constexpr bool kOverlapsUpdate = !(Dqk == 128 && Dv == 128);
   static constexpr int kProducerThreads = pipeline::ProducerConsumers::kProducerThreads;
   static constexpr int kConsumerThreads = Consumers::kThreads;
   static_assert(kConsumerThreads == pipeline::ProducerConsumers::kConsumerThreads, "the rings count 256 consumers");
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   // The consumers hold what the kernel above holds (dK, dV, S^T, dP^T, the update's A fragments) without its
-  // per-thread load addresses: 160 operand registers at 64/64, 208 at 192/128, where 232 leave ptxas too few to keep
-  // the MMAs asynchronous, so the producer gets the minimum, 24, there. The launch gives 168 per thread
-  // (__launch_bounds__(384, 1)), which setmaxnreg moves between the warpgroups.
-  static constexpr int kConsumerRegisters = Dqk + Dv > 128 ? 240 : 232;
-  static constexpr int kProducerRegisters = Dqk + Dv > 128 ? 24 : 40;
+  // per-thread load addresses: 160 operand registers at 64/64 and 208 at 192/128 with the update in flight during the
+  // elementwise part, at 128/128 192 (kOverlapsUpdate). At 192/128, 232 leave ptxas too few to keep the MMAs
+  // asynchronous, so the producer gets the minimum, 24, there (its loop then keeps a few values in local memory).
+  // The launch gives 168 per thread (__launch_bounds__(384, 1)), which setmaxnreg moves between the warpgroups.
+  static constexpr int kConsumerRegisters = Dqk + Dv > 256 ? 240 : 232;
+  static constexpr int kProducerRegisters = Dqk + Dv > 256 ? 24 : 40;
   static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <= 168 * kThreads,
                 "setmaxnreg: the warpgroups' registers within the CTA's");
   // A step's slot is read by its scores and by the update issued one step later; four slots let the producer
@@ -539,12 +548,51 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
       wgmma::fence_operand(p_a);
       wgmma::fence_operand(ds_a);
       if (step > 0) step_ring.release(step - 1);  // its update has landed: the slot is free
-      if (step < steps) {
+      if (Tile::kOverlapsUpdate && step < steps) {
         wgmma::to_a_fragments<T, kM>(s, p_a);
         wgmma::to_a_fragments<T, kM>(dp, ds_a);
       }
     };
-    wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_update, make_ds, land);
+    if constexpr (Tile::kOverlapsUpdate) {
+      wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_update, make_ds, land);
+    } else {
+      // Step i issues the update of step i - 1 and the scores of step i in the consumer's turn, lands both, then
+      // runs step i's elementwise part. The first and last steps are peeled, as in overlapped_steps, so that every
+      // MMA is issued on a path without branches.
+      const pipeline::Turns turns(warp / 4);
+      auto finish_step = [&](int step) {
+        land(step);
+        wgmma::fence_operand(wgmma::flat<kM>(s));
+        wgmma::fence_operand(wgmma::flat<kM>(dp));
+        if (step < steps) {
+          make_ds(step);
+          wgmma::to_a_fragments<T, kM>(s, p_a);
+          wgmma::to_a_fragments<T, kM>(dp, ds_a);
+        }
+      };
+      begin_step(0);
+      turns.take();
+      issue_step_scores(0);
+      turns.pass();
+      finish_step(0);
+      for (int step = 1; step < steps; ++step) {
+        begin_step(step);
+        turns.take();
+        issue_update(step);
+        wgmma::wait<0>();
+        wgmma::fence_operand(p_a);
+        wgmma::fence_operand(ds_a);
+        issue_step_scores(step);
+        turns.pass();
+        finish_step(step);
+      }
+      begin_step(steps);
+      turns.take();
+      issue_update(steps);
+      turns.pass();
+      finish_step(steps);
+      turns.finish();
+    }
   }
   find_work([&](const auto& seq, const Mask&, const DkvWork& w) {
     store_dkv_rows<true, true>(dk, dv, a, seq, w.split, w.j0 + warp * 16, w.hk);
