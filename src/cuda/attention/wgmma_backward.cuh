@@ -365,6 +365,9 @@ __device__ __forceinline__ void produce_row_stats(const Ring& ring, unsigned use
                                                   int queries, int t0, int head) {
   static_assert(kRows % 32 == 0, "whole rows per lane");
   const int lane = static_cast<int>(threadIdx.x % 32);
+  // The rows' addresses from values the compiler sees as made here, so that it computes them here instead of holding
+  // their 64-bit parts across the producer's loop (as warp_copy_tile_rows).
+  asm volatile("" : "+r"(batch), "+r"(q_row0), "+r"(head));
 #pragma unroll
   for (int i = 0; i < kRows / 32; ++i) {
     const int r = lane + 32 * i;
@@ -488,8 +491,9 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
   if (steps > 0) {
     float s[kM / 8][4], dp[kM / 8][4];
     std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
-    // Step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of step i - 1 (its
-    // elementwise part done one step earlier) are in flight; its slot was filled by the producer meanwhile.
+    // With kOverlapsUpdate, step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of
+    // step i - 1 (its elementwise part done one step earlier) are in flight; its slot was filled by the producer
+    // meanwhile.
     auto begin_step = [&](int step) {
       if (step == 0) kv_ring.wait_full(0);
       if (step < steps) step_ring.wait_full(step);
@@ -556,9 +560,10 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
     if constexpr (Tile::kOverlapsUpdate) {
       wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_update, make_ds, land);
     } else {
-      // Step i issues the update of step i - 1 and the scores of step i in the consumer's turn, lands both, then
-      // runs step i's elementwise part. The first and last steps are peeled, as in overlapped_steps, so that every
-      // MMA is issued on a path without branches.
+      // Step i, in the consumer's turn, issues the update of step i - 1, lands it (its A fragments are then free),
+      // issues the scores of step i; then it lands those and runs step i's elementwise part while the other
+      // consumer issues. The first and last steps are peeled, as in overlapped_steps, so that every MMA is issued on
+      // a path without branches.
       const pipeline::Turns turns(warp / 4);
       auto finish_step = [&](int step) {
         land(step);
