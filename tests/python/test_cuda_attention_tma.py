@@ -5,9 +5,8 @@ against the cp.async producers, at odd lengths, varlen packed batches whose sequ
 (those tiles stay on cp.async with zero fill), every head-dim pair of the wgmma forward and dQ, bf16 and fp16; the
 backward's dq (the dQ kernel's TMA variant) and dk, dv (the dK/dV kernel's TMA variant: query steps of 64 rows, 32 at
 192/128, against 128 keys per CTA), with group sizes 1 and above (head splits), and NSA's backward (P factors from the
-gates). Where the device runs the wgmma kernels
-(sm_90a), a profile shows that the switch selects the TMA kernels; elsewhere both runs take the same kernels and the
-comparisons still hold."""
+gates). Where the device runs the wgmma kernels (sm_90a), a profile shows that the switch selects the TMA kernels;
+elsewhere both runs take the same kernels and the comparisons still hold."""
 import pytest
 import torch
 
