@@ -110,10 +110,8 @@ CMP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
-@pytest.mark.parametrize("case", CMP_CASES, ids=lambda c: "B{}T{}H{}-{}l{}d{}".format(*c))
-def test_compressed_batched(monkeypatch, dtype, dims, case):
+def compressed_batched(case, dims, dtype):
+    """A batched compressed_attention case: (op, its float64-checkable reference, inputs)."""
     B, T, Hq, Hkv, block, stride = case
     Dqk, Dv = dims
     Tc = num_blocks(T, block, stride)
@@ -129,14 +127,13 @@ def test_compressed_batched(monkeypatch, dtype, dims, case):
         outs = [naive_attention(q[b], k[b], v[b], vis, Dqk ** -0.5) for b in range(B)]
         return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
 
-    check(monkeypatch, op, ref, (q, k, v), dtype)
+    return op, ref, (q, k, v)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
-def test_compressed_varlen(monkeypatch, dtype, dims):
-    """Packed sequences whose compressed keys (0, 0, 130, 256, 1, 186, 7) start at rows that are not multiples of
-    128 and end inside key tiles; 5 spare rows after the last sequence."""
+def compressed_varlen(dims, dtype):
+    """Packed sequences whose queries (0, 1, 2100, 4112, 47, 3000, 129) start and end inside query tiles and whose
+    compressed keys (0, 0, 130, 256, 1, 186, 7) start at rows that are not multiples of 128 and end inside key tiles;
+    5 spare rows after the last sequence: (op, reference, inputs, the rows of q and of k and v that hold sequences)."""
     lengths = [0, 1, 2100, 4112, 47, 3000, 129]
     block, stride, Hkv, group = 32, 16, 2, 2
     Dqk, Dv = dims
@@ -160,7 +157,22 @@ def test_compressed_varlen(monkeypatch, dtype, dims):
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses, dim=1)  # the rows of the sequences only
 
-    check(monkeypatch, op, ref, (q, k, v), dtype, rows=int(cu[-1]))
+    return op, ref, (q, k, v), int(cu[-1]), int(cu_cmp[-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+@pytest.mark.parametrize("case", CMP_CASES, ids=lambda c: "B{}T{}H{}-{}l{}d{}".format(*c))
+def test_compressed_batched(monkeypatch, dtype, dims, case):
+    op, ref, inputs = compressed_batched(case, dims, dtype)
+    check(monkeypatch, op, ref, inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+def test_compressed_varlen(monkeypatch, dtype, dims):
+    op, ref, inputs, q_rows, _ = compressed_varlen(dims, dtype)
+    check(monkeypatch, op, ref, inputs, dtype, rows=q_rows)
 
 
 # (B, T, Hq, Hkv, block, stride): Tc = 255 (a last 64-key tile of 63 rows, a dK/dV CTA of 127 keys) with a last query
@@ -177,54 +189,16 @@ CMP_BACKWARD_CASES = [
 @pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
 @pytest.mark.parametrize("case", CMP_BACKWARD_CASES, ids=lambda c: "B{}T{}H{}-{}l{}d{}".format(*c))
 def test_compressed_backward_batched(monkeypatch, dtype, dims, case):
-    B, T, Hq, Hkv, block, stride = case
-    Dqk, Dv = dims
-    Tc = num_blocks(T, block, stride)
-    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
-    k = torch.randn(B, Tc, Hkv, Dqk, dtype=dtype, device="cuda")
-    v = torch.randn(B, Tc, Hkv, Dv, dtype=dtype, device="cuda")
-    vis = cmp_visible(T, Tc, block, stride, "cuda")
-
-    def op(q, k, v):
-        return sparseattn.compressed_attention(q, k, v, block=block, stride=stride)
-
-    def ref(q, k, v):
-        outs = [naive_attention(q[b], k[b], v[b], vis, Dqk ** -0.5) for b in range(B)]
-        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
-
-    check_backward(monkeypatch, op, ref, (q, k, v), dtype)
+    op, ref, inputs = compressed_batched(case, dims, dtype)
+    check_backward(monkeypatch, op, ref, inputs, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
 def test_compressed_backward_varlen(monkeypatch, dtype, dims):
-    """The packed sequences of test_compressed_varlen: queries (0, 1, 2100, 4112, 47, 3000, 129) that start and end
-    inside 128-row query tiles, compressed keys (0, 0, 130, 256, 1, 186, 7) inside 64-row key tiles; 5 spare rows."""
-    lengths = [0, 1, 2100, 4112, 47, 3000, 129]
-    block, stride, Hkv, group = 32, 16, 2, 2
-    Dqk, Dv = dims
-    cu = cu_seqlens_of(lengths, device="cuda")
-    blocks = [num_blocks(n, block, stride) for n in lengths]
-    cu_cmp = cu_seqlens_of(blocks, device="cuda")
-    q = torch.randn(int(cu[-1]) + 5, Hkv * group, Dqk, dtype=dtype, device="cuda")
-    k = torch.randn(int(cu_cmp[-1]) + 5, Hkv, Dqk, dtype=dtype, device="cuda")
-    v = torch.randn(int(cu_cmp[-1]) + 5, Hkv, Dv, dtype=dtype, device="cuda")
-
-    def op(q, k, v):
-        return sparseattn.compressed_attention(q, k, v, block=block, stride=stride, cu_seqlens=cu,
-                                               cu_seqlens_cmp=cu_cmp)
-
-    def ref(q, k, v):
-        outs, lses = [], []
-        for b, n in enumerate(lengths):
-            qs, ks, vs = q[cu[b]:cu[b + 1]], k[cu_cmp[b]:cu_cmp[b + 1]], v[cu_cmp[b]:cu_cmp[b + 1]]
-            o, lse = naive_attention(qs, ks, vs, cmp_visible(n, blocks[b], block, stride, q.device), Dqk ** -0.5)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses, dim=1)
-
-    rows = (int(cu[-1]), int(cu_cmp[-1]), int(cu_cmp[-1]))
-    check_backward(monkeypatch, op, ref, (q, k, v), dtype, rows=rows)
+    """The packed sequences of compressed_varlen: dq, dk, dv of the rows that hold sequences."""
+    op, ref, inputs, q_rows, k_rows = compressed_varlen(dims, dtype)
+    check_backward(monkeypatch, op, ref, inputs, dtype, rows=(q_rows, k_rows, k_rows))
 
 
 # ------------------------------------------------------------------------------- flash_attention (dense, window)
@@ -241,10 +215,8 @@ FLASH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
-@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: "B{}T{}S{}H{}-{}c{}w{}".format(*c))
-def test_flash_batched(monkeypatch, dtype, dims, case):
+def flash_batched(case, dims, dtype):
+    """A batched flash_attention case: (op, its float64-checkable reference, inputs)."""
     B, T, S, Hq, Hkv, causal, window = case
     Dqk, Dv = dims
     q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
@@ -259,15 +231,13 @@ def test_flash_batched(monkeypatch, dtype, dims, case):
         outs = [naive_attention(q[b], k[b], v[b], vis, Dqk ** -0.5) for b in range(B)]
         return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
 
-    check(monkeypatch, op, ref, (q, k, v), dtype)
+    return op, ref, (q, k, v)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [(-1, -1), (511, 0)], ids=["causal", "window512"])
-@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
-def test_flash_varlen(monkeypatch, dtype, window, dims):
-    """Packed sequences that start and end inside tiles; keys and values as [N, H, D] views of [H, N, D] storage
-    (strides that are not the contiguous ones)."""
+def flash_varlen(window, dims, dtype):
+    """Causal packed sequences that start and end inside tiles (64-row key tiles and 128-row query tiles too); keys
+    and values as [N, H, D] views of [H, N, D] storage (strides that are not the contiguous ones): (op, reference,
+    inputs)."""
     lengths = [5, 300, 1000, 129, 2048, 77, 1500]
     Hq, Hkv = 4, 2
     Dqk, Dv = dims
@@ -291,7 +261,23 @@ def test_flash_varlen(monkeypatch, dtype, window, dims):
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses, dim=1)
 
-    check(monkeypatch, op, ref, (q, k, v), dtype)
+    return op, ref, (q, k, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: "B{}T{}S{}H{}-{}c{}w{}".format(*c))
+def test_flash_batched(monkeypatch, dtype, dims, case):
+    op, ref, inputs = flash_batched(case, dims, dtype)
+    check(monkeypatch, op, ref, inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [(-1, -1), (511, 0)], ids=["causal", "window512"])
+@pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+def test_flash_varlen(monkeypatch, dtype, window, dims):
+    op, ref, inputs = flash_varlen(window, dims, dtype)
+    check(monkeypatch, op, ref, inputs, dtype)
 
 
 # (B, T, S, Hq, Hkv, causal, window): dense causal (a last 64-key tile of 1 row, a last 128-query tile of 1 row),
@@ -304,53 +290,17 @@ FLASH_BACKWARD_CASES = [FLASH_CASES[0], FLASH_CASES[1], FLASH_CASES[4], FLASH_CA
 @pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
 @pytest.mark.parametrize("case", FLASH_BACKWARD_CASES, ids=lambda c: "B{}T{}S{}H{}-{}c{}w{}".format(*c))
 def test_flash_backward_batched(monkeypatch, dtype, dims, case):
-    B, T, S, Hq, Hkv, causal, window = case
-    Dqk, Dv = dims
-    q = torch.randn(B, T, Hq, Dqk, dtype=dtype, device="cuda")
-    k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device="cuda")
-    v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device="cuda")
-    vis = flash_visible(T, S, causal, window[0], window[1], "cuda")
-
-    def op(q, k, v):
-        return sparseattn.flash_attention(q, k, v, causal=causal, window=window, return_lse=True)
-
-    def ref(q, k, v):
-        outs = [naive_attention(q[b], k[b], v[b], vis, Dqk ** -0.5) for b in range(B)]
-        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
-
-    check_backward(monkeypatch, op, ref, (q, k, v), dtype)
+    op, ref, inputs = flash_batched(case, dims, dtype)
+    check_backward(monkeypatch, op, ref, inputs, dtype)
 
 
 @pytest.mark.parametrize("window,dtype", [((-1, -1), torch.bfloat16), ((511, 0), torch.float16)],
                          ids=["causal-bf16", "window512-fp16"])
 @pytest.mark.parametrize("dims", WGMMA_DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
 def test_flash_backward_varlen(monkeypatch, window, dtype, dims):
-    """The packed sequences of test_flash_varlen (starts and ends inside 64-row key tiles and 128-row query tiles;
-    keys and values as [N, H, D] views of [H, N, D] storage)."""
-    lengths = [5, 300, 1000, 129, 2048, 77, 1500]
-    Hq, Hkv = 4, 2
-    Dqk, Dv = dims
-    cu = cu_seqlens_of(lengths, device="cuda")
-    N = int(cu[-1])
-    q = torch.randn(N, Hq, Dqk, dtype=dtype, device="cuda")
-    k = torch.randn(Hkv, N, Dqk, dtype=dtype, device="cuda").transpose(0, 1)
-    v = torch.randn(Hkv, N, Dv, dtype=dtype, device="cuda").transpose(0, 1)
-
-    def op(q, k, v):
-        return sparseattn.flash_attention(q, k, v, causal=True, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                          max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), return_lse=True)
-
-    def ref(q, k, v):
-        outs, lses = [], []
-        for b in range(len(lengths)):
-            qs, ks, vs = q[cu[b]:cu[b + 1]], k[cu[b]:cu[b + 1]], v[cu[b]:cu[b + 1]]
-            vis = flash_visible(qs.shape[0], ks.shape[0], True, window[0], window[1], q.device)
-            o, lse = naive_attention(qs, ks, vs, vis, Dqk ** -0.5)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses, dim=1)
-
-    check_backward(monkeypatch, op, ref, (q, k, v), dtype)
+    """The packed sequences of flash_varlen."""
+    op, ref, inputs = flash_varlen(window, dims, dtype)
+    check_backward(monkeypatch, op, ref, inputs, dtype)
 
 
 # ------------------------------------------------------------------------------------ NSA, and the kernel choice
