@@ -92,6 +92,19 @@ def flash_visible(T, S, causal, left, right, device):
     return vis
 
 
+def naive_packed(q, k, v, cu_q, cu_k, visible, scale):
+    """naive_attention over packed sequences: sequence b is q rows [cu_q[b], cu_q[b + 1]) against k, v rows
+    [cu_k[b], cu_k[b + 1]) with the mask visible(b, its queries, its keys). Returns o over the sequences' query rows
+    and lse [Hq, those rows]."""
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        o, lse = naive_attention(qs, ks, vs, visible(b, qs.shape[0], ks.shape[0]), scale)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
 def max_err(got, ref):
     return (got.double() - ref.double()).abs().max().item() if got.numel() else 0.0
 

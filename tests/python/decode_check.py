@@ -33,16 +33,3 @@ def gathered(cache, block_table, b, length):
     return cache[pages.to(cache.device), (s % page_size).to(cache.device)]
 
 
-def decode_visible(q_len, length, causal, left, right, device):
-    """bool [Tq, L]: query t (aligned to a = L - Tq + t) keeps key s."""
-    t = torch.arange(q_len, device=device)[:, None]
-    s = torch.arange(length, device=device)[None, :]
-    a = t + length - q_len
-    keep = torch.ones(q_len, length, dtype=torch.bool, device=device)
-    if causal:
-        keep &= s <= a
-    if left >= 0:
-        keep &= s >= a - left
-    if right >= 0:
-        keep &= s <= a + right
-    return keep

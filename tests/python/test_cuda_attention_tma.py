@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import sparseattn
-from attention_check import (assert_bounded, assert_lse, cmp_visible, flash_visible, naive_attention, num_blocks,
-                             poison_allocator)
+from attention_check import (assert_bounded, assert_lse, cmp_visible, flash_visible, naive_attention, naive_packed,
+                             num_blocks, poison_allocator)
 from helpers import cu_seqlens_of
 
 pytestmark = [
@@ -148,14 +148,9 @@ def compressed_varlen(dims, dtype):
         return sparseattn.compressed_attention(q, k, v, block=block, stride=stride, cu_seqlens=cu,
                                                cu_seqlens_cmp=cu_cmp)
 
-    def ref(q, k, v):
-        outs, lses = [], []
-        for b, n in enumerate(lengths):
-            qs, ks, vs = q[cu[b]:cu[b + 1]], k[cu_cmp[b]:cu_cmp[b + 1]], v[cu_cmp[b]:cu_cmp[b + 1]]
-            o, lse = naive_attention(qs, ks, vs, cmp_visible(n, blocks[b], block, stride, q.device), Dqk ** -0.5)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses, dim=1)  # the rows of the sequences only
+    def ref(q, k, v):  # the rows of the sequences only
+        return naive_packed(q, k, v, cu, cu_cmp, lambda b, n, nc: cmp_visible(n, nc, block, stride, q.device),
+                            Dqk ** -0.5)
 
     return op, ref, (q, k, v), int(cu[-1]), int(cu_cmp[-1])
 
@@ -252,14 +247,8 @@ def flash_varlen(window, dims, dtype):
                                           max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), return_lse=True)
 
     def ref(q, k, v):
-        outs, lses = [], []
-        for b in range(len(lengths)):
-            qs, ks, vs = q[cu[b]:cu[b + 1]], k[cu[b]:cu[b + 1]], v[cu[b]:cu[b + 1]]
-            vis = flash_visible(qs.shape[0], ks.shape[0], True, window[0], window[1], q.device)
-            o, lse = naive_attention(qs, ks, vs, vis, Dqk ** -0.5)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses, dim=1)
+        return naive_packed(q, k, v, cu, cu, lambda b, t, s: flash_visible(t, s, True, *window, q.device),
+                            Dqk ** -0.5)
 
     return op, ref, (q, k, v)
 

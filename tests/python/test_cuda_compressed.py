@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import sparseattn
-from attention_check import cmp_visible, naive_attention, num_blocks, run_and_compare
+from attention_check import cmp_visible, naive_attention, naive_packed, num_blocks, run_and_compare
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not sparseattn._C.built_with_cuda(),
@@ -68,13 +68,7 @@ def test_compressed_varlen(attention_mma, dtype, dims, group):
                                                cu_seqlens_cmp=cu_cmp)
 
     def ref(q, k, v):
-        outs, lses = [], []
-        for b, n in enumerate(lengths):
-            qs, ks, vs = q[cu[b]:cu[b + 1]], k[cu_cmp[b]:cu_cmp[b + 1]], v[cu_cmp[b]:cu_cmp[b + 1]]
-            o, lse = naive_attention(qs, ks, vs, cmp_visible(n, blocks[b], block, stride, q.device), scale)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses, dim=1)
+        return naive_packed(q, k, v, cu, cu_cmp, lambda b, n, nc: cmp_visible(n, nc, block, stride, q.device), scale)
 
     run_and_compare(op, ref, (q, k, v), dtype)
 

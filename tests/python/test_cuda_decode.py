@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import sparseattn
-from attention_check import assert_bounded, assert_lse, naive_attention, poison_allocator
-from decode_check import decode_visible, gathered, page_table, to_pages
+from attention_check import assert_bounded, assert_lse, flash_visible, naive_attention, poison_allocator
+from decode_check import gathered, page_table, to_pages
 from sparseattn.decode import flash_decode, flash_decode_plan
 
 pytestmark = pytest.mark.skipif(
@@ -41,7 +41,7 @@ def references(q, k_cache, v_cache, seqlens, table, causal, window):
     for b, length in enumerate(seqlens.tolist()):
         k = gathered(k_cache, table, b, length)
         v = gathered(v_cache, table, b, length)
-        keep = decode_visible(q.shape[1], length, causal, window[0], window[1], q.device)
+        keep = flash_visible(q.shape[1], length, causal, window[0], window[1], q.device)
         outs.append(naive_attention(q[b], k, v, keep, scale)[0])
     return o64.cuda(), lse64.cuda(), torch.stack(outs)
 

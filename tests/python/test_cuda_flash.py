@@ -4,7 +4,7 @@ import torch
 
 import sparseattn
 from sparseattn import _ops
-from attention_check import flash_visible, naive_attention, run_and_compare
+from attention_check import flash_visible, naive_attention, naive_packed, run_and_compare
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not sparseattn._C.built_with_cuda(),
@@ -74,14 +74,7 @@ def test_flash_varlen(attention_mma, dtype, window, dims):
                                           max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), return_lse=True)
 
     def ref(q, k, v):
-        outs, lses = [], []
-        for b in range(len(lengths_q)):
-            qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
-            vis = flash_visible(qs.shape[0], ks.shape[0], True, window[0], window[1], q.device)
-            o, lse = naive_attention(qs, ks, vs, vis, scale)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses, dim=1)
+        return naive_packed(q, k, v, cu_q, cu_k, lambda b, t, s: flash_visible(t, s, True, *window, q.device), scale)
 
     run_and_compare(op, ref, (q, k, v), dtype)
 
