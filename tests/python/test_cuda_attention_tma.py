@@ -1,11 +1,12 @@
-"""The TMA producers of the wgmma attention forward and dQ (the default from 1536 keys and 128 queries on;
+"""The TMA producers of the wgmma attention forward, dQ and dK/dV (the default from 1536 keys and 128 queries on;
 SPARSEATTN_ATTENTION_TMA=1 forces them, =0 the cp.async producers): NSA's compressed attention and sliding window,
 and flash_attention's dense causal and windowed calls, against float64 (attention_check.py's bound) and bit for bit
 against the cp.async producers, at odd lengths, varlen packed batches whose sequences end inside key and query tiles
 (those tiles stay on cp.async with zero fill), every head-dim pair of the wgmma forward and dQ, bf16 and fp16; the
-backward's dq (the dQ kernel's TMA variant) and dk, dv (the dK/dV kernel, the same with either switch). Where the
-device runs the wgmma kernels (sm_90a), a profile shows that the switch selects the TMA kernels; elsewhere both runs
-take the same kernels and the comparisons still hold."""
+backward's dq (the dQ kernel's TMA variant) and dk, dv (the dK/dV kernel's TMA variant: query steps of 64 rows, 32 at
+192/128, against 128 keys per CTA), with group sizes 1 and above (head splits), and NSA's backward (P factors from the
+gates). Where the device runs the wgmma kernels (sm_90a), a profile shows that the switch selects the TMA kernels;
+elsewhere both runs take the same kernels and the comparisons still hold."""
 import pytest
 import torch
 
@@ -169,11 +170,13 @@ def test_compressed_varlen(monkeypatch, dtype, dims):
     check(monkeypatch, op, ref, inputs, dtype, rows=q_rows)
 
 
-# (B, T, Hq, Hkv, block, stride): Tc = 255 (a last 64-key tile of 63 rows) with a last query tile of 1 row; Tc = 256
-# (whole key tiles) with a last query tile of 16 rows.
+# (B, T, Hq, Hkv, block, stride): Tc = 255 (a last 64-key tile of 63 rows, a dK/dV CTA of 127 keys) with a last query
+# tile of 1 row; Tc = 256 (whole key tiles) with a last query tile of 16 rows; group 1 (no head splits): Tc = 186 (a
+# dK/dV CTA of 58 keys), T = 3001 (a last query step of 57 rows, 25 at 192/128).
 CMP_BACKWARD_CASES = [
     (2, 4097, 4, 1, 32, 16),
     (1, 4112, 4, 2, 32, 16),
+    (1, 3001, 2, 2, 32, 16),
 ]
 
 
@@ -267,8 +270,9 @@ def test_flash_varlen(monkeypatch, dtype, window, dims):
 
 
 # (B, T, S, Hq, Hkv, causal, window): dense causal (a last 64-key tile of 1 row, a last 128-query tile of 1 row),
-# NSA's sliding window (40 and 104 rows), fewer queries than keys (not causal; a last key tile of 6 rows).
-FLASH_BACKWARD_CASES = [FLASH_CASES[0], FLASH_CASES[1], FLASH_CASES[4]]
+# NSA's sliding window (40 and 104 rows), fewer queries than keys (not causal; a last key tile of 6 rows), group 1
+# with a window of 256 (a dK/dV CTA of 57 keys, a last query step of 57 rows).
+FLASH_BACKWARD_CASES = [FLASH_CASES[0], FLASH_CASES[1], FLASH_CASES[4], FLASH_CASES[3]]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -309,6 +313,30 @@ def test_nsa_compressed_and_window_branches(monkeypatch, dtype):
     assert torch.equal(outputs[1], outputs[0]), "nsa_attention: the TMA producer changes the output"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nsa_backward_compressed_and_window_branches(monkeypatch, dtype):
+    """nsa_attention's backward with the compressed and window branches (the gates reach the branches' backward as P
+    factors, which the dK/dV's TMA producer copies with lse and delta): the gradients of q, k, v and both gates bit
+    for bit."""
+    T, Hq, Hkv, D = 3001, 8, 2, 128
+    config = sparseattn.NSAConfig(window=512)
+    inputs = [torch.randn(1, T, h, D, dtype=dtype, device="cuda") for h in (Hq, Hkv, Hkv)]
+    inputs += [torch.rand(1, T, Hq, dtype=dtype, device="cuda") for _ in range(2)]
+    d_o = torch.randn(1, T, Hq, D, dtype=dtype, device="cuda")
+    grads = []
+    for value in ("0", "1"):
+        monkeypatch.setenv(SWITCH, value)
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        poison_allocator()
+        o = sparseattn.nsa_attention(leaves[0], leaves[1], leaves[2], leaves[3], None, leaves[4], config=config)
+        poison_allocator()
+        grads.append([g.clone() for g in torch.autograd.grad(o, leaves, d_o)])
+        torch.cuda.synchronize()
+    for name, cp, tma in zip(("dq", "dk", "dv", "dg_cmp", "dg_swa"), *grads):
+        assert torch.isfinite(cp).all(), name
+        assert torch.equal(tma, cp), f"nsa_attention {name}: the TMA producers change the gradient"
+
+
 def launched_kernels(monkeypatch, value, fn, part):
     """The names of the CUDA kernels whose name holds `part` that fn() launches with SPARSEATTN_ATTENTION_TMA=value
     (None: unset)."""
@@ -322,12 +350,14 @@ def launched_kernels(monkeypatch, value, fn, part):
     return [e.name for e in prof.events() if part in e.name]
 
 
-def test_switch_selects_the_tma_kernel(monkeypatch):
+@pytest.mark.parametrize("D", [128, 64])
+def test_switch_selects_the_tma_kernel(monkeypatch, D):
     """With the switch on, compressed_attention and flash_attention run attention_forward_wgmma_tma_kernel and, in
-    their backward, attention_dq_wgmma_tma_kernel where the cp.async run shows the wgmma kernels (an sm_90a build on
-    Hopper); unset, the TMA kernels run from 1536 keys and 128 queries on (flash_attention's 2000 of each) and the cp.async kernels
-    below (the 124 compressed keys); the mma.sync override still wins."""
-    T, D = 2000, 128
+    their backward, attention_dq_wgmma_tma_kernel and attention_dkv_wgmma_tma_kernel where the cp.async run shows the
+    wgmma kernels (an sm_90a build on Hopper); unset, the TMA kernels run from 1536 keys and 128 queries on
+    (flash_attention's 2000 of each) and the cp.async kernels below (the 124 compressed keys); the mma.sync override
+    still wins. D = 128 and 64: the dK/dV consumers' two schedules (WgmmaDkvTmaTile::kOverlapsUpdate)."""
+    T = 2000
     q = torch.randn(1, T, 4, D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, T, 2, D, dtype=torch.bfloat16, device="cuda")
     Tc = num_blocks(T, 32, 16)
@@ -347,7 +377,8 @@ def test_switch_selects_the_tma_kernel(monkeypatch):
             torch.autograd.grad(call(*leaves), leaves, d_o)
 
         for fn, part, kernel in ((forward, "attention_forward", "attention_forward_wgmma"),
-                                 (backward, "attention_dq", "attention_dq_wgmma")):
+                                 (backward, "attention_dq", "attention_dq_wgmma"),
+                                 (backward, "attention_dkv", "attention_dkv_wgmma")):
             plain = launched_kernels(monkeypatch, "0", fn, part)
             if not plain:
                 pytest.skip("the profiler shows no CUDA kernels here")

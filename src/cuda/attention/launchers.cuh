@@ -217,11 +217,40 @@ void launch_dkv_sync(const AttnArgs<T>& args, const typename Mask::Config& mc, c
   }
 }
 
-// Launches the wgmma dK/dV kernel where it runs; false otherwise.
+// Launches the TMA variant of the wgmma dK/dV where it may run; false otherwise: as launch_dq_wgmma_tma (the switch,
+// TMA on the device, the kernel's sm_90a code), with tensor maps of q and d_o (boxes of 64 columns x kM rows, the
+// query step) and of k and v (64 columns x 128 rows, the CTA's keys). The grid is the dK/dV kernel's.
+template <class T, int Dqk, int Dv, class Mask>
+bool launch_dkv_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
+  using Tile = WgmmaDkvTmaTile<Dqk, Dv>;
+  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || l.d_o_view == nullptr ||
+      !attention_tma_requested(l)) {
+    return false;
+  }
+  if (!tma::device_supports(l.q_view->device_index)) return false;
+  auto kernel = attention_dkv_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
+  if (!wgmma::kernel_runs(kernel)) return false;
+  DkvTmaMaps maps;
+  if (!tma::token_map(&maps.q, *l.q_view, Tile::kM) || !tma::token_map(&maps.d_o, *l.d_o_view, Tile::kM) ||
+      !tma::token_map(&maps.k, *l.k_view, Tile::kN) || !tma::token_map(&maps.v, *l.v_view, Tile::kN)) {
+    return false;
+  }
+  set_dynamic_smem(kernel, Tile::kSmemBytes);
+  const dim3 grid = key_grid(l, Tile::kN, args.head_splits);
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, maps);
+  check_launch("attention_dkv_wgmma_tma_kernel");
+  return true;
+}
+
+// Launches the wgmma dK/dV kernel where it runs; false otherwise. The plain masks (kTmaMask) take the TMA variant
+// where launch_dkv_wgmma_tma allows it.
 template <class T, int Dqk, int Dv, class Mask>
 bool launch_dkv_wgmma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   if constexpr (WgmmaDkvTile<Dqk, Dv>::kSupported) {
     using Tile = WgmmaDkvTile<Dqk, Dv>;
+    if constexpr (kTmaMask<Mask>) {
+      if (launch_dkv_wgmma_tma<T, Dqk, Dv, Mask>(args, mc, l)) return true;
+    }
     auto kernel = attention_dkv_wgmma_kernel<T, Dqk, Dv, Mask>;
     if (!wgmma::kernel_runs(kernel)) return false;
     set_dynamic_smem(kernel, Tile::kSmemBytes);

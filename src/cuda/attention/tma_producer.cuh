@@ -1,8 +1,9 @@
-// The TMA producer of the warp-specialised wgmma attention kernels (the forward, wgmma_forward.cuh, and the dQ,
-// wgmma_backward.cuh): one warp of the producer warpgroup, whose lane 0 copies each whole tile with TMA boxes
+// The TMA producer of the warp-specialised wgmma attention kernels (the forward, wgmma_forward.cuh, and the dQ and
+// dK/dV, wgmma_backward.cuh): one warp of the producer warpgroup, whose lane 0 copies each whole tile with TMA boxes
 // (tma.cuh: 64 columns x kRows rows per box, written with the 128-byte swizzle, the layout of wgmma.cuh's swizzled
 // tiles: panel p of a kRows-row tile at tile + p * kRows * 64), so the producer takes a few instructions per tile
-// instead of a copy per 16 bytes. The consumers are those of the cp.async kernels.
+// instead of a copy per 16 bytes. The forward's and dQ's consumers are those of their cp.async kernels; the dK/dV's
+// repeat its kernel's MMAs and arithmetic.
 #pragma once
 
 #include <type_traits>
@@ -16,20 +17,21 @@
 
 namespace sparseattn::cuda::attention {
 
-// The masking policies whose wgmma forward and dQ have a TMA variant: those of NSA's compressed and sliding-window
-// branches and of flash_attention's dense causal or windowed calls (the policies with terms or gates keep the
-// cp.async producer, which keeps their units' code size and compile time as they are).
+// The masking policies whose wgmma forward, dQ and dK/dV have a TMA variant: those of NSA's compressed and
+// sliding-window branches and of flash_attention's dense causal or windowed calls (the policies with terms or gates
+// keep the cp.async kernels, which keeps their units' code size and compile time as they are).
 template <class Mask>
 inline constexpr bool kTmaMask = std::is_same_v<Mask, FlashMask> || std::is_same_v<Mask, CompressedMask>;
 
 // The maps parameter of the cp.async kernels: none (the TMA kernels take ForwardTmaMaps or DqTmaMaps).
 struct NoTmaMaps {};
 
-// The TMA producer's start, by the producer warpgroup: it gives registers back (pipeline::ProducerConsumers) and
-// keeps its first warp, whose lane 0 starts fetching the tensor maps; false for the other warps, which exit.
-template <class... Maps>
+// The TMA producer's start, by the producer warpgroup: it gives registers back, down to kRegisters per thread
+// (pipeline::ProducerConsumers' count unless the kernel sets its own), and keeps its first warp, whose lane 0 starts
+// fetching the tensor maps; false for the other warps, which exit.
+template <int kRegisters = pipeline::ProducerConsumers::kProducerRegisters, class... Maps>
 __device__ __forceinline__ bool enter_tma_producer(const Maps*... maps) {
-  pipeline::release_registers<pipeline::ProducerConsumers::kProducerRegisters>();
+  pipeline::release_registers<kRegisters>();
   if (threadIdx.x >= 32) return false;  // one warp produces
   if (threadIdx.x == 0) (tma::prefetch_map(maps), ...);
   return true;

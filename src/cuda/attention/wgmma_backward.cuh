@@ -22,7 +22,11 @@
 // register A operands and dO, Q as MN-major B operands; the update of one step is in flight while the next
 // step's P^T and dS^T are computed (wgmma::overlapped_steps). Registers: dK 64 + dV 64 + S^T 32 + dP^T 32 + the
 // A fragments 32 at D = 128; at 192/128 dK 96 + dV 64 + S^T 16 + dP^T 16 + 16 with query steps of kM = 32 rows.
-// 256/256 keeps the two-pass mma.sync kernel (dK and dV alone would take 256 registers).
+// 256/256 keeps the two-pass mma.sync kernel (dK and dV alone would take 256 registers). Its TMA variant for the
+// plain masks (attention_dkv_wgmma_tma_kernel, kTmaMask) adds a producer warpgroup whose one TMA warp fills a ring of
+// query-step slots (Q, dO, lse, delta, P factors), so that the two consumer warpgroups wait on mbarriers instead of
+// loading between CTA barriers; at 128/128 their registers (setmaxnreg: 232) do not hold the update in flight beside
+// the elementwise part, so there the two take turns instead (WgmmaDkvTmaTile::kOverlapsUpdate).
 #pragma once
 
 #include <type_traits>
@@ -297,6 +301,307 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
       if (threadIdx.x == 0) add_work(mc.terms, work);
     }
   }
+#endif
+}
+
+// The dK/dV's TMA variant for the plain masks (kTmaMask: no terms, gates or per-head windows, so step i is query
+// tile w.tile(i) of head w.head(i)): the CTA of the kernel above, whose two warpgroups become consumers, plus a
+// producer warpgroup of which one warp copies (tma_producer.cuh). The producer loads K and V once (their own
+// one-use ring) and each step's Q and dO tiles (64-column boxes of kM rows) and its lse, delta and P-factor rows
+// into a ring of kBuffers slots, running ahead of the consumers by the slots they have released, instead of every
+// thread loading the next step between two CTA barriers. The consumers issue the kernel above's MMAs in its order
+// and compute its elementwise part, so dK and dV are the same bit for bit; at 128/128 the order of a consumer's
+// update and its next step's elementwise part differs (kOverlapsUpdate), not the values.
+struct DkvTmaMaps {
+  CUtensorMap q, d_o, k, v;  // q, d_o: boxes of 64 columns x kM rows; k, v: 64 columns x kN rows (tma::token_map)
+};
+
+template <int Dqk, int Dv>
+struct WgmmaDkvTmaTile {
+  using Consumers = WgmmaDkvTile<Dqk, Dv>;
+  static constexpr bool kSupported = Consumers::kSupported;
+  static constexpr int kM = Consumers::kM, kN = Consumers::kN;
+  // Whether a consumer runs its elementwise part while its previous update is in flight (wgmma::overlapped_steps),
+  // as the kernel above does. Not at 128/128: there the operands of the MMAs in flight take 224 registers (dK 64 +
+  // dV 64 + S^T 32 + dP^T 32 + the A fragments 32) and the elementwise part's values do not fit beside them in the
+  // 240 that setmaxnreg can give at most (ptxas serialises the MMAs), so a consumer lands its update before it
+  // issues its scores, and lands those before its elementwise part, which runs while the other consumer's MMAs
+  // occupy the tensor cores (the two take turns to issue, pipeline::Turns); at most 192 operand registers are live.
+  static constexpr bool kOverlapsUpdate = !(Dqk == 128 && Dv == 128);
+  static constexpr int kProducerThreads = pipeline::ProducerConsumers::kProducerThreads;
+  static constexpr int kConsumerThreads = Consumers::kThreads;
+  static_assert(kConsumerThreads == pipeline::ProducerConsumers::kConsumerThreads, "the rings count 256 consumers");
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  // The consumers hold what the kernel above holds (dK, dV, S^T, dP^T, the update's A fragments) without its
+  // per-thread load addresses: 160 operand registers at 64/64 and 208 at 192/128 with the update in flight during the
+  // elementwise part, at 128/128 192 (kOverlapsUpdate). At 192/128, 232 leave ptxas too few to keep the MMAs
+  // asynchronous, so the producer gets the minimum, 24, there (its loop then keeps a few values in local memory).
+  // The launch gives 168 per thread (__launch_bounds__(384, 1)), which setmaxnreg moves between the warpgroups.
+  static constexpr int kConsumerRegisters = Dqk + Dv > 256 ? 240 : 232;
+  static constexpr int kProducerRegisters = Dqk + Dv > 256 ? 24 : 40;
+  static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <= 168 * kThreads,
+                "setmaxnreg: the warpgroups' registers within the CTA's");
+  // A step's slot is read by its scores and by the update issued one step later; four slots let the producer
+  // fill the next two steps meanwhile.
+  static constexpr int kBuffers = 4;
+  static constexpr int kK = Consumers::kK, kV = Consumers::kV, kQ = Consumers::kQ, kDO = Consumers::kDO;
+  static constexpr int kBarriers = pipeline::Ring<1>::kBarriers + pipeline::Ring<kBuffers>::kBarriers;
+  // K, V, the Q and dO slots (2-byte elements; every tile a multiple of 1024 bytes), the (lse, delta, P factor)
+  // rows of kM floats per slot, the barriers, plus room to align the start to a swizzle atom: 100 KB at 64/64,
+  // 196 KB at 128/128, 163 KB at 192/128.
+  static constexpr std::size_t kSmemBytes = 2 * (kK + kV + kBuffers * (kQ + kDO)) +
+                                            kBuffers * 3 * kM * sizeof(float) + sizeof(std::uint64_t) * kBarriers +
+                                            wgmma::kTileAlignment;
+};
+
+// The lse, delta and P-factor rows t0 + r (r < kRows) of query head `head` of the sequence that starts at query row
+// q_row0 and has `queries` rows (0 past them, as load_row_stats) into a slot, by the TMA producer's warp with
+// cp.async (P factors only where the call has them; the slots' factors stay 1 otherwise). It makes one of the
+// arrivals that the use's full barrier expects, which the copies' landing completes (as produce_tma_tile's
+// zero-filled tiles), so the warp does not wait.
+template <int kRows, class Ring, class T>
+__device__ __forceinline__ void produce_row_stats(const Ring& ring, unsigned use, float* lse, float* delta,
+                                                  float* p_scale, const AttnArgs<T>& a, int batch, int q_row0,
+                                                  int queries, int t0, int head) {
+  static_assert(kRows % 32 == 0, "whole rows per lane");
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  // The rows' addresses from values the compiler sees as made here, so that it computes them here instead of holding
+  // their 64-bit parts across the producer's loop (as warp_copy_tile_rows).
+  asm volatile("" : "+r"(batch), "+r"(q_row0), "+r"(head));
+#pragma unroll
+  for (int i = 0; i < kRows / 32; ++i) {
+    const int r = lane + 32 * i;
+    const bool ok = t0 + r < queries;
+    const int row = q_row0 + (ok ? t0 + r : 0);
+    cp_async_4(lse + r, &a.lse.at(batch, row, head), ok ? 4 : 0);
+    cp_async_4(delta + r, &a.delta.at(batch, row, head), ok ? 4 : 0);
+    if (a.d_o_scale.data != nullptr) cp_async_4(p_scale + r, &a.d_o_scale.at(batch, row, head), ok ? 4 : 0);
+  }
+  pipeline::arrive_on_copies_extra(ring.full_barrier(use));
+  __syncwarp();
+  if (lane == 0) pipeline::arrive(ring.full_barrier(use));
+  __syncwarp();
+}
+
+template <class T, int Dqk, int Dv, class Mask>
+__global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
+    attention_dkv_wgmma_tma_kernel(AttnArgs<T> a, typename Mask::Config mc, const __grid_constant__ DkvTmaMaps maps) {
+  static_assert(kTmaMask<Mask>, "the TMA producer serves the plain masks");
+#if SPARSEATTN_WGMMA_ENABLED
+  using Tile = WgmmaDkvTmaTile<Dqk, Dv>;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kBuffers = Tile::kBuffers;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw + (-shared_address(smem_raw) & (wgmma::kTileAlignment - 1)));
+  T* sV = sK + Tile::kK;
+  T* sQ = sV + Tile::kV;
+  T* sDO = sQ + kBuffers * Tile::kQ;
+  float* sLse = reinterpret_cast<float*>(sDO + kBuffers * Tile::kDO);  // [kBuffers][kM]
+  float* sDelta = sLse + kBuffers * kM;                                // [kBuffers][kM]
+  float* sScale = sDelta + kBuffers * kM;  // [kBuffers][kM]: P factor (AttnArgs::d_o_scale)
+  auto* barriers = reinterpret_cast<std::uint64_t*>(sScale + kBuffers * kM);
+
+  if (a.seqs[blockIdx.z].S <= i64{blockIdx.y} * kN) return;  // no keys (DkvWork::keys)
+  // K and V: one use, whose two tiles make one arrival each; step i: use i of the slots, its Q and dO tiles and its
+  // row statistics making one arrival each (produce_tma_tile, produce_row_stats). A slot is released by every
+  // consumer thread once the update that reads it (issued one step after its scores) has landed.
+  const pipeline::Ring<1> kv_ring(barriers);
+  const pipeline::Ring<kBuffers> step_ring(barriers + kv_ring.kBarriers);
+  if (a.d_o_scale.data == nullptr) {  // without P factors the slots' factors are 1 throughout
+    for (int i = threadIdx.x; i < kBuffers * kM; i += Tile::kThreads) sScale[i] = 1.f;
+  }
+  if (threadIdx.x == 0) {
+    kv_ring.init(2, Tile::kConsumerThreads);
+    step_ring.init(3, Tile::kConsumerThreads);
+    pipeline::fence_init();
+  }
+  __syncthreads();
+  // The CTA's work, found by each role after its setmaxnreg: values held across it would have to fit the
+  // producer's few registers.
+  auto find_work = [&](auto&& body) {
+    const auto seq = a.seqs[blockIdx.z];
+    const Mask mask = bind_mask<Mask>(mc, seq, blockIdx.z);
+    body(seq, mask, DkvWork(a, mask, seq, kN, kM));
+  };
+
+  if (threadIdx.x < Tile::kProducerThreads) {
+    if (!enter_tma_producer<Tile::kProducerRegisters>(&maps.q, &maps.d_o, &maps.k, &maps.v)) return;
+    find_work([&](const auto& seq, const Mask&, const DkvWork& w) {
+      const int steps = static_cast<int>(w.steps);
+      if (steps <= 0) return;
+      // Token coordinates in 32 bits (the tensor maps' dimensions are below 2^31), so that the loop's state fits
+      // the producer's registers.
+      const int batch = static_cast<int>(seq.batch), hk = static_cast<int>(w.hk);
+      const int k_row0 = static_cast<int>(seq.k_begin + w.j0), keys = static_cast<int>(w.keys);
+      produce_tma_tile<kN, Dqk>(kv_ring, 0, sK, a.k, &maps.k, batch, k_row0, keys, hk);
+      produce_tma_tile<kN, Dv>(kv_ring, 0, sV, a.v, &maps.v, batch, k_row0, keys, hk);
+      const int q_row0 = static_cast<int>(seq.q_begin), queries = static_cast<int>(seq.T);
+      const int tile_begin = static_cast<int>(w.tile_begin), tile_end = tile_begin + static_cast<int>(w.tiles);
+      // Step i's head and query tile as DkvWork::head(i) and tile(i), walked without divisions.
+      int head = static_cast<int>(w.first_head), tile = tile_begin;
+      for (int step = 0; step < steps; ++step) {
+        const int t0 = tile * kM, slot = step_ring.slot(step);
+        step_ring.acquire(step);  // by every lane: each writes the slot's row statistics
+        produce_tma_tile<kM, Dqk>(step_ring, step, sQ + slot * Tile::kQ, a.q, &maps.q, batch, q_row0 + t0,
+                                  queries - t0, head);
+        produce_tma_tile<kM, Dv>(step_ring, step, sDO + slot * Tile::kDO, a.d_o, &maps.d_o, batch, q_row0 + t0,
+                                 queries - t0, head);
+        produce_row_stats<kM>(step_ring, step, sLse + slot * kM, sDelta + slot * kM, sScale + slot * kM, a, batch,
+                              q_row0, queries, t0, head);
+        if (++tile == tile_end) {
+          tile = tile_begin;
+          ++head;
+        }
+      }
+      cp_async_wait<0>();
+    });
+    return;
+  }
+
+  pipeline::claim_registers<Tile::kConsumerRegisters>();
+  const int warp = threadIdx.x / 32 - Tile::kProducerThreads / 32, lane = threadIdx.x % 32;  // among the 8 consumers'
+  const int warpgroup_row0 = (warp / 4) * 64;
+  // What the step loop needs of the CTA's work, in 32 bits (the rest is found again for the stores): steps, step i's
+  // query tile tile_begin + i % tiles (DkvWork::tile), and the queries [q_first, q_end) (positions in the sequence,
+  // below 2^31) that see this thread's two key rows.
+  int steps = 0, tile_begin = 0, q_first[2], q_end[2];
+  unsigned tiles = 1;
+  find_work([&](const auto&, const Mask& mask, const DkvWork& w) {
+    steps = static_cast<int>(w.steps);
+    tile_begin = static_cast<int>(w.tile_begin);
+    tiles = static_cast<unsigned>(w.tiles);
+    for (int half = 0; half < 2; ++half) {
+      i64 first, end;
+      visible_queries(mask, w.j0 + warp * 16 + lane / 4 + half * 8, first, end);
+      q_first[half] = static_cast<int>(first);
+      q_end[half] = static_cast<int>(end);
+    }
+  });
+  // Descriptors of this warpgroup's K and V rows and of slot 0's Q and dO; the loops add compile-time offsets.
+  const std::uint64_t k_desc = wgmma::k_major_descriptor<kN>(sK, warpgroup_row0, 0);
+  const std::uint64_t v_desc = wgmma::k_major_descriptor<kN>(sV, warpgroup_row0, 0);
+  // Q and dO are read K-major by S^T = K Q^T and dP^T = V dO^T, MN-major by dK += dS^T Q and dV += P^T dO.
+  const std::uint64_t q_desc0 = wgmma::k_major_descriptor<kM>(sQ, 0, 0);
+  const std::uint64_t do_desc0 = wgmma::k_major_descriptor<kM>(sDO, 0, 0);
+  const std::uint64_t q_mn_desc0 = wgmma::mn_major_descriptor<kM>(sQ, 0, 0);
+  const std::uint64_t do_mn_desc0 = wgmma::mn_major_descriptor<kM>(sDO, 0, 0);
+
+  float dk[Dqk / 8][4], dv[Dv / 8][4];
+  zero(dk);
+  zero(dv);
+  if (steps > 0) {
+    float s[kM / 8][4], dp[kM / 8][4];
+    std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
+    // With kOverlapsUpdate, step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of
+    // step i - 1 (its elementwise part done one step earlier) are in flight; its slot was filled by the producer
+    // meanwhile.
+    auto begin_step = [&](int step) {
+      if (step == 0) kv_ring.wait_full(0);
+      if (step < steps) step_ring.wait_full(step);
+      wgmma::fence_shared_for_async();  // the producer's zero-filled tiles (cp.async) before the MMAs read them
+      wgmma::fence();
+    };
+    auto issue_step_scores = [&](int step) {  // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
+      const int buf = step_ring.slot(step);
+      // The K and V descriptors made opaque here, so that the compiler advances them per MMA (an add each) instead
+      // of holding every advanced copy across the step loop, in registers that the consumers do not have.
+      std::uint64_t k_rows = k_desc, v_rows = v_desc;
+      asm volatile("" : "+l"(k_rows), "+l"(v_rows));
+      issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_rows, wgmma::advance(q_desc0, buf * Tile::kQ * 2), v_rows,
+                                           wgmma::advance(do_desc0, buf * Tile::kDO * 2));
+    };
+    auto issue_update = [&](int step) {  // dV += P^T dO and dK += dS^T Q of step - 1
+      const int buf = step_ring.slot(step - 1);
+      wgmma::issue_dkv_update<T, kM, Dqk, Dv>(dk, dv, p_a, ds_a, wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2),
+                                              wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2));
+    };
+    // P^T and dS^T (without the scale) in place of S^T and dP^T, as the kernel above computes them for the plain
+    // masks; column n * 8 + 2 (lane % 4) + {0, 1} is a query row, its statistics read from the step's slot.
+    auto make_ds = [&](int step) {
+      wgmma::fence_operand(wgmma::flat<kM>(s));
+      wgmma::fence_operand(wgmma::flat<kM>(dp));
+      const int buf = step_ring.slot(step);
+      const float* lse = sLse + buf * kM;
+      const float* delta = sDelta + buf * kM;
+      const float* p_scale = sScale + buf * kM;
+      const int t0 = (tile_begin + static_cast<int>(static_cast<unsigned>(step) % tiles)) * kM;
+      const int col_first[2] = {q_first[0] - t0, q_first[1] - t0}, col_end[2] = {q_end[0] - t0, q_end[1] - t0};
+      const bool full = max(col_first[0], col_first[1]) <= 0 && min(col_end[0], col_end[1]) >= kM;
+      with_mask(!full, [&](auto masked) {
+#pragma unroll
+        for (int n = 0; n < kM / 8; ++n) {
+          const float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8 + 2 * (lane % 4));
+          const float2 d2 = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * (lane % 4));
+          const float2 g2 = *reinterpret_cast<const float2*>(p_scale + n * 8 + 2 * (lane % 4));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = n * 8 + 2 * (lane % 4) + (i % 2);
+            float p = fast_exp2(fmaf(s[n][i], a.scale_log2, -kLog2e * (i % 2 ? l2.y : l2.x))) * (i % 2 ? g2.y : g2.x);
+            if constexpr (decltype(masked)::value) {
+              if (col < col_first[i / 2] || col >= col_end[i / 2]) p = 0.f;
+            }
+            s[n][i] = p;
+            dp[n][i] = p * (dp[n][i] - (i % 2 ? d2.y : d2.x));
+          }
+        }
+      });
+    };
+    auto land = [&](int step) {
+      wgmma::wait<0>();
+      wgmma::fence_operand(wgmma::flat<Dv>(dv));
+      wgmma::fence_operand(wgmma::flat<Dqk>(dk));
+      wgmma::fence_operand(p_a);
+      wgmma::fence_operand(ds_a);
+      if (step > 0) step_ring.release(step - 1);  // its update has landed: the slot is free
+      if (Tile::kOverlapsUpdate && step < steps) {
+        wgmma::to_a_fragments<T, kM>(s, p_a);
+        wgmma::to_a_fragments<T, kM>(dp, ds_a);
+      }
+    };
+    if constexpr (Tile::kOverlapsUpdate) {
+      wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_update, make_ds, land);
+    } else {
+      // Step i, in the consumer's turn, issues the update of step i - 1, lands it (its A fragments are then free),
+      // issues the scores of step i; then it lands those and runs step i's elementwise part while the other
+      // consumer issues. The first and last steps are peeled, as in overlapped_steps, so that every MMA is issued on
+      // a path without branches.
+      const pipeline::Turns turns(warp / 4);
+      auto finish_step = [&](int step) {
+        land(step);
+        wgmma::fence_operand(wgmma::flat<kM>(s));
+        wgmma::fence_operand(wgmma::flat<kM>(dp));
+        if (step < steps) {
+          make_ds(step);
+          wgmma::to_a_fragments<T, kM>(s, p_a);
+          wgmma::to_a_fragments<T, kM>(dp, ds_a);
+        }
+      };
+      begin_step(0);
+      turns.take();
+      issue_step_scores(0);
+      turns.pass();
+      finish_step(0);
+      for (int step = 1; step < steps; ++step) {
+        begin_step(step);
+        turns.take();
+        issue_update(step);
+        wgmma::wait<0>();
+        wgmma::fence_operand(p_a);
+        wgmma::fence_operand(ds_a);
+        issue_step_scores(step);
+        turns.pass();
+        finish_step(step);
+      }
+      begin_step(steps);
+      turns.take();
+      issue_update(steps);
+      turns.pass();
+      finish_step(steps);
+      turns.finish();
+    }
+  }
+  find_work([&](const auto& seq, const Mask&, const DkvWork& w) {
+    store_dkv_rows<true, true>(dk, dv, a, seq, w.split, w.j0 + warp * 16, w.hk);
+  });
 #endif
 }
 
