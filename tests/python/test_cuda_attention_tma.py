@@ -1,5 +1,5 @@
-"""The TMA producers of the wgmma attention forward, dQ and dK/dV (the default from 1536 keys and 128 queries on;
-SPARSEATTN_ATTENTION_TMA=1 forces them, =0 the cp.async producers): NSA's compressed attention and sliding window,
+"""The TMA producers of the wgmma attention forward, dQ and dK/dV (the default for the forward and dQ from 1536 keys
+and 128 queries on, for the dK/dV at every size; SPARSEATTN_ATTENTION_TMA=1 forces them, =0 the cp.async producers): NSA's compressed attention and sliding window,
 and flash_attention's dense causal and windowed calls, against float64 (attention_check.py's bound) and bit for bit
 against the cp.async producers, at odd lengths, varlen packed batches whose sequences end inside key and query tiles
 (those tiles stay on cp.async with zero fill), every head-dim pair of the wgmma forward and dQ, bf16 and fp16; the
@@ -354,9 +354,9 @@ def launched_kernels(monkeypatch, value, fn, part):
 def test_switch_selects_the_tma_kernel(monkeypatch, D):
     """With the switch on, compressed_attention and flash_attention run attention_forward_wgmma_tma_kernel and, in
     their backward, attention_dq_wgmma_tma_kernel and attention_dkv_wgmma_tma_kernel where the cp.async run shows the
-    wgmma kernels (an sm_90a build on Hopper); unset, the TMA kernels run from 1536 keys and 128 queries on
-    (flash_attention's 2000 of each) and the cp.async kernels below (the 124 compressed keys); the mma.sync override
-    still wins. D = 128 and 64: the dK/dV consumers' two schedules (WgmmaDkvTmaTile::kOverlapsUpdate)."""
+    wgmma kernels (an sm_90a build on Hopper); unset, the forward's and dQ's TMA kernels run from 1536 keys and 128
+    queries on (flash_attention's 2000 of each) and the cp.async kernels below (the 124 compressed keys), the dK/dV's
+    TMA kernel at every size; the mma.sync override still wins. D = 128 and 64: the dK/dV consumers' two schedules (WgmmaDkvTmaTile::kOverlapsUpdate)."""
     T = 2000
     q = torch.randn(1, T, 4, D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, T, 2, D, dtype=torch.bfloat16, device="cuda")
@@ -388,7 +388,8 @@ def test_switch_selects_the_tma_kernel(monkeypatch, D):
             with_tma = launched_kernels(monkeypatch, "1", fn, part)
             assert any(f"{kernel}_tma_kernel" in n for n in with_tma), f"{name}: {with_tma}"
             by_default = launched_kernels(monkeypatch, None, fn, part)
-            assert any(f"{kernel}_tma_kernel" in n for n in by_default) == (name == "flash"), \
+            tma_by_default = name == "flash" or kernel == "attention_dkv_wgmma"
+            assert any(f"{kernel}_tma_kernel" in n for n in by_default) == tma_by_default, \
                 f"{name} with the switch unset: {by_default}"
             monkeypatch.setenv("SPARSEATTN_ATTENTION_MMA", "sync")
             forced = launched_kernels(monkeypatch, "1", fn, part)

@@ -54,31 +54,41 @@ inline unsigned persistent_ctas(const Launch& l, const QueryTileOrder& order) {
 // The sizes from which the wgmma forward and dQ take their TMA producers by default: the longest key sequence and
 // the longest query sequence (a whole query tile). Below them the cp.async producer is as fast or faster: the work
 // items hold few key tiles, or their query tiles end early and take the producer warp's zero-filled copy
-// (docs/perf/2026-11-28-attention-tma.md).
+// (docs/perf/2026-11-28-attention-tma.md). The dK/dV kernel's TMA variant is faster at every size measured (from
+// 511 keys on) and is the default at every size.
 inline constexpr i64 kAttentionTmaMinKeys = 1536;
 inline constexpr i64 kAttentionTmaMinQueries = 128;
 
-// Whether the wgmma forward and dQ take their TMA producers: SPARSEATTN_ATTENTION_TMA=1 wherever they may run, =0
-// never (the cp.async producers), otherwise where the call reaches both sizes above; read at every call.
-inline bool attention_tma_requested(const Launch& l) {
-  return tma::switch_on("SPARSEATTN_ATTENTION_TMA",
-                        l.max_k >= kAttentionTmaMinKeys && l.max_q >= kAttentionTmaMinQueries);
+// Whether the wgmma forward and dQ (kDkv: the dK/dV) take their TMA producers: SPARSEATTN_ATTENTION_TMA=1 wherever
+// they may run, =0 never (the cp.async producers), otherwise by the rule above; read at every call.
+template <bool kDkv>
+bool attention_tma_requested(const Launch& l) {
+  const bool by_size = kDkv || (l.max_k >= kAttentionTmaMinKeys && l.max_q >= kAttentionTmaMinQueries);
+  return tma::switch_on("SPARSEATTN_ATTENTION_TMA", by_size);
 }
 
-// Launches the TMA variant of the wgmma forward where it may run; false otherwise: the switch is on, the device has
-// TMA (sm_90 or later, the driver's encoder found), the kernel runs there from its sm_90a code (wgmma::kernel_runs:
-// compiled for sm_90a, so its TMA instructions are there too, and not forced off by SPARSEATTN_ATTENTION_MMA), and
-// q, k and v each have a tensor map with boxes of 64 columns x 128 rows (tma::token_map: 16-byte aligned base,
-// strides multiples of 16 bytes, innermost stride 1, dimensions below 2^31). The maps are encoded on the host into
+// Whether a TMA variant may run: the switch or rule (attention_tma_requested), the token views it maps (q, k, v, and
+// d_o where kNeedsDo), TMA on the device (sm_90 or later, the driver's encoder found), and the kernel running there
+// from its sm_90a code (wgmma::kernel_runs: compiled for sm_90a, so its TMA instructions are there too, and not forced
+// off by SPARSEATTN_ATTENTION_MMA).
+template <bool kDkv, bool kNeedsDo, class Kernel>
+bool attention_tma_may_run(const Launch& l, Kernel kernel) {
+  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr) return false;
+  if (kNeedsDo && l.d_o_view == nullptr) return false;
+  if (!attention_tma_requested<kDkv>(l) || !tma::device_supports(l.q_view->device_index)) return false;
+  return wgmma::kernel_runs(kernel);
+}
+
+// Launches the TMA variant of the wgmma forward where it may run (attention_tma_may_run) and q, k and v each have a
+// tensor map with boxes of 64 columns x 128 rows (tma::token_map: 16-byte aligned base, strides multiples of 16
+// bytes, innermost stride 1, dimensions below 2^31); false otherwise. The maps are encoded on the host into
 // the kernel's parameter: no allocation, no synchronisation.
 template <class T, int Dqk, int Dv, class Mask>
 bool launch_forward_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   using Tile = WgmmaFwdTile<Dqk, Dv>;
   static_assert(Tile::kM == 128 && Tile::kN == 128, "the tensor maps' boxes are 128 rows");
-  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || !attention_tma_requested(l)) return false;
-  if (!tma::device_supports(l.q_view->device_index)) return false;
   auto kernel = attention_forward_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
-  if (!wgmma::kernel_runs(kernel)) return false;
+  if (!attention_tma_may_run<false, false>(l, kernel)) return false;
   ForwardTmaMaps maps;
   if (!tma::token_map(&maps.q, *l.q_view, Tile::kM) || !tma::token_map(&maps.k, *l.k_view, Tile::kN) ||
       !tma::token_map(&maps.v, *l.v_view, Tile::kN)) {
@@ -111,20 +121,15 @@ bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& 
   return false;
 }
 
-// Launches the TMA variant of the wgmma dQ where it may run; false otherwise: as launch_forward_wgmma_tma (the
-// switch, TMA on the device, the kernel's sm_90a code), with tensor maps of q and d_o (boxes of 64 columns x 128
+// Launches the TMA variant of the wgmma dQ where it may run; false otherwise: as launch_forward_wgmma_tma, with
+// tensor maps of q and d_o (boxes of 64 columns x 128
 // rows, the query tile) and of k and v (64 columns x 64 rows, the key tile).
 template <class T, int Dqk, int Dv, class Mask>
 bool launch_dq_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   using Tile = WgmmaDqTile<Dqk, Dv>;
   static_assert(Tile::kM == 128 && Tile::kN == 64, "the tensor maps' boxes are 128 query rows and 64 key rows");
-  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || l.d_o_view == nullptr ||
-      !attention_tma_requested(l)) {
-    return false;
-  }
-  if (!tma::device_supports(l.q_view->device_index)) return false;
   auto kernel = attention_dq_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
-  if (!wgmma::kernel_runs(kernel)) return false;
+  if (!attention_tma_may_run<false, true>(l, kernel)) return false;
   DqTmaMaps maps;
   if (!tma::token_map(&maps.q, *l.q_view, Tile::kM) || !tma::token_map(&maps.d_o, *l.d_o_view, Tile::kM) ||
       !tma::token_map(&maps.k, *l.k_view, Tile::kN) || !tma::token_map(&maps.v, *l.v_view, Tile::kN)) {
@@ -217,19 +222,14 @@ void launch_dkv_sync(const AttnArgs<T>& args, const typename Mask::Config& mc, c
   }
 }
 
-// Launches the TMA variant of the wgmma dK/dV where it may run; false otherwise: as launch_dq_wgmma_tma (the switch,
-// TMA on the device, the kernel's sm_90a code), with tensor maps of q and d_o (boxes of 64 columns x kM rows, the
-// query step) and of k and v (64 columns x 128 rows, the CTA's keys). The grid is the dK/dV kernel's.
+// Launches the TMA variant of the wgmma dK/dV where it may run (its rule: every size); false otherwise: as
+// launch_dq_wgmma_tma, with tensor maps of q and d_o (boxes of 64 columns x kM rows, the query step) and of k and v
+// (64 columns x 128 rows, the CTA's keys). The grid is the dK/dV kernel's.
 template <class T, int Dqk, int Dv, class Mask>
 bool launch_dkv_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   using Tile = WgmmaDkvTmaTile<Dqk, Dv>;
-  if (l.q_view == nullptr || l.k_view == nullptr || l.v_view == nullptr || l.d_o_view == nullptr ||
-      !attention_tma_requested(l)) {
-    return false;
-  }
-  if (!tma::device_supports(l.q_view->device_index)) return false;
   auto kernel = attention_dkv_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
-  if (!wgmma::kernel_runs(kernel)) return false;
+  if (!attention_tma_may_run<true, true>(l, kernel)) return false;
   DkvTmaMaps maps;
   if (!tma::token_map(&maps.q, *l.q_view, Tile::kM) || !tma::token_map(&maps.d_o, *l.d_o_view, Tile::kM) ||
       !tma::token_map(&maps.k, *l.k_view, Tile::kN) || !tma::token_map(&maps.v, *l.v_view, Tile::kN)) {
