@@ -83,6 +83,33 @@ struct WgmmaDkvTile {
                                             kBuffers * 4 * kM * sizeof(float) + wgmma::kTileAlignment;
 };
 
+// The queries [first, end) (positions in the sequence, below 2^31) that see this thread's two key rows of a dK/dV
+// warp whose 16 rows start at key `warp_row0` (rows lane / 4 and lane / 4 + 8).
+template <class Mask>
+__device__ __forceinline__ void thread_visible_queries(const Mask& mask, i64 warp_row0, int (&first)[2],
+                                                       int (&end)[2]) {
+  const int lane = threadIdx.x % 32;
+  for (int half = 0; half < 2; ++half) {
+    i64 f, e;
+    visible_queries(mask, warp_row0 + lane / 4 + half * 8, f, e);
+    first[half] = static_cast<int>(f);
+    end[half] = static_cast<int>(e);
+  }
+}
+
+// wgmma descriptors of a dK/dV warpgroup's K and V rows and of buffer 0's Q and dO tiles: Q and dO are read K-major
+// by S^T = K Q^T and dP^T = V dO^T, MN-major by dK += dS^T Q and dV += P^T dO; the loops add offsets.
+struct DkvDescriptors {
+  std::uint64_t k, v, q, d_o, q_mn, d_o_mn;
+};
+template <int kN, int kM, class T>
+__device__ __forceinline__ DkvDescriptors dkv_descriptors(const T* sK, const T* sV, const T* sQ, const T* sDO,
+                                                          int warpgroup_row0) {
+  return {wgmma::k_major_descriptor<kN>(sK, warpgroup_row0, 0), wgmma::k_major_descriptor<kN>(sV, warpgroup_row0, 0),
+          wgmma::k_major_descriptor<kM>(sQ, 0, 0),              wgmma::k_major_descriptor<kM>(sDO, 0, 0),
+          wgmma::mn_major_descriptor<kM>(sQ, 0, 0),             wgmma::mn_major_descriptor<kM>(sDO, 0, 0)};
+}
+
 template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     attention_dkv_wgmma_kernel(AttnArgs<T> a, typename Mask::Config mc) {
@@ -111,22 +138,10 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
   if constexpr (kHasGate<Mask>) {
     if (gate_of<Mask>(mc).on()) load_gate_delta_rows<T>(gate_delta_rows, gate_of<Mask>(mc), seq, w.hk, j0 + warp * 16);
   }
-  // Queries [q_first, q_end) (positions in the sequence, below 2^31) see this thread's two key rows.
+  // Queries [q_first, q_end) see this thread's two key rows.
   int q_first[2], q_end[2];
-  for (int half = 0; half < 2; ++half) {
-    i64 first, end;
-    visible_queries(mask, j0 + warp * 16 + lane / 4 + half * 8, first, end);
-    q_first[half] = static_cast<int>(first);
-    q_end[half] = static_cast<int>(end);
-  }
-  // Descriptors of this warpgroup's K and V rows and of buffer 0's Q and dO; the loops add compile-time offsets.
-  const std::uint64_t k_desc = wgmma::k_major_descriptor<kN>(sK, warpgroup_row0, 0);
-  const std::uint64_t v_desc = wgmma::k_major_descriptor<kN>(sV, warpgroup_row0, 0);
-  // Q and dO are read K-major by S^T = K Q^T and dP^T = V dO^T, MN-major by dK += dS^T Q and dV += P^T dO.
-  const std::uint64_t q_desc0 = wgmma::k_major_descriptor<kM>(sQ, 0, 0);
-  const std::uint64_t do_desc0 = wgmma::k_major_descriptor<kM>(sDO, 0, 0);
-  const std::uint64_t q_mn_desc0 = wgmma::mn_major_descriptor<kM>(sQ, 0, 0);
-  const std::uint64_t do_mn_desc0 = wgmma::mn_major_descriptor<kM>(sDO, 0, 0);
+  thread_visible_queries(mask, j0 + warp * 16, q_first, q_end);
+  const DkvDescriptors desc = dkv_descriptors<kN, kM>(sK, sV, sQ, sDO, warpgroup_row0);
 
   float dk[Dqk / 8][4], dv[Dv / 8][4];
   zero(dk);
@@ -193,14 +208,14 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
     };
     auto issue_step_scores = [&](int step) {  // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
       const int buf = step % kBuffers;
-      issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_desc, wgmma::advance(q_desc0, buf * Tile::kQ * 2), v_desc,
-                                           wgmma::advance(do_desc0, buf * Tile::kDO * 2),
+      issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, desc.k, wgmma::advance(desc.q, buf * Tile::kQ * 2), desc.v,
+                                           wgmma::advance(desc.d_o, buf * Tile::kDO * 2),
                                            kHasTerms<Mask> && scores_initialized);
     };
     auto issue_update = [&](int step) {  // dV += P^T dO and dK += dS^T Q of step - 1
       const int buf = (step - 1) % kBuffers;
-      wgmma::issue_dkv_update<T, kM, Dqk, Dv>(dk, dv, p_a, ds_a, wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2),
-                                              wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2));
+      wgmma::issue_dkv_update<T, kM, Dqk, Dv>(dk, dv, p_a, ds_a, wgmma::advance(desc.q_mn, buf * Tile::kQ * 2),
+                                              wgmma::advance(desc.d_o_mn, buf * Tile::kDO * 2));
     };
     // P^T and dS^T (without the scale) in place of S^T and dP^T; column n * 8 + 2 (lane % 4) + {0, 1} is a query
     // row, its statistics read from shared memory here rather than held (registers: the update's A fragments
@@ -469,21 +484,9 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
     steps = static_cast<int>(w.steps);
     tile_begin = static_cast<int>(w.tile_begin);
     tiles = static_cast<unsigned>(w.tiles);
-    for (int half = 0; half < 2; ++half) {
-      i64 first, end;
-      visible_queries(mask, w.j0 + warp * 16 + lane / 4 + half * 8, first, end);
-      q_first[half] = static_cast<int>(first);
-      q_end[half] = static_cast<int>(end);
-    }
+    thread_visible_queries(mask, w.j0 + warp * 16, q_first, q_end);
   });
-  // Descriptors of this warpgroup's K and V rows and of slot 0's Q and dO; the loops add compile-time offsets.
-  const std::uint64_t k_desc = wgmma::k_major_descriptor<kN>(sK, warpgroup_row0, 0);
-  const std::uint64_t v_desc = wgmma::k_major_descriptor<kN>(sV, warpgroup_row0, 0);
-  // Q and dO are read K-major by S^T = K Q^T and dP^T = V dO^T, MN-major by dK += dS^T Q and dV += P^T dO.
-  const std::uint64_t q_desc0 = wgmma::k_major_descriptor<kM>(sQ, 0, 0);
-  const std::uint64_t do_desc0 = wgmma::k_major_descriptor<kM>(sDO, 0, 0);
-  const std::uint64_t q_mn_desc0 = wgmma::mn_major_descriptor<kM>(sQ, 0, 0);
-  const std::uint64_t do_mn_desc0 = wgmma::mn_major_descriptor<kM>(sDO, 0, 0);
+  const DkvDescriptors desc = dkv_descriptors<kN, kM>(sK, sV, sQ, sDO, warpgroup_row0);  // slot 0's Q and dO
 
   float dk[Dqk / 8][4], dv[Dv / 8][4];
   zero(dk);
@@ -504,15 +507,15 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
       const int buf = step_ring.slot(step);
       // The K and V descriptors made opaque here, so that the compiler advances them per MMA (an add each) instead
       // of holding every advanced copy across the step loop, in registers that the consumers do not have.
-      std::uint64_t k_rows = k_desc, v_rows = v_desc;
+      std::uint64_t k_rows = desc.k, v_rows = desc.v;
       asm volatile("" : "+l"(k_rows), "+l"(v_rows));
-      issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_rows, wgmma::advance(q_desc0, buf * Tile::kQ * 2), v_rows,
-                                           wgmma::advance(do_desc0, buf * Tile::kDO * 2));
+      issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_rows, wgmma::advance(desc.q, buf * Tile::kQ * 2), v_rows,
+                                           wgmma::advance(desc.d_o, buf * Tile::kDO * 2));
     };
     auto issue_update = [&](int step) {  // dV += P^T dO and dK += dS^T Q of step - 1
       const int buf = step_ring.slot(step - 1);
-      wgmma::issue_dkv_update<T, kM, Dqk, Dv>(dk, dv, p_a, ds_a, wgmma::advance(q_mn_desc0, buf * Tile::kQ * 2),
-                                              wgmma::advance(do_mn_desc0, buf * Tile::kDO * 2));
+      wgmma::issue_dkv_update<T, kM, Dqk, Dv>(dk, dv, p_a, ds_a, wgmma::advance(desc.q_mn, buf * Tile::kQ * 2),
+                                              wgmma::advance(desc.d_o_mn, buf * Tile::kDO * 2));
     };
     // P^T and dS^T (without the scale) in place of S^T and dP^T, as the kernel above computes them for the plain
     // masks; column n * 8 + 2 (lane % 4) + {0, 1} is a query row, its statistics read from the step's slot.
