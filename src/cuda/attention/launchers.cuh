@@ -122,8 +122,8 @@ bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& 
 }
 
 // Launches the TMA variant of the wgmma dQ where it may run; false otherwise: as launch_forward_wgmma_tma, with
-// tensor maps of q and d_o (boxes of 64 columns x 128
-// rows, the query tile) and of k and v (64 columns x 64 rows, the key tile).
+// tensor maps of q and d_o (boxes of 64 columns x 128 rows, the query tile) and of k and v (64 columns x 64 rows,
+// the key tile).
 template <class T, int Dqk, int Dv, class Mask>
 bool launch_dq_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& mc, const Launch& l) {
   using Tile = WgmmaDqTile<Dqk, Dv>;
