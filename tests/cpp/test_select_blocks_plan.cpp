@@ -73,6 +73,22 @@ TEST(SelectBlocksPlan, PoolingStencils) {
   }
 }
 
+TEST(SelectBlocksPlan, PoolingInLanesAtGroupSixteen) {
+  // Gp = 16 (one token per warp) with an even cols_per_block and a 2-, 5- or 9-tap stencil pools from the lanes.
+  EXPECT_TRUE(plan_select_blocks(params(64, 4), 1, 8192, kH100Sms).config.pool_in_lanes);   // G 16, 32/16/64
+  EXPECT_TRUE(plan_select_blocks(params(36, 4), 1, 8192, kH100Sms).config.pool_in_lanes);   // G 9: Gp 16
+  EXPECT_TRUE(plan_select_blocks(params(64, 4, 32, 16, 128), 1, 8192, kH100Sms).config.pool_in_lanes);  // 9 taps
+  EXPECT_TRUE(plan_select_blocks(params(64, 4, 64, 64, 128), 1, 8192, kH100Sms).config.pool_in_lanes);  // 2 taps
+  EXPECT_FALSE(plan_select_blocks(params(64, 4, 64, 64, 64), 1, 8192, kH100Sms).config.pool_in_lanes);  // 1 tap
+  EXPECT_FALSE(plan_select_blocks(params(32, 4), 1, 8192, kH100Sms).config.pool_in_lanes);  // G 8
+  EXPECT_FALSE(plan_select_blocks(params(48, 2), 1, 8192, kH100Sms).config.pool_in_lanes);  // G 24: two warps
+  for (const auto& [l, stride, sel] :
+       {std::array<int, 3>{32, 16, 64}, {32, 16, 128}, {64, 64, 128}, {32, 8, 64}, {64, 32, 128}, {16, 16, 32}}) {
+    const SelectConfig e = plan_select_blocks(params(64, 4, l, stride, sel), 1, 4096, kH100Sms).config;
+    if (e.pool_in_lanes) EXPECT_LE(e.blocks_per_tile, 32) << l << "/" << stride << "/" << sel;  // a block per lane
+  }
+}
+
 TEST(SelectBlocksPlan, WorkspaceIsCappedWhateverTheLength) {
   for (std::int64_t group : {1, 4, 16, 128}) {
     std::size_t previous = 0;

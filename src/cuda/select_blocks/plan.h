@@ -30,6 +30,9 @@ struct SelectConfig {
   int cols_per_block;  // sel_block / cmp_stride
   int border;          // cmp_block / cmp_stride - 1: compressed blocks reaching into the previous selection block
   int stencil;         // cols_per_block + border: compressed blocks overlapping one selection block
+  // Gp = 16 (one token per warp), an even cols_per_block and a stencil of 2, 5 or 9: the kernel pools each column
+  // tile straight from the lanes' group sums (pool_from_lanes), without the shared-memory sums.
+  bool pool_in_lanes;
   // Weight of compressed block j = b * cols_per_block - border + s in selection block b: its overlap / stride.
   // In the kernel parameters, so that the unrolled pooling takes them as constant operands, not registers.
   float taps[kSelectColumns];
@@ -76,6 +79,8 @@ inline SelectPlan plan_select_blocks(const SelectBlocksParams& p, std::int64_t b
   c.cols_per_block = static_cast<int>(p.sel_block / p.cmp_stride);
   c.border = static_cast<int>(p.cmp_block / p.cmp_stride - 1);
   c.stencil = c.cols_per_block + c.border;
+  c.pool_in_lanes = c.rows_per_token == 16 && c.cols_per_block % 2 == 0 &&
+                    (c.stencil == 2 || c.stencil == 5 || c.stencil == 9);
   for (int s = 0; s < c.stencil; ++s) {
     const std::int64_t start = (s - c.border) * p.cmp_stride;
     const std::int64_t overlap = std::min<std::int64_t>(start + p.cmp_block, p.sel_block) - std::max<std::int64_t>(start, 0);

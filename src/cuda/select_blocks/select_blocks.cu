@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 
 #include "cuda/primitives/common.cuh"
@@ -266,12 +267,48 @@ __device__ void choose_blocks(const float* row, int candidates, const Config& c,
   __syncwarp();  // the histogram is read before the warp's next token overwrites it
 }
 
-// Sums the probabilities p (the warp's 16 x kCols accumulator tile) over the rows of each token and stores
-// them to `sums`, one row of kSumPitch floats per token of the warp (Gp <= 16: 16 / Gp tokens; Gp >= 16: the
-// warp's share of its token). A thread's two rows (lane / 4 and lane / 4 + 8) belong to one token from Gp = 2
-// on; from Gp = 4 on, lanes whose lane / 4 differ in the bits 16 / Gp .. 4 do too. Each butterfly step
-// exchanges half of the n-tiles a lane keeps with its partner (xor 16, 8, 4): after s steps a lane keeps
-// 8 >> s n-tiles, starting at n-tile `first`.
+// Sums the probabilities p (the warp's 16 x kCols accumulator tile) over the rows of each token, for Gp >= 2. A
+// thread's two rows (lane / 4 and lane / 4 + 8) belong to one token from Gp = 2 on; from Gp = 4 on, lanes whose
+// lane / 4 differ in the bits 16 / Gp .. 4 do too. Each butterfly step exchanges half of the n-tiles a lane keeps
+// with its partner (xor 16, 8, 4): after s steps a lane keeps 8 >> s n-tiles, from n-tile `first` on, in `v`.
+// At Gp >= 16 (three steps) lane l keeps columns 2l and 2l + 1 of the warp's token.
+template <int kRowsPerToken>
+struct GroupSumSteps {
+  static constexpr int kSteps = kRowsPerToken >= 16 ? 3 : kRowsPerToken == 8 ? 2 : kRowsPerToken == 4 ? 1 : 0;
+  static constexpr int kTokens = kRowsPerToken >= 16 ? 1 : 16 / kRowsPerToken;  // tokens per warp
+  static constexpr int kKept = (kCols / 8) >> kSteps;                            // n-tiles a lane keeps
+};
+template <int kRowsPerToken>
+__device__ __forceinline__ int reduce_scatter_group_sums(const float (&p)[kCols / 8][4],
+                                                         float (&v)[kCols / 8][2]) {
+  constexpr int kTiles = kCols / 8;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n) {
+    v[n][0] = p[n][0] + p[n][2];
+    v[n][1] = p[n][1] + p[n][3];
+  }
+  int first = 0;
+#pragma unroll
+  for (int step = 0; step < GroupSumSteps<kRowsPerToken>::kSteps; ++step) {
+    const int half = (kTiles / 2) >> step, mask = 16 >> step;
+    const bool upper = (lane & mask) != 0;  // keeps the upper half of its n-tiles
+#pragma unroll
+    for (int n = 0; n < half; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float send = upper ? v[n][e] : v[n + half][e];
+        const float keep = upper ? v[n + half][e] : v[n][e];
+        v[n][e] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+      }
+    }
+    if (upper) first += half;
+  }
+  return first;
+}
+
+// Stores the group sums to `sums`, one row of kSumPitch floats per token of the warp (Gp <= 16: 16 / Gp tokens;
+// Gp >= 16: the warp's share of its token).
 template <int kRowsPerToken>
 __device__ __forceinline__ void store_group_sums(const float (&p)[kCols / 8][4], float* sums) {
   constexpr int kTiles = kCols / 8;
@@ -283,36 +320,32 @@ __device__ __forceinline__ void store_group_sums(const float (&p)[kCols / 8][4],
       *reinterpret_cast<float2*>(sums + (g + 8) * kSumPitch + n * 8 + 2 * quad) = make_float2(p[n][2], p[n][3]);
     }
   } else {
-    constexpr int kSteps = kRowsPerToken >= 16 ? 3 : kRowsPerToken == 8 ? 2 : kRowsPerToken == 4 ? 1 : 0;
-    constexpr int kTokens = kRowsPerToken >= 16 ? 1 : 16 / kRowsPerToken;
+    using Steps = GroupSumSteps<kRowsPerToken>;
     float v[kTiles][2];
+    const int first = reduce_scatter_group_sums<kRowsPerToken>(p, v);
+    float* row = sums + (g % Steps::kTokens) * kSumPitch;
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      v[n][0] = p[n][0] + p[n][2];
-      v[n][1] = p[n][1] + p[n][3];
-    }
-    int first = 0;
-#pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
-      const int half = (kTiles / 2) >> step, mask = 16 >> step;
-      const bool upper = (lane & mask) != 0;  // keeps the upper half of its n-tiles
-#pragma unroll
-      for (int n = 0; n < half; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float send = upper ? v[n][e] : v[n + half][e];
-          const float keep = upper ? v[n + half][e] : v[n][e];
-          v[n][e] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
-        }
-      }
-      if (upper) first += half;
-    }
-    float* row = sums + (g % kTokens) * kSumPitch;
-#pragma unroll
-    for (int n = 0; n < (kTiles >> kSteps); ++n) {
+    for (int n = 0; n < Steps::kKept; ++n) {
       *reinterpret_cast<float2*>(row + (first + n) * 8 + 2 * quad) = make_float2(v[n][0], v[n][1]);
     }
   }
+}
+
+// The pooling of one warp's token at Gp = 16 straight from the lanes' group sums (`pair`: columns 2l and 2l + 1
+// of lane l), for an even cols_per_block: lane bb computes selection block bb of the column tile, sum_s taps[s] *
+// column(bb * cols_per_block + s - shift) in the shared-memory pooling's order (columns before 0 read 0), so the
+// scores are bit for bit that pooling's. A tap's column parity is the same in every lane, so one shuffle fetches it.
+template <int kTaps>
+__device__ __forceinline__ float pool_from_lanes(const float (&pair)[2], const Config& c, int shift) {
+  const int bb = threadIdx.x % 32;
+  float score = 0.f;
+#pragma unroll
+  for (int s = 0; s < kTaps; ++s) {
+    const int col = bb * c.cols_per_block + s - shift;
+    const float x = __shfl_sync(0xffffffffu, ((s - shift) & 1) != 0 ? pair[1] : pair[0], (col >> 1) & 31);
+    score = fmaf(c.taps[s], col >= 0 ? x : 0.f, score);
+  }
+  return score;
 }
 
 // Two CTAs per SM fit in shared memory up to D = 128 (109 KB each at 128); registers are capped to match.
@@ -472,6 +505,26 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           }
         }
       }
+      // Pool: selection block b gets sum_s w[s] * P[b * cols_per_block - border + s] (blocks j >= 0), for the
+      // blocks that start at or before the token. Tile 0 starts at compressed block 0 rather than at block 0's
+      // first border block. Positions and block starts fit int32 (see SelectConfig).
+      const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), shift = k == 0 ? c.border : 0;
+      const int last_token = min(pool_end, tokens), sel_block = static_cast<int>(c.sel_block);
+      if (c.pool_in_lanes) {  // Gp = 16, one token per warp (token `warp`): no shared-memory round trip
+        float v[kCols / 8][2];
+        reduce_scatter_group_sums<16>(acc, v);
+        const float pair[2] = {v[0][0], v[0][1]};
+        float score;
+        switch (c.stencil) {
+          case 2: score = pool_from_lanes<2>(pair, c, shift); break;
+          case 5: score = pool_from_lanes<5>(pair, c, shift); break;
+          default: score = pool_from_lanes<9>(pair, c, shift); break;
+        }
+        if (warp < tokens && lane < nb && (b0 + lane) * sel_block <= static_cast<int>(a0) + warp) {
+          slot[warp * c.slot_blocks + b0 + lane] = score;
+        }
+        continue;
+      }
       float* const warp_sums = sums + warp * tpw * kSumPitch;
       switch (c.rows_per_token) {
         case 1: store_group_sums<1>(acc, warp_sums); break;
@@ -485,11 +538,6 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       } else {
         __syncthreads();
       }
-      // Pool: selection block b gets sum_s w[s] * P[b * cols_per_block - border + s] (blocks j >= 0), for the
-      // blocks that start at or before the token. Tile 0 starts at compressed block 0 rather than at block 0's
-      // first border block. Positions and block starts fit int32 (see SelectConfig).
-      const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), shift = k == 0 ? c.border : 0;
-      const int last_token = min(pool_end, tokens), sel_block = static_cast<int>(c.sel_block);
       // column(x, s): the token's group sum x[s]. kTaps: the stencil, unrolled with the taps as constant operands
       // (small groups pool as many scores as they compute probabilities), or 0: c.stencil at run time.
       const auto pool = [&](auto column, auto taps_tag) {
@@ -606,6 +654,9 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
   plan.select = selection::plan_select_blocks(p, plan.shape.batch, plan.shape.max_len,
                                               multiprocessors(p.q.device_index), max_keys);
   plan.select.config.scale_log2 = static_cast<float>(softmax_scale(p.scale, plan.dim) * kLog2eDouble);
+  if (const char* env = std::getenv("SPARSEATTN_SELECT_POOL_LANES"); env != nullptr && env[0] == '0') {
+    plan.select.config.pool_in_lanes = false;  // MEASUREMENT ONLY: the A/B of the lanes' pooling
+  }
   return plan;
 }
 
