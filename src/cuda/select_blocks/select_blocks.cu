@@ -11,7 +11,8 @@
 // registers (the two rows a thread holds, then a reduce-scatter butterfly over the lanes of the same token:
 // each step halves the columns a lane keeps), and pooled into the selection blocks whose compressed blocks
 // the column tile holds (tiles overlap by the border blocks, cmp_block/stride - 1 columns, so every pooled
-// score comes from one tile: fixed summation order, no atomics, deterministic). Only the K tile pipeline
+// score comes from one tile: fixed summation order, no atomics, deterministic); at Gp = 16 (one token per warp)
+// the pooling takes the group sums from the lanes by shuffles, elsewhere from shared memory. Only the K tile pipeline
 // (and, for Gp > 16, the sum across a token's warps) synchronises the CTA. Pooled scores go to the CTA's
 // slot of the workspace ([tokens][blocks] fp32: O(T) per CTA, a fixed number of CTAs), then each warp picks
 // the top-n of one token's row (choose_blocks: a threshold from the lanes' best blocks, then ranks among the
@@ -23,7 +24,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <type_traits>
 
 #include "cuda/primitives/common.cuh"
@@ -654,9 +654,6 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
   plan.select = selection::plan_select_blocks(p, plan.shape.batch, plan.shape.max_len,
                                               multiprocessors(p.q.device_index), max_keys);
   plan.select.config.scale_log2 = static_cast<float>(softmax_scale(p.scale, plan.dim) * kLog2eDouble);
-  if (const char* env = std::getenv("SPARSEATTN_SELECT_POOL_LANES"); env != nullptr && env[0] == '0') {
-    plan.select.config.pool_in_lanes = false;  // MEASUREMENT ONLY: the A/B of the lanes' pooling
-  }
   return plan;
 }
 
