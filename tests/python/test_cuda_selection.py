@@ -187,6 +187,48 @@ def test_select_blocks_forced_config():
     _check_selection(got, ref, q, kc, lse, kw, None, None)
 
 
+SELECT_TMA_ENV = "SPARSEATTN_SELECT_TMA"
+
+
+@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,D,sel_block,n", SELECT_CASES)
+def test_select_blocks_tma_matches_cp_async(monkeypatch, dtype, lengths, packed, Hq, Hkv, D, sel_block, n):
+    """The K tiles by TMA (the default where the wgmma kernel runs) and by cp.async give the same indices bit for bit
+    (on GPUs without TMA both runs take cp.async)."""
+    q, kc, lse, cu, cu_cmp = _selection_inputs(lengths, Hq, Hkv, D, dtype, packed, seed=3)
+    kw = dict(cmp_block=32, cmp_stride=16, sel_block=sel_block, num_selected=n, num_init=1, num_local=2)
+    extra = {} if cu is None else dict(cu_seqlens=cu.cuda(), cu_seqlens_cmp=cu_cmp.cuda())
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv(SELECT_TMA_ENV, mode)
+        poison_allocator()
+        got[mode] = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw, **extra).cpu()
+    assert torch.equal(got["1"], got["0"]), indices_mismatch_report(got["1"], got["0"])
+
+
+@pytest.mark.parametrize("Hq,Hkv,D", [(64, 4, 128), (8, 8, 64), (32, 2, 192)])
+def test_select_blocks_tma_masks_the_next_sequence(monkeypatch, Hq, Hkv, D):
+    """A packed sequence's last K tile reaches into the next sequence's compressed rows, which TMA loads (cp.async
+    writes zeros there). Those rows here are 50x larger, so that a column the mask missed would overflow the exp and
+    change the short sequences' choices: both paths must give the same indices, and the reference's."""
+    lengths = [100, 700, 40, 1500]
+    q, kc, lse, cu, cu_cmp = _selection_inputs(lengths, Hq, Hkv, D, torch.bfloat16, True, seed=5)
+    kc[int(cu_cmp[1]):int(cu_cmp[2])] *= 50
+    kc[int(cu_cmp[3]):] *= 50
+    _, lse = sa.compressed_attention(q.double(), kc.double(), kc.double()[..., :128 if D == 192 else D],
+                                     cu_seqlens=cu, cu_seqlens_cmp=cu_cmp)
+    lse = lse.float()
+    kw = dict(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, num_init=1, num_local=2)
+    ref = sa.select_blocks(q.double(), kc.double(), lse.double(), **kw, cu_seqlens=cu, cu_seqlens_cmp=cu_cmp)
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv(SELECT_TMA_ENV, mode)
+        poison_allocator()
+        got[mode] = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw, cu_seqlens=cu.cuda(),
+                                     cu_seqlens_cmp=cu_cmp.cuda()).cpu()
+    assert torch.equal(got["1"], got["0"]), indices_mismatch_report(got["1"], got["0"])
+    _check_selection(got["1"], ref, q, kc, lse, kw, cu, cu_cmp)
+
+
 # ------------------------------------------------------------------------------------------ selected_attention
 
 

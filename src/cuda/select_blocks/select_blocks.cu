@@ -30,7 +30,9 @@
 #include "cuda/primitives/launch.cuh"
 #include "cuda/primitives/sequences.cuh"
 #include "cuda/primitives/softmax.cuh"
+#include "cuda/primitives/pipeline.cuh"
 #include "cuda/primitives/swizzled_tile.cuh"
+#include "cuda/primitives/tma.cuh"
 #include "cuda/primitives/wgmma.cuh"
 #include "cuda/select_blocks/ops.h"
 #include "cuda/select_blocks/plan.h"
@@ -62,8 +64,9 @@ struct Layout {
   // Group sums: one row per token (Gp <= 16) or per warp (Gp > 16), 128 rows at most (Gp = 1), after one row
   // whose padding is the zero border of row 0 (see the pooling).
   static constexpr std::size_t kSums = sizeof(float) * (kRows + 1) * kSumPitch;
-  static constexpr std::size_t kBytes =
-      kQ + kStages * kK + kSums + std::size_t{kWarpScratch} * kWarps + wgmma::kTileAlignment;
+  // The K stages' full barriers (TMA loads) after the top-n scratch.
+  static constexpr std::size_t kBarriers = kQ + kStages * kK + kSums + std::size_t{kWarpScratch} * kWarps;
+  static constexpr std::size_t kBytes = kBarriers + sizeof(std::uint64_t) * kStages + wgmma::kTileAlignment;
 };
 
 // First compressed block overlapping selection block b: (b*sel_block - cmp_block) / stride + 1 for b >= 1
@@ -351,10 +354,15 @@ __device__ __forceinline__ float pool_from_lanes(const float (&pair)[2], const C
 // Two CTAs per SM fit in shared memory up to D = 128 (109 KB each at 128); registers are capped to match.
 // kWgmma: S on warpgroup MMAs (sm_90a; warpgroup g computes rows 64g..64g+63, the warps' rows of mma.sync);
 // otherwise on mma.sync. Both read the same swizzled Q and K tiles.
+// c.k_by_tma (wgmma kernels on sm_90a only): thread 0 loads each K tile with TMA boxes of `k_map` (128-byte swizzled
+// panels, the layout load_swizzled_tile writes) whose bytes complete the stage's full barrier; every thread waits on
+// it. Rows past the sequence's compressed blocks then hold the next sequence's keys or zeros (past the tensor), not
+// the zeros cp.async writes: their columns are past every row's visible blocks, so the mask zeroes them.
 template <class T, int D, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     select_blocks_kernel(Tokens<const T> q, Tokens<const T> k_cmp, LseView<const float> lse, Tokens<std::int32_t> out,
-                         SeqTable seqs, SeqTable keys, const std::int32_t* cu_seqlens_cmp, Config c, float* slots) {
+                         SeqTable seqs, SeqTable keys, const std::int32_t* cu_seqlens_cmp, Config c, float* slots,
+                         const __grid_constant__ CUtensorMap k_map) {
   if constexpr (kWgmma && !SPARSEATTN_WGMMA_ENABLED) return;  // not launched: wgmma::kernel_runs is false
   using L = Layout<D>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -370,6 +378,17 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   constexpr int kStageFloats =
       static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps) / 8 * 8;
   float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
+  std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + L::kBarriers);  // TMA: one per K stage
+  const bool k_by_tma = kWgmma && c.k_by_tma;
+  unsigned k_phases = 0;  // TMA: bit s is the parity of stage s's next full phase
+  if (k_by_tma) {
+    if (tid == 0) {
+      for (int s = 0; s < L::kStages; ++s) pipeline::init(k_full + s, 1);
+      pipeline::fence_init();
+      tma::prefetch_map(&k_map);
+    }
+    __syncthreads();
+  }
   static_assert(kStageFloats % 8 == 0, "stages and their halves start at 16-byte boundaries (cp.async)");
   const i64 G = c.group, M = c.tokens_per_tile;
   const int tpw = c.tokens_per_warp, wpt = c.warps_per_token;
@@ -409,6 +428,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const int cmp_count =
         key_count >= c.cmp_block ? static_cast<int>((key_count - c.cmp_block) / c.cmp_stride + 1) : 0;
 
+    // The top-n's shared-memory rows (generic proxy) precede the next tile's TMA writes there (async proxy).
+    if (k_by_tma) wgmma::fence_shared_for_async();
     __syncthreads();  // the previous tile is done with shared memory
     // Zero the padding of the sums rows (and of the row before row 0): the unrolled pooling reads the border
     // blocks of selection block 0 there, from before the tile's first column.
@@ -443,16 +464,35 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const i64 col_tiles = ceil_div((a0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
     const auto k_stage = [&](i64 k) { return k_base + (k % L::kStages) * (kCols * D); };
     const auto first_col = [&](i64 k) { return first_cmp_block(c, static_cast<int>(k * c.blocks_per_tile)); };
-    // Compressed blocks [j0, j0 + kCols) of the sequence's KV head, zero rows past cmp_count.
+    // Compressed blocks [j0, j0 + kCols) of the sequence's KV head, zero rows past cmp_count (cp.async).
     const auto load_k_tile = [&](i64 k) {
       const int j0 = first_col(k);
-      wgmma::load_swizzled_tile<kCols, D, kThreads>(k_stage(k), k_cmp, seq.batch, cmp_begin + j0, cmp_count - j0, h);
-      cp_async_commit();
+      if (k_by_tma) {
+        if (tid == 0) {
+          std::uint64_t* const full = k_full + k % L::kStages;
+          tma::arrive_expect_bytes(full, static_cast<std::uint32_t>(L::kK));
+#pragma unroll
+          for (int panel = 0; panel < D / 64; ++panel) {
+            tma::load_box(k_stage(k) + panel * kCols * 64, &k_map, full, panel * 64, static_cast<int>(h),
+                          static_cast<int>(cmp_begin + j0), static_cast<int>(seq.batch));
+          }
+        }
+      } else {
+        wgmma::load_swizzled_tile<kCols, D, kThreads>(k_stage(k), k_cmp, seq.batch, cmp_begin + j0, cmp_count - j0, h);
+      }
+      cp_async_commit();  // with TMA, the group of tile 0 holds the Q tile's copies alone
     };
     load_k_tile(0);
 
     for (i64 k = 0; k < col_tiles; ++k) {
-      cp_async_wait<0>();
+      if (k_by_tma) {
+        if (k == 0) cp_async_wait<0>();  // the Q tile
+        const int s = static_cast<int>(k % L::kStages);
+        pipeline::wait(k_full + s, (k_phases >> s) & 1u);
+        k_phases ^= 1u << s;
+      } else {
+        cp_async_wait<0>();
+      }
       if constexpr (kWgmma) wgmma::fence_shared_for_async();
       __syncthreads();  // K stage k has landed for all; every warp is done with the other stage and the sums
       if (L::kStages == 2 && k + 1 < col_tiles) load_k_tile(k + 1);
@@ -659,14 +699,20 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
 
 template <class T, int D>
 void launch(const SelectBlocksParams& p, const LaunchPlan& plan) {
-  auto kernel = wgmma::kernel_runs(select_blocks_kernel<T, D, true>) ? select_blocks_kernel<T, D, true>
-                                                                     : select_blocks_kernel<T, D, false>;
+  const bool wgmma_runs = wgmma::kernel_runs(select_blocks_kernel<T, D, true>);
+  auto kernel = wgmma_runs ? select_blocks_kernel<T, D, true> : select_blocks_kernel<T, D, false>;
   constexpr std::size_t smem = Layout<D>::kBytes;
   set_dynamic_smem(kernel, smem);
+  // The K tiles by TMA where the wgmma kernel runs, the device and driver take it and the tensor map describes
+  // k_cmp; SPARSEATTN_SELECT_TMA=0 turns it off (=1 or unset: on).
+  Config config = plan.select.config;
+  CUtensorMap k_map{};
+  config.k_by_tma = wgmma_runs && tma::switch_on("SPARSEATTN_SELECT_TMA", true) &&
+                    tma::device_supports(p.q.device_index) && tma::token_map(&k_map, p.k_cmp, kCols);
   kernel<<<plan.select.ctas, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
       tokens_of<const T>(p.q), tokens_of<const T>(p.k_cmp), lse_of<const float>(p.lse_cmp),
       tokens_of<std::int32_t>(p.indices), seq_table(plan.shape, p.seqs), plan.keys,
-      static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), plan.select.config, static_cast<float*>(p.workspace));
+      static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), config, static_cast<float*>(p.workspace), k_map);
   check_launch("select_blocks_kernel");
 }
 
