@@ -187,22 +187,30 @@ def test_select_blocks_forced_config():
     _check_selection(got, ref, q, kc, lse, kw, None, None)
 
 
-SELECT_TMA_ENV = "SPARSEATTN_SELECT_TMA"
+SELECT_TMA_ENV, SELECT_Q_TMA_ENV = "SPARSEATTN_SELECT_TMA", "SPARSEATTN_SELECT_Q_TMA"
+TMA_CASES = SELECT_CASES + [
+    (torch.bfloat16, [1, 31, 65, 300, 2, 130, 1000], True, 64, 4, 128, 64, 16),  # G = 16 packed: skipped tiles
+    (torch.float16, [3000], False, 32, 2, 64, 128, 8),
+    (torch.bfloat16, [700, 1], True, 16, 1, 192, 64, 16),
+    (torch.float16, [513], False, 64, 4, 256, 64, 16),
+]
 
 
-@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,D,sel_block,n", SELECT_CASES)
+@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,D,sel_block,n", TMA_CASES)
 def test_select_blocks_tma_matches_cp_async(monkeypatch, dtype, lengths, packed, Hq, Hkv, D, sel_block, n):
-    """The K tiles by TMA (the default where the wgmma kernel runs) and by cp.async give the same indices bit for bit
-    (on GPUs without TMA both runs take cp.async)."""
+    """The K tiles (and at G = 16 the Q tile) by TMA, the default where the wgmma kernel runs, give the indices of
+    the cp.async copies bit for bit: both by TMA, K alone, neither (on GPUs without TMA every run takes cp.async)."""
     q, kc, lse, cu, cu_cmp = _selection_inputs(lengths, Hq, Hkv, D, dtype, packed, seed=3)
     kw = dict(cmp_block=32, cmp_stride=16, sel_block=sel_block, num_selected=n, num_init=1, num_local=2)
     extra = {} if cu is None else dict(cu_seqlens=cu.cuda(), cu_seqlens_cmp=cu_cmp.cuda())
     got = {}
-    for mode in ("1", "0"):
+    for mode, q_mode in (("1", "1"), ("1", "0"), ("0", "1")):
         monkeypatch.setenv(SELECT_TMA_ENV, mode)
+        monkeypatch.setenv(SELECT_Q_TMA_ENV, q_mode)
         poison_allocator()
-        got[mode] = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw, **extra).cpu()
-    assert torch.equal(got["1"], got["0"]), indices_mismatch_report(got["1"], got["0"])
+        got[mode + q_mode] = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw, **extra).cpu()
+    for key in ("10", "01"):
+        assert torch.equal(got["11"], got[key]), key + ": " + indices_mismatch_report(got["11"], got[key])
 
 
 @pytest.mark.parametrize("Hq,Hkv,D", [(64, 4, 128), (8, 8, 64), (32, 2, 192)])

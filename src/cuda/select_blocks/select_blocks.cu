@@ -64,9 +64,9 @@ struct Layout {
   // Group sums: one row per token (Gp <= 16) or per warp (Gp > 16), 128 rows at most (Gp = 1), after one row
   // whose padding is the zero border of row 0 (see the pooling).
   static constexpr std::size_t kSums = sizeof(float) * (kRows + 1) * kSumPitch;
-  // The K stages' full barriers (TMA loads) after the top-n scratch.
+  // The full barriers of the K stages and of the Q tile (TMA loads) after the top-n scratch.
   static constexpr std::size_t kBarriers = kQ + kStages * kK + kSums + std::size_t{kWarpScratch} * kWarps;
-  static constexpr std::size_t kBytes = kBarriers + sizeof(std::uint64_t) * kStages + wgmma::kTileAlignment;
+  static constexpr std::size_t kBytes = kBarriers + sizeof(std::uint64_t) * (kStages + 1) + wgmma::kTileAlignment;
 };
 
 // First compressed block overlapping selection block b: (b*sel_block - cmp_block) / stride + 1 for b >= 1
@@ -362,7 +362,7 @@ template <class T, int D, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     select_blocks_kernel(Tokens<const T> q, Tokens<const T> k_cmp, LseView<const float> lse, Tokens<std::int32_t> out,
                          SeqTable seqs, SeqTable keys, const std::int32_t* cu_seqlens_cmp, Config c, float* slots,
-                         const __grid_constant__ CUtensorMap k_map) {
+                         const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap q_map) {
   if constexpr (kWgmma && !SPARSEATTN_WGMMA_ENABLED) return;  // not launched: wgmma::kernel_runs is false
   using L = Layout<D>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -375,21 +375,46 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   std::uint64_t* const list =
       reinterpret_cast<std::uint64_t*>(reinterpret_cast<unsigned char*>(sums + kRows * kSumPitch) + warp * kWarpScratch);
+  // The top-n's row copies: each warp's share of the Q, K and sums space, or (Q by TMA, whose next tile's copy is in
+  // flight during the top-n) of the K and sums space only.
   constexpr int kStageFloats =
       static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps) / 8 * 8;
-  float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
+  constexpr int kStageFloatsPastQ = static_cast<int>((L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps) / 8 * 8;
+  static_assert(kStageFloats % 8 == 0 && kStageFloatsPastQ % 8 == 0,
+                "stages and their halves start at 16-byte boundaries (cp.async)");
+  const bool k_by_tma = kWgmma && c.k_by_tma, q_by_tma = k_by_tma && c.q_by_tma;
+  const int stage_floats = q_by_tma ? kStageFloatsPastQ : kStageFloats;
+  float* const stage = reinterpret_cast<float*>(smem + (q_by_tma ? L::kQ : 0)) + warp * stage_floats;
   std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + L::kBarriers);  // TMA: one per K stage
-  const bool k_by_tma = kWgmma && c.k_by_tma;
+  std::uint64_t* const q_full = k_full + L::kStages;                                   // TMA: the Q tile's
   unsigned k_phases = 0;  // TMA: bit s is the parity of stage s's next full phase
+  unsigned q_phase = 0;   // TMA: the parity of the Q tile's next full phase
+  // Q by TMA (G = 16): the tile's 8 tokens x 16 heads are box rows token * 16 + head, the kernel's row order at one
+  // token per warp. Thread 0 issues tile `tile`'s copy (every tile index, also one the loop skips, so that each
+  // phase has one wait).
+  const auto load_q_tile = [&](i64 tile) {
+    const i64 h = tile % c.heads_kv, rest = tile / c.heads_kv;
+    const auto seq = seqs[rest % c.batch];
+    const i64 t0 = (c.position_tiles - 1 - rest / c.batch) * c.tokens_per_tile;
+    tma::arrive_expect_bytes(q_full, static_cast<std::uint32_t>(L::kQ));
+#pragma unroll
+    for (int panel = 0; panel < D / 64; ++panel) {
+      tma::load_box(q_tile + panel * kRows * 64, &q_map, q_full, panel * 64, static_cast<int>(h * c.group),
+                    static_cast<int>(seq.begin + t0), static_cast<int>(seq.batch));
+    }
+  };
   if (k_by_tma) {
     if (tid == 0) {
-      for (int s = 0; s < L::kStages; ++s) pipeline::init(k_full + s, 1);
+      for (int s = 0; s < L::kStages + 1; ++s) pipeline::init(k_full + s, 1);
       pipeline::fence_init();
       tma::prefetch_map(&k_map);
+      if (q_by_tma) {
+        tma::prefetch_map(&q_map);
+        if (blockIdx.x < c.position_tiles * c.batch * c.heads_kv) load_q_tile(blockIdx.x);
+      }
     }
     __syncthreads();
   }
-  static_assert(kStageFloats % 8 == 0, "stages and their halves start at 16-byte boundaries (cp.async)");
   const i64 G = c.group, M = c.tokens_per_tile;
   const int tpw = c.tokens_per_warp, wpt = c.warps_per_token;
   // The tile token and group head of tile row 16 * w + i (see the header: Gp rows per token).
@@ -420,7 +445,14 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const i64 sq = rest % c.batch, position_tile = c.position_tiles - 1 - rest / c.batch;
     const auto seq = seqs[sq];
     const i64 t0 = position_tile * M;
-    if (t0 >= seq.length) continue;
+    if (t0 >= seq.length) {
+      if (q_by_tma) {  // the copy of this tile's Q lands before the next one starts
+        pipeline::wait(q_full, q_phase);
+        q_phase ^= 1u;
+        if (tid == 0 && tile + gridDim.x < tiles) load_q_tile(tile + gridDim.x);
+      }
+      continue;
+    }
     const int tokens = static_cast<int>(min(M, seq.length - t0));
     const i64 key_count = keys[sq].length;
     const i64 a0 = t0 + key_count - seq.length;  // the key position of token t0 (t0 without a query chunk)
@@ -436,13 +468,15 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     for (int i = tid; i < (kRows + 1) * (kSumPitch - kCols); i += kThreads) {
       sums[(i / (kSumPitch - kCols) - 1) * kSumPitch + kCols + i % (kSumPitch - kCols)] = 0.f;
     }
-    wgmma::gather_swizzled_rows<kRows, D, kThreads>(
-        q_tile,
-        [&](int r) -> const T* {
-          const int m = token_of(r / 16, r % 16), head = head_of(r / 16, r % 16);
-          return m < tokens && head < G ? q.row(seq.batch, seq.begin + t0 + m, h * G + head) : nullptr;
-        },
-        q.data);
+    if (!q_by_tma) {
+      wgmma::gather_swizzled_rows<kRows, D, kThreads>(
+          q_tile,
+          [&](int r) -> const T* {
+            const int m = token_of(r / 16, r % 16), head = head_of(r / 16, r % 16);
+            return m < tokens && head < G ? q.row(seq.batch, seq.begin + t0 + m, h * G + head) : nullptr;
+          },
+          q.data);
+    }
     // Per row: lse * log2e and the compressed blocks its token sees (0 for empty rows).
     float row_lse[2];
     int visible_end[2];
@@ -486,7 +520,14 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 
     for (i64 k = 0; k < col_tiles; ++k) {
       if (k_by_tma) {
-        if (k == 0) cp_async_wait<0>();  // the Q tile
+        if (k == 0) {  // the Q tile
+          if (q_by_tma) {
+            pipeline::wait(q_full, q_phase);
+            q_phase ^= 1u;
+          } else {
+            cp_async_wait<0>();
+          }
+        }
         const int s = static_cast<int>(k % L::kStages);
         pipeline::wait(k_full + s, (k_phases >> s) & 1u);
         k_phases ^= 1u << s;
@@ -623,12 +664,13 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       if (wpt == 1) __syncwarp();  // the warp's sums are read before the next tile overwrites them
     }
     __syncthreads();  // pooled rows complete; Q, K and the sums are free
+    if (q_by_tma && tid == 0 && tile + gridDim.x < tiles) load_q_tile(tile + gridDim.x);  // during the top-n
     // The top-n reads a row at least twice: from this warp's share of shared memory where it fits (L2 latency
     // per pass otherwise, which dominates small groups' time). Where two rows fit, the warp's next row is copied
     // while this one is ranked.
     const i64 most_candidates = (a0 + tokens - 1) / c.sel_block + 1;
-    const int buffers = 2 * most_candidates <= kStageFloats ? 2 : most_candidates <= kStageFloats ? 1 : 0;
-    const auto buffer = [&](int i) { return stage + (i % buffers) * (kStageFloats / buffers); };
+    const int buffers = 2 * most_candidates <= stage_floats ? 2 : most_candidates <= stage_floats ? 1 : 0;
+    const auto buffer = [&](int i) { return stage + (i % buffers) * (stage_floats / buffers); };
     const auto stage_row = [&](int m, float* dst) {  // one 16-byte cp.async per 4 blocks, all in flight at once
       if (m < tokens) {
         const float* const row = slot + m * c.slot_blocks;
@@ -706,13 +748,16 @@ void launch(const SelectBlocksParams& p, const LaunchPlan& plan) {
   // The K tiles by TMA where the wgmma kernel runs, the device and driver take it and the tensor map describes
   // k_cmp; SPARSEATTN_SELECT_TMA=0 turns it off (=1 or unset: on).
   Config config = plan.select.config;
-  CUtensorMap k_map{};
+  CUtensorMap k_map{}, q_map{};
   config.k_by_tma = wgmma_runs && tma::switch_on("SPARSEATTN_SELECT_TMA", true) &&
                     tma::device_supports(p.q.device_index) && tma::token_map(&k_map, p.k_cmp, kCols);
+  // The Q tile by TMA too at G = 16 (a tile is 8 tokens x the 16 heads, one box per 64 columns).
+  config.q_by_tma = config.k_by_tma && config.group == 16 && tma::switch_on("SPARSEATTN_SELECT_Q_TMA", true) &&
+                    tma::token_map(&q_map, p.q, static_cast<int>(config.tokens_per_tile), 16);
   kernel<<<plan.select.ctas, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
       tokens_of<const T>(p.q), tokens_of<const T>(p.k_cmp), lse_of<const float>(p.lse_cmp),
       tokens_of<std::int32_t>(p.indices), seq_table(plan.shape, p.seqs), plan.keys,
-      static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), config, static_cast<float*>(p.workspace), k_map);
+      static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), config, static_cast<float*>(p.workspace), k_map, q_map);
   check_launch("select_blocks_kernel");
 }
 
