@@ -495,11 +495,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const bool rows_used = row_token[0] < tokens && row_token[1] < tokens && row_head[0] < G && row_head[1] < G;
     const int warp_all_visible =
         __reduce_min_sync(0xffffffffu, rows_used ? min(visible_end[0], visible_end[1]) : 0);
-    const i64 col_tiles = ceil_div((a0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
-    const auto k_stage = [&](i64 k) { return k_base + (k % L::kStages) * (kCols * D); };
-    const auto first_col = [&](i64 k) { return first_cmp_block(c, static_cast<int>(k * c.blocks_per_tile)); };
+    const int col_tiles = static_cast<int>(ceil_div((a0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile));
+    const auto k_stage = [&](int k) { return k_base + (k % L::kStages) * (kCols * D); };
+    const auto first_col = [&](int k) { return first_cmp_block(c, k * c.blocks_per_tile); };
     // Compressed blocks [j0, j0 + kCols) of the sequence's KV head, zero rows past cmp_count (cp.async).
-    const auto load_k_tile = [&](i64 k) {
+    const auto load_k_tile = [&](int k) {
       const int j0 = first_col(k);
       if (k_by_tma) {
         if (tid == 0) {
@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     };
     load_k_tile(0);
 
-    for (i64 k = 0; k < col_tiles; ++k) {
+    for (int k = 0; k < col_tiles; ++k) {  // an int counter: from a 64-bit one each MMA descriptor costs more
       if (k_by_tma) {
         if (k == 0) {  // the Q tile
           if (q_by_tma) {
@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
             cp_async_wait<0>();
           }
         }
-        const int s = static_cast<int>(k % L::kStages);
+        const int s = k % L::kStages;
         pipeline::wait(k_full + s, (k_phases >> s) & 1u);
         k_phases ^= 1u << s;
       } else {
@@ -589,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       // Pool: selection block b gets sum_s w[s] * P[b * cols_per_block - border + s] (blocks j >= 0), for the
       // blocks that start at or before the token. Tile 0 starts at compressed block 0 rather than at block 0's
       // first border block. Positions and block starts fit int32 (see SelectConfig).
-      const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), shift = k == 0 ? c.border : 0;
+      const int nb = c.blocks_per_tile, b0 = k * nb, shift = k == 0 ? c.border : 0;
       const int last_token = min(pool_end, tokens), sel_block = static_cast<int>(c.sel_block);
       if (c.pool_in_lanes) {  // Gp = 16, one token per warp (token `warp`): no shared-memory round trip
         float v[kCols / 8][2];
