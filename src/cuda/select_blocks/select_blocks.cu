@@ -449,6 +449,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       if (q_by_tma) {  // the copy of this tile's Q lands before the next one starts
         pipeline::wait(q_full, q_phase);
         q_phase ^= 1u;
+        __syncthreads();  // every thread has seen this phase complete before the next one can
         if (tid == 0 && tile + gridDim.x < tiles) load_q_tile(tile + gridDim.x);
       }
       continue;
