@@ -187,6 +187,56 @@ def test_select_blocks_forced_config():
     _check_selection(got, ref, q, kc, lse, kw, None, None)
 
 
+SELECT_TMA_ENV, SELECT_Q_TMA_ENV = "SPARSEATTN_SELECT_TMA", "SPARSEATTN_SELECT_Q_TMA"
+TMA_CASES = SELECT_CASES + [
+    (torch.bfloat16, [1, 31, 65, 300, 2, 130, 1000], True, 64, 4, 128, 64, 16),  # G = 16 packed: skipped tiles
+    (torch.float16, [3000], False, 32, 2, 64, 128, 8),
+    (torch.bfloat16, [700, 1], True, 16, 1, 192, 64, 16),
+    (torch.float16, [513], False, 64, 4, 256, 64, 16),
+]
+
+
+@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,D,sel_block,n", TMA_CASES)
+def test_select_blocks_tma_matches_cp_async(monkeypatch, dtype, lengths, packed, Hq, Hkv, D, sel_block, n):
+    """The K tiles (and at G = 16 the Q tile) by TMA, the default where the wgmma kernel runs, give the indices of
+    the cp.async copies bit for bit: both by TMA, K alone, neither (on GPUs without TMA every run takes cp.async)."""
+    q, kc, lse, cu, cu_cmp = _selection_inputs(lengths, Hq, Hkv, D, dtype, packed, seed=3)
+    kw = dict(cmp_block=32, cmp_stride=16, sel_block=sel_block, num_selected=n, num_init=1, num_local=2)
+    extra = {} if cu is None else dict(cu_seqlens=cu.cuda(), cu_seqlens_cmp=cu_cmp.cuda())
+    got = {}
+    for mode, q_mode in (("1", "1"), ("1", "0"), ("0", "1")):
+        monkeypatch.setenv(SELECT_TMA_ENV, mode)
+        monkeypatch.setenv(SELECT_Q_TMA_ENV, q_mode)
+        poison_allocator()
+        got[mode + q_mode] = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw, **extra).cpu()
+    for key in ("10", "01"):
+        assert torch.equal(got["11"], got[key]), key + ": " + indices_mismatch_report(got["11"], got[key])
+
+
+@pytest.mark.parametrize("Hq,Hkv,D", [(64, 4, 128), (8, 8, 64), (32, 2, 192)])
+def test_select_blocks_tma_masks_the_next_sequence(monkeypatch, Hq, Hkv, D):
+    """A packed sequence's last K tile reaches into the next sequence's compressed rows, which TMA loads (cp.async
+    writes zeros there). Those rows here are 50x larger, so that a column the mask missed would overflow the exp and
+    change the short sequences' choices: both paths must give the same indices, and the reference's."""
+    lengths = [100, 700, 40, 1500]
+    q, kc, lse, cu, cu_cmp = _selection_inputs(lengths, Hq, Hkv, D, torch.bfloat16, True, seed=5)
+    kc[int(cu_cmp[1]):int(cu_cmp[2])] *= 50
+    kc[int(cu_cmp[3]):] *= 50
+    _, lse = sa.compressed_attention(q.double(), kc.double(), kc.double()[..., :128 if D == 192 else D],
+                                     cu_seqlens=cu, cu_seqlens_cmp=cu_cmp)
+    lse = lse.float()
+    kw = dict(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, num_init=1, num_local=2)
+    ref = sa.select_blocks(q.double(), kc.double(), lse.double(), **kw, cu_seqlens=cu, cu_seqlens_cmp=cu_cmp)
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv(SELECT_TMA_ENV, mode)
+        poison_allocator()
+        got[mode] = sa.select_blocks(q.cuda(), kc.cuda(), lse.cuda(), **kw, cu_seqlens=cu.cuda(),
+                                     cu_seqlens_cmp=cu_cmp.cuda()).cpu()
+    assert torch.equal(got["1"], got["0"]), indices_mismatch_report(got["1"], got["0"])
+    _check_selection(got["1"], ref, q, kc, lse, kw, cu, cu_cmp)
+
+
 # ------------------------------------------------------------------------------------------ selected_attention
 
 

@@ -183,4 +183,11 @@ __device__ __forceinline__ bool tile_full(const Mask& m, i64 t0, int rows, i64 j
   return t0 + rows <= m.T && j0 + cols <= m.S && j0 + cols - 1 <= m.hi(t0) && j0 >= m.lo(t0 + rows - 1);
 }
 
+// CompressedMask: the same test without hi's division by the stride (the kernels ask it once per key tile): key j is
+// visible to row t iff j * stride + block - 1 - offset <= t, so the tile's last key to its first row decides it
+// (lo is 0).
+__device__ __forceinline__ bool tile_full(const CompressedMask& m, i64 t0, int rows, i64 j0, int cols) {
+  return t0 + rows <= m.T && j0 + cols <= m.S && (j0 + cols - 1) * m.c.stride + m.c.block - 1 - m.c.offset <= t0;
+}
+
 }  // namespace sparseattn::cuda::attention

@@ -494,6 +494,7 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
   if (steps > 0) {
     float s[kM / 8][4], dp[kM / 8][4];
     std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
+    int ds_tile = tile_begin;  // the query tile of make_ds's next step
     // With kOverlapsUpdate, step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of
     // step i - 1 (its elementwise part done one step earlier) are in flight; its slot was filled by the producer
     // meanwhile.
@@ -526,7 +527,9 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
       const float* lse = sLse + buf * kM;
       const float* delta = sDelta + buf * kM;
       const float* p_scale = sScale + buf * kM;
-      const int t0 = (tile_begin + static_cast<int>(static_cast<unsigned>(step) % tiles)) * kM;
+      // Step i's query tile tile_begin + i % tiles, walked without a division (make_ds runs once per step, in order).
+      const int t0 = ds_tile * kM;
+      if (++ds_tile == tile_begin + static_cast<int>(tiles)) ds_tile = tile_begin;
       const int col_first[2] = {q_first[0] - t0, q_first[1] - t0}, col_end[2] = {q_end[0] - t0, q_end[1] - t0};
       const bool full = max(col_first[0], col_first[1]) <= 0 && min(col_end[0], col_end[1]) >= kM;
       with_mask(!full, [&](auto masked) {

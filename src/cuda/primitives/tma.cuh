@@ -74,12 +74,13 @@ inline bool switch_on(const char* name, bool default_on) {
 }
 
 // The tensor map of token tensor `view` ([B, T, H, D] or packed [N, H, D], 16-bit elements) with boxes of 64
-// columns x `rows` tokens of one head, rows <= 256 (128-byte swizzle, zero fill outside the tensor, L2 promotion by
-// 256 bytes; the attention forward's boxes are 128 rows).
+// columns x `rows` tokens x `heads` consecutive heads, rows and heads <= 256 (128-byte swizzle, zero fill outside
+// the tensor, L2 promotion by 256 bytes; the attention forward's boxes are 128 rows of one head). A box of several
+// heads lands token-major: box row token * heads + head.
 // False where TMA cannot describe it: D not a multiple of 64, a base not 16-byte aligned, a stride not a multiple
 // of 16 bytes or past 2^40 bytes, a dimension of 2^31 or more (32-bit coordinates), the innermost stride not 1, or
 // the encoder refuses. A dimension of size 1 takes a stride of its own choosing (its only coordinate is 0).
-inline bool token_map(CUtensorMap* map, const TensorView& view, int rows) {
+inline bool token_map(CUtensorMap* map, const TensorView& view, int rows, int heads_per_box = 1) {
   const EncodeTiled encode = encode_tiled();
   if (encode == nullptr || element_size(view.dtype) != 2) return false;
   const bool packed = view.rank == 3;
@@ -87,6 +88,7 @@ inline bool token_map(CUtensorMap* map, const TensorView& view, int rows) {
   const std::int64_t tokens = view.shape[view.rank - 3], heads = view.shape[view.rank - 2],
                      dim = view.shape[view.rank - 1];
   if (dim % 64 != 0 || view.stride[view.rank - 1] != 1 || rows < 1 || rows > 256) return false;
+  if (heads_per_box < 1 || heads_per_box > 256) return false;
   if (reinterpret_cast<std::uintptr_t>(view.data) % 16 != 0) return false;
   if (batch <= 0 || tokens <= 0 || heads <= 0) return false;
   const std::int64_t kElement = 2;
@@ -109,7 +111,7 @@ inline bool token_map(CUtensorMap* map, const TensorView& view, int rows) {
                               static_cast<cuuint64_t>(tokens), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_stride), static_cast<cuuint64_t>(token_stride),
                                  static_cast<cuuint64_t>(batch_stride)};
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(heads_per_box), static_cast<cuuint32_t>(rows), 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUtensorMapDataType type =
       view.dtype == DType::bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;

@@ -41,6 +41,8 @@ struct SelectConfig {
   std::int64_t position_tiles;  // token tiles of the longest sequence
   std::int64_t batch;
   float scale_log2;  // set by the launch (softmax scale * log2 e)
+  bool k_by_tma;     // set by the launch: K tiles loaded with TMA (sm_90a wgmma kernel)
+  bool q_by_tma;     // set by the launch: the Q tile too (G = 16), the next tile's copied during the top-n
 };
 
 struct SelectPlan {

@@ -30,7 +30,9 @@
 #include "cuda/primitives/launch.cuh"
 #include "cuda/primitives/sequences.cuh"
 #include "cuda/primitives/softmax.cuh"
+#include "cuda/primitives/pipeline.cuh"
 #include "cuda/primitives/swizzled_tile.cuh"
+#include "cuda/primitives/tma.cuh"
 #include "cuda/primitives/wgmma.cuh"
 #include "cuda/select_blocks/ops.h"
 #include "cuda/select_blocks/plan.h"
@@ -62,8 +64,9 @@ struct Layout {
   // Group sums: one row per token (Gp <= 16) or per warp (Gp > 16), 128 rows at most (Gp = 1), after one row
   // whose padding is the zero border of row 0 (see the pooling).
   static constexpr std::size_t kSums = sizeof(float) * (kRows + 1) * kSumPitch;
-  static constexpr std::size_t kBytes =
-      kQ + kStages * kK + kSums + std::size_t{kWarpScratch} * kWarps + wgmma::kTileAlignment;
+  // The full barriers of the K stages and of the Q tile (TMA loads) after the top-n scratch.
+  static constexpr std::size_t kBarriers = kQ + kStages * kK + kSums + std::size_t{kWarpScratch} * kWarps;
+  static constexpr std::size_t kBytes = kBarriers + sizeof(std::uint64_t) * (kStages + 1) + wgmma::kTileAlignment;
 };
 
 // First compressed block overlapping selection block b: (b*sel_block - cmp_block) / stride + 1 for b >= 1
@@ -351,10 +354,15 @@ __device__ __forceinline__ float pool_from_lanes(const float (&pair)[2], const C
 // Two CTAs per SM fit in shared memory up to D = 128 (109 KB each at 128); registers are capped to match.
 // kWgmma: S on warpgroup MMAs (sm_90a; warpgroup g computes rows 64g..64g+63, the warps' rows of mma.sync);
 // otherwise on mma.sync. Both read the same swizzled Q and K tiles.
+// c.k_by_tma (wgmma kernels on sm_90a only): thread 0 loads each K tile with TMA boxes of `k_map` (128-byte swizzled
+// panels, the layout load_swizzled_tile writes) whose bytes complete the stage's full barrier; every thread waits on
+// it. Rows past the sequence's compressed blocks then hold the next sequence's keys or zeros (past the tensor), not
+// the zeros cp.async writes: their columns are past every row's visible blocks, so the mask zeroes them.
 template <class T, int D, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     select_blocks_kernel(Tokens<const T> q, Tokens<const T> k_cmp, LseView<const float> lse, Tokens<std::int32_t> out,
-                         SeqTable seqs, SeqTable keys, const std::int32_t* cu_seqlens_cmp, Config c, float* slots) {
+                         SeqTable seqs, SeqTable keys, const std::int32_t* cu_seqlens_cmp, Config c, float* slots,
+                         const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap q_map) {
   if constexpr (kWgmma && !SPARSEATTN_WGMMA_ENABLED) return;  // not launched: wgmma::kernel_runs is false
   using L = Layout<D>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -367,10 +375,46 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   std::uint64_t* const list =
       reinterpret_cast<std::uint64_t*>(reinterpret_cast<unsigned char*>(sums + kRows * kSumPitch) + warp * kWarpScratch);
+  // The top-n's row copies: each warp's share of the Q, K and sums space, or (Q by TMA, whose next tile's copy is in
+  // flight during the top-n) of the K and sums space only.
   constexpr int kStageFloats =
       static_cast<int>((L::kQ + L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps) / 8 * 8;
-  float* const stage = reinterpret_cast<float*>(smem) + warp * kStageFloats;  // this warp's top-n row copy
-  static_assert(kStageFloats % 8 == 0, "stages and their halves start at 16-byte boundaries (cp.async)");
+  constexpr int kStageFloatsPastQ = static_cast<int>((L::kStages * L::kK + L::kSums) / sizeof(float) / kWarps) / 8 * 8;
+  static_assert(kStageFloats % 8 == 0 && kStageFloatsPastQ % 8 == 0,
+                "stages and their halves start at 16-byte boundaries (cp.async)");
+  const bool k_by_tma = kWgmma && c.k_by_tma, q_by_tma = k_by_tma && c.q_by_tma;
+  const int stage_floats = q_by_tma ? kStageFloatsPastQ : kStageFloats;
+  float* const stage = reinterpret_cast<float*>(smem + (q_by_tma ? L::kQ : 0)) + warp * stage_floats;
+  std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + L::kBarriers);  // TMA: one per K stage
+  std::uint64_t* const q_full = k_full + L::kStages;                                   // TMA: the Q tile's
+  unsigned k_phases = 0;  // TMA: bit s is the parity of stage s's next full phase
+  unsigned q_phase = 0;   // TMA: the parity of the Q tile's next full phase
+  // Q by TMA (G = 16): the tile's 8 tokens x 16 heads are box rows token * 16 + head, the kernel's row order at one
+  // token per warp. Thread 0 issues tile `tile`'s copy (every tile index, also one the loop skips, so that each
+  // phase has one wait).
+  const auto load_q_tile = [&](i64 tile) {
+    const i64 h = tile % c.heads_kv, rest = tile / c.heads_kv;
+    const auto seq = seqs[rest % c.batch];
+    const i64 t0 = (c.position_tiles - 1 - rest / c.batch) * c.tokens_per_tile;
+    tma::arrive_expect_bytes(q_full, static_cast<std::uint32_t>(L::kQ));
+#pragma unroll
+    for (int panel = 0; panel < D / 64; ++panel) {
+      tma::load_box(q_tile + panel * kRows * 64, &q_map, q_full, panel * 64, static_cast<int>(h * c.group),
+                    static_cast<int>(seq.begin + t0), static_cast<int>(seq.batch));
+    }
+  };
+  if (k_by_tma) {
+    if (tid == 0) {
+      for (int s = 0; s < L::kStages + 1; ++s) pipeline::init(k_full + s, 1);
+      pipeline::fence_init();
+      tma::prefetch_map(&k_map);
+      if (q_by_tma) {
+        tma::prefetch_map(&q_map);
+        if (blockIdx.x < c.position_tiles * c.batch * c.heads_kv) load_q_tile(blockIdx.x);
+      }
+    }
+    __syncthreads();
+  }
   const i64 G = c.group, M = c.tokens_per_tile;
   const int tpw = c.tokens_per_warp, wpt = c.warps_per_token;
   // The tile token and group head of tile row 16 * w + i (see the header: Gp rows per token).
@@ -401,7 +445,15 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const i64 sq = rest % c.batch, position_tile = c.position_tiles - 1 - rest / c.batch;
     const auto seq = seqs[sq];
     const i64 t0 = position_tile * M;
-    if (t0 >= seq.length) continue;
+    if (t0 >= seq.length) {
+      if (q_by_tma) {  // the copy of this tile's Q lands before the next one starts
+        pipeline::wait(q_full, q_phase);
+        q_phase ^= 1u;
+        __syncthreads();  // every thread has seen this phase complete before the next one can
+        if (tid == 0 && tile + gridDim.x < tiles) load_q_tile(tile + gridDim.x);
+      }
+      continue;
+    }
     const int tokens = static_cast<int>(min(M, seq.length - t0));
     const i64 key_count = keys[sq].length;
     const i64 a0 = t0 + key_count - seq.length;  // the key position of token t0 (t0 without a query chunk)
@@ -409,19 +461,23 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const int cmp_count =
         key_count >= c.cmp_block ? static_cast<int>((key_count - c.cmp_block) / c.cmp_stride + 1) : 0;
 
+    // The top-n's shared-memory rows (generic proxy) precede the next tile's TMA writes there (async proxy).
+    if (k_by_tma) wgmma::fence_shared_for_async();
     __syncthreads();  // the previous tile is done with shared memory
     // Zero the padding of the sums rows (and of the row before row 0): the unrolled pooling reads the border
     // blocks of selection block 0 there, from before the tile's first column.
     for (int i = tid; i < (kRows + 1) * (kSumPitch - kCols); i += kThreads) {
       sums[(i / (kSumPitch - kCols) - 1) * kSumPitch + kCols + i % (kSumPitch - kCols)] = 0.f;
     }
-    wgmma::gather_swizzled_rows<kRows, D, kThreads>(
-        q_tile,
-        [&](int r) -> const T* {
-          const int m = token_of(r / 16, r % 16), head = head_of(r / 16, r % 16);
-          return m < tokens && head < G ? q.row(seq.batch, seq.begin + t0 + m, h * G + head) : nullptr;
-        },
-        q.data);
+    if (!q_by_tma) {
+      wgmma::gather_swizzled_rows<kRows, D, kThreads>(
+          q_tile,
+          [&](int r) -> const T* {
+            const int m = token_of(r / 16, r % 16), head = head_of(r / 16, r % 16);
+            return m < tokens && head < G ? q.row(seq.batch, seq.begin + t0 + m, h * G + head) : nullptr;
+          },
+          q.data);
+    }
     // Per row: lse * log2e and the compressed blocks its token sees (0 for empty rows).
     float row_lse[2];
     int visible_end[2];
@@ -440,19 +496,45 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const bool rows_used = row_token[0] < tokens && row_token[1] < tokens && row_head[0] < G && row_head[1] < G;
     const int warp_all_visible =
         __reduce_min_sync(0xffffffffu, rows_used ? min(visible_end[0], visible_end[1]) : 0);
-    const i64 col_tiles = ceil_div((a0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile);
-    const auto k_stage = [&](i64 k) { return k_base + (k % L::kStages) * (kCols * D); };
-    const auto first_col = [&](i64 k) { return first_cmp_block(c, static_cast<int>(k * c.blocks_per_tile)); };
-    // Compressed blocks [j0, j0 + kCols) of the sequence's KV head, zero rows past cmp_count.
-    const auto load_k_tile = [&](i64 k) {
+    const int col_tiles = static_cast<int>(ceil_div((a0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile));
+    const auto k_stage = [&](int k) { return k_base + (k % L::kStages) * (kCols * D); };
+    const auto first_col = [&](int k) { return first_cmp_block(c, k * c.blocks_per_tile); };
+    // Compressed blocks [j0, j0 + kCols) of the sequence's KV head, zero rows past cmp_count (cp.async).
+    const auto load_k_tile = [&](int k) {
       const int j0 = first_col(k);
-      wgmma::load_swizzled_tile<kCols, D, kThreads>(k_stage(k), k_cmp, seq.batch, cmp_begin + j0, cmp_count - j0, h);
-      cp_async_commit();
+      if (k_by_tma) {
+        if (tid == 0) {
+          std::uint64_t* const full = k_full + k % L::kStages;
+          tma::arrive_expect_bytes(full, static_cast<std::uint32_t>(L::kK));
+#pragma unroll
+          for (int panel = 0; panel < D / 64; ++panel) {
+            tma::load_box(k_stage(k) + panel * kCols * 64, &k_map, full, panel * 64, static_cast<int>(h),
+                          static_cast<int>(cmp_begin + j0), static_cast<int>(seq.batch));
+          }
+        }
+      } else {
+        wgmma::load_swizzled_tile<kCols, D, kThreads>(k_stage(k), k_cmp, seq.batch, cmp_begin + j0, cmp_count - j0, h);
+      }
+      cp_async_commit();  // with TMA, the group of tile 0 holds the Q tile's copies alone
     };
     load_k_tile(0);
 
-    for (i64 k = 0; k < col_tiles; ++k) {
-      cp_async_wait<0>();
+    for (int k = 0; k < col_tiles; ++k) {  // an int counter: from a 64-bit one each MMA descriptor costs more
+      if (k_by_tma) {
+        if (k == 0) {  // the Q tile
+          if (q_by_tma) {
+            pipeline::wait(q_full, q_phase);
+            q_phase ^= 1u;
+          } else {
+            cp_async_wait<0>();
+          }
+        }
+        const int s = k % L::kStages;
+        pipeline::wait(k_full + s, (k_phases >> s) & 1u);
+        k_phases ^= 1u << s;
+      } else {
+        cp_async_wait<0>();
+      }
       if constexpr (kWgmma) wgmma::fence_shared_for_async();
       __syncthreads();  // K stage k has landed for all; every warp is done with the other stage and the sums
       if (L::kStages == 2 && k + 1 < col_tiles) load_k_tile(k + 1);
@@ -508,7 +590,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       // Pool: selection block b gets sum_s w[s] * P[b * cols_per_block - border + s] (blocks j >= 0), for the
       // blocks that start at or before the token. Tile 0 starts at compressed block 0 rather than at block 0's
       // first border block. Positions and block starts fit int32 (see SelectConfig).
-      const int nb = c.blocks_per_tile, b0 = static_cast<int>(k * nb), shift = k == 0 ? c.border : 0;
+      const int nb = c.blocks_per_tile, b0 = k * nb, shift = k == 0 ? c.border : 0;
       const int last_token = min(pool_end, tokens), sel_block = static_cast<int>(c.sel_block);
       if (c.pool_in_lanes) {  // Gp = 16, one token per warp (token `warp`): no shared-memory round trip
         float v[kCols / 8][2];
@@ -583,12 +665,13 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       if (wpt == 1) __syncwarp();  // the warp's sums are read before the next tile overwrites them
     }
     __syncthreads();  // pooled rows complete; Q, K and the sums are free
+    if (q_by_tma && tid == 0 && tile + gridDim.x < tiles) load_q_tile(tile + gridDim.x);  // during the top-n
     // The top-n reads a row at least twice: from this warp's share of shared memory where it fits (L2 latency
     // per pass otherwise, which dominates small groups' time). Where two rows fit, the warp's next row is copied
     // while this one is ranked.
     const i64 most_candidates = (a0 + tokens - 1) / c.sel_block + 1;
-    const int buffers = 2 * most_candidates <= kStageFloats ? 2 : most_candidates <= kStageFloats ? 1 : 0;
-    const auto buffer = [&](int i) { return stage + (i % buffers) * (kStageFloats / buffers); };
+    const int buffers = 2 * most_candidates <= stage_floats ? 2 : most_candidates <= stage_floats ? 1 : 0;
+    const auto buffer = [&](int i) { return stage + (i % buffers) * (stage_floats / buffers); };
     const auto stage_row = [&](int m, float* dst) {  // one 16-byte cp.async per 4 blocks, all in flight at once
       if (m < tokens) {
         const float* const row = slot + m * c.slot_blocks;
@@ -659,14 +742,23 @@ LaunchPlan plan_of(const SelectBlocksParams& p) {
 
 template <class T, int D>
 void launch(const SelectBlocksParams& p, const LaunchPlan& plan) {
-  auto kernel = wgmma::kernel_runs(select_blocks_kernel<T, D, true>) ? select_blocks_kernel<T, D, true>
-                                                                     : select_blocks_kernel<T, D, false>;
+  const bool wgmma_runs = wgmma::kernel_runs(select_blocks_kernel<T, D, true>);
+  auto kernel = wgmma_runs ? select_blocks_kernel<T, D, true> : select_blocks_kernel<T, D, false>;
   constexpr std::size_t smem = Layout<D>::kBytes;
   set_dynamic_smem(kernel, smem);
+  // The K tiles by TMA where the wgmma kernel runs, the device and driver take it and the tensor map describes
+  // k_cmp; SPARSEATTN_SELECT_TMA=0 turns it off (=1 or unset: on).
+  Config config = plan.select.config;
+  CUtensorMap k_map{}, q_map{};
+  config.k_by_tma = wgmma_runs && tma::switch_on("SPARSEATTN_SELECT_TMA", true) &&
+                    tma::device_supports(p.q.device_index) && tma::token_map(&k_map, p.k_cmp, kCols);
+  // The Q tile by TMA too at G = 16 (a tile is 8 tokens x the 16 heads, one box per 64 columns).
+  config.q_by_tma = config.k_by_tma && config.group == 16 && tma::switch_on("SPARSEATTN_SELECT_Q_TMA", true) &&
+                    tma::token_map(&q_map, p.q, static_cast<int>(config.tokens_per_tile), 16);
   kernel<<<plan.select.ctas, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
       tokens_of<const T>(p.q), tokens_of<const T>(p.k_cmp), lse_of<const float>(p.lse_cmp),
       tokens_of<std::int32_t>(p.indices), seq_table(plan.shape, p.seqs), plan.keys,
-      static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), plan.select.config, static_cast<float*>(p.workspace));
+      static_cast<const std::int32_t*>(p.cu_seqlens_cmp.data), config, static_cast<float*>(p.workspace), k_map, q_map);
   check_launch("select_blocks_kernel");
 }
 
