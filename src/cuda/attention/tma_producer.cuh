@@ -78,12 +78,7 @@ __device__ __forceinline__ void produce_tma_tile(const Ring& ring, unsigned use,
   if (valid >= kRows) {
     if (leader) {
       ring.acquire(use);
-      std::uint64_t* full = ring.full_barrier(use);
-      tma::arrive_expect_bytes(full, static_cast<std::uint32_t>(kRows * kDim * sizeof(T)));
-#pragma unroll
-      for (int panel = 0; panel < kDim / 64; ++panel) {
-        tma::load_box(tile + panel * kRows * 64, map, full, 64 * panel, head, row0, batch);
-      }
+      tma::load_tile<kRows, kDim>(tile, map, ring.full_barrier(use), head, row0, batch);
     }
   } else {
     ring.acquire(use);

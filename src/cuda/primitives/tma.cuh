@@ -151,6 +151,19 @@ __device__ __forceinline__ void load_box(void* destination, const CUtensorMap* m
 #endif
 }
 
+// A swizzled tile of kRows rows x kDim columns of T (kDim / 64 boxes of `map`, panel p at tile + p * kRows * 64: the
+// layout of wgmma.cuh's swizzled tiles) from the box coordinates {64 p, c1, c2, c3}, after one arrival on `barrier`
+// that expects the tile's bytes, which complete its phase. One thread issues it.
+template <int kRows, int kDim, class T>
+__device__ __forceinline__ void load_tile(T* tile, const CUtensorMap* map, std::uint64_t* barrier, int c1, int c2,
+                                          int c3) {
+  arrive_expect_bytes(barrier, static_cast<std::uint32_t>(kRows * kDim * sizeof(T)));
+#pragma unroll
+  for (int panel = 0; panel < kDim / 64; ++panel) {
+    load_box(tile + panel * kRows * 64, map, barrier, 64 * panel, c1, c2, c3);
+  }
+}
+
 }  // namespace tma
 
 }  // namespace sparseattn::cuda

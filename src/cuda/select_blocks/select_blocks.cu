@@ -351,6 +351,16 @@ __device__ __forceinline__ float pool_from_lanes(const float (&pair)[2], const C
   return score;
 }
 
+// A CTA's work item `tile`: KV head h of the sequence's tokens [t0, t0 + tokens_per_tile). Longest tokens first
+// (position tiles descending), so that the CTAs' round-robin over the items ends with the cheap ones.
+struct TileCoordinates {
+  i64 h, sequence, t0;
+};
+__device__ __forceinline__ TileCoordinates tile_coordinates(const Config& c, i64 tile) {
+  const i64 rest = tile / c.heads_kv;
+  return {tile % c.heads_kv, rest % c.batch, (c.position_tiles - 1 - rest / c.batch) * c.tokens_per_tile};
+}
+
 // Two CTAs per SM fit in shared memory up to D = 128 (109 KB each at 128); registers are capped to match.
 // kWgmma: S on warpgroup MMAs (sm_90a; warpgroup g computes rows 64g..64g+63, the warps' rows of mma.sync);
 // otherwise on mma.sync. Both read the same swizzled Q and K tiles.
@@ -393,15 +403,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   // token per warp. Thread 0 issues tile `tile`'s copy (every tile index, also one the loop skips, so that each
   // phase has one wait).
   const auto load_q_tile = [&](i64 tile) {
-    const i64 h = tile % c.heads_kv, rest = tile / c.heads_kv;
-    const auto seq = seqs[rest % c.batch];
-    const i64 t0 = (c.position_tiles - 1 - rest / c.batch) * c.tokens_per_tile;
-    tma::arrive_expect_bytes(q_full, static_cast<std::uint32_t>(L::kQ));
-#pragma unroll
-    for (int panel = 0; panel < D / 64; ++panel) {
-      tma::load_box(q_tile + panel * kRows * 64, &q_map, q_full, panel * 64, static_cast<int>(h * c.group),
-                    static_cast<int>(seq.begin + t0), static_cast<int>(seq.batch));
-    }
+    const TileCoordinates at = tile_coordinates(c, tile);
+    const auto seq = seqs[at.sequence];
+    tma::load_tile<kRows, D>(q_tile, &q_map, q_full, static_cast<int>(at.h * c.group),
+                             static_cast<int>(seq.begin + at.t0), static_cast<int>(seq.batch));
   };
   if (k_by_tma) {
     if (tid == 0) {
@@ -439,12 +444,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const std::uint64_t k_desc0 = wgmma::k_major_descriptor<kCols>(k_base, 0, 0);
 
   const i64 tiles = c.position_tiles * c.batch * c.heads_kv;
-  // Longest tokens first (position tiles descending), so the round-robin ends with the cheap tiles.
   for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const i64 h = tile % c.heads_kv, rest = tile / c.heads_kv;
-    const i64 sq = rest % c.batch, position_tile = c.position_tiles - 1 - rest / c.batch;
+    const TileCoordinates at = tile_coordinates(c, tile);
+    const i64 h = at.h, sq = at.sequence, t0 = at.t0;
     const auto seq = seqs[sq];
-    const i64 t0 = position_tile * M;
     if (t0 >= seq.length) {
       if (q_by_tma) {  // the copy of this tile's Q lands before the next one starts
         pipeline::wait(q_full, q_phase);
@@ -504,13 +507,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       const int j0 = first_col(k);
       if (k_by_tma) {
         if (tid == 0) {
-          std::uint64_t* const full = k_full + k % L::kStages;
-          tma::arrive_expect_bytes(full, static_cast<std::uint32_t>(L::kK));
-#pragma unroll
-          for (int panel = 0; panel < D / 64; ++panel) {
-            tma::load_box(k_stage(k) + panel * kCols * 64, &k_map, full, panel * 64, static_cast<int>(h),
-                          static_cast<int>(cmp_begin + j0), static_cast<int>(seq.batch));
-          }
+          tma::load_tile<kCols, D>(k_stage(k), &k_map, k_full + k % L::kStages, static_cast<int>(h),
+                                   static_cast<int>(cmp_begin + j0), static_cast<int>(seq.batch));
         }
       } else {
         wgmma::load_swizzled_tile<kCols, D, kThreads>(k_stage(k), k_cmp, seq.batch, cmp_begin + j0, cmp_count - j0, h);
