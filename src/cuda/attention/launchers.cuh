@@ -121,6 +121,13 @@ bool launch_forward_wgmma(const AttnArgs<T>& args, const typename Mask::Config& 
   return false;
 }
 
+// The tensor maps of a backward TMA variant (attention_tma_may_run<..., true> has checked that the views exist): q
+// and d_o with boxes of `query_rows` rows, k and v of `key_rows`; false where one cannot be made (tma::token_map).
+inline bool backward_tma_maps(BackwardTmaMaps* maps, const Launch& l, int query_rows, int key_rows) {
+  return tma::token_map(&maps->q, *l.q_view, query_rows) && tma::token_map(&maps->d_o, *l.d_o_view, query_rows) &&
+         tma::token_map(&maps->k, *l.k_view, key_rows) && tma::token_map(&maps->v, *l.v_view, key_rows);
+}
+
 // Launches the TMA variant of the wgmma dQ where it may run; false otherwise: as launch_forward_wgmma_tma, with
 // tensor maps of q and d_o (boxes of 64 columns x 128 rows, the query tile) and of k and v (64 columns x 64 rows,
 // the key tile).
@@ -130,11 +137,8 @@ bool launch_dq_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& m
   static_assert(Tile::kM == 128 && Tile::kN == 64, "the tensor maps' boxes are 128 query rows and 64 key rows");
   auto kernel = attention_dq_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
   if (!attention_tma_may_run<false, true>(l, kernel)) return false;
-  DqTmaMaps maps;
-  if (!tma::token_map(&maps.q, *l.q_view, Tile::kM) || !tma::token_map(&maps.d_o, *l.d_o_view, Tile::kM) ||
-      !tma::token_map(&maps.k, *l.k_view, Tile::kN) || !tma::token_map(&maps.v, *l.v_view, Tile::kN)) {
-    return false;
-  }
+  BackwardTmaMaps maps;
+  if (!backward_tma_maps(&maps, l, Tile::kM, Tile::kN)) return false;
   set_dynamic_smem(kernel, Tile::kSmemBytes);
   const QueryTileOrder order = query_tile_order(l, Tile::kM);
   kernel<<<persistent_ctas(l, order), Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, order, maps);
@@ -230,11 +234,8 @@ bool launch_dkv_wgmma_tma(const AttnArgs<T>& args, const typename Mask::Config& 
   using Tile = WgmmaDkvTmaTile<Dqk, Dv>;
   auto kernel = attention_dkv_wgmma_tma_kernel<T, Dqk, Dv, Mask>;
   if (!attention_tma_may_run<true, true>(l, kernel)) return false;
-  DkvTmaMaps maps;
-  if (!tma::token_map(&maps.q, *l.q_view, Tile::kM) || !tma::token_map(&maps.d_o, *l.d_o_view, Tile::kM) ||
-      !tma::token_map(&maps.k, *l.k_view, Tile::kN) || !tma::token_map(&maps.v, *l.v_view, Tile::kN)) {
-    return false;
-  }
+  BackwardTmaMaps maps;
+  if (!backward_tma_maps(&maps, l, Tile::kM, Tile::kN)) return false;
   set_dynamic_smem(kernel, Tile::kSmemBytes);
   const dim3 grid = key_grid(l, Tile::kN, args.head_splits);
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, l.stream>>>(args, mc, maps);

@@ -23,8 +23,15 @@ namespace sparseattn::cuda::attention {
 template <class Mask>
 inline constexpr bool kTmaMask = std::is_same_v<Mask, FlashMask> || std::is_same_v<Mask, CompressedMask>;
 
-// The maps parameter of the cp.async kernels: none (the TMA kernels take ForwardTmaMaps or DqTmaMaps).
+// The maps parameter of the cp.async kernels: none (the TMA kernels take ForwardTmaMaps or BackwardTmaMaps).
 struct NoTmaMaps {};
+
+// The kernel parameter of the dQ's and the dK/dV's TMA variants: the tensor maps (tma::token_map) of q and d_o with
+// boxes of 64 columns x the kernel's query rows (the dQ's query tile, the dK/dV's query step) and of k and v with
+// boxes of 64 columns x its key rows (the dQ's key tile, the keys of a dK/dV CTA).
+struct BackwardTmaMaps {
+  CUtensorMap q, d_o, k, v;
+};
 
 // The TMA producer's start, by the producer warpgroup: it gives registers back, down to kRegisters per thread
 // (pipeline::ProducerConsumers' count unless the kernel sets its own), and keeps its first warp, whose lane 0 starts

@@ -327,10 +327,6 @@ __global__ void __launch_bounds__(WgmmaDkvTile<Dqk, Dv>::kThreads, 1)
 // thread loading the next step between two CTA barriers. The consumers issue the kernel above's MMAs in its order
 // and compute its elementwise part, so dK and dV are the same bit for bit; at 128/128 the order of a consumer's
 // update and its next step's elementwise part differs (kOverlapsUpdate), not the values.
-struct DkvTmaMaps {
-  CUtensorMap q, d_o, k, v;  // q, d_o: boxes of 64 columns x kM rows; k, v: 64 columns x kN rows (tma::token_map)
-};
-
 template <int Dqk, int Dv>
 struct WgmmaDkvTmaTile {
   using Consumers = WgmmaDkvTile<Dqk, Dv>;
@@ -400,7 +396,7 @@ __device__ __forceinline__ void produce_row_stats(const Ring& ring, unsigned use
 
 template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
-    attention_dkv_wgmma_tma_kernel(AttnArgs<T> a, typename Mask::Config mc, const __grid_constant__ DkvTmaMaps maps) {
+    attention_dkv_wgmma_tma_kernel(AttnArgs<T> a, typename Mask::Config mc, const __grid_constant__ BackwardTmaMaps maps) {
   static_assert(kTmaMask<Mask>, "the TMA producer serves the plain masks");
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = WgmmaDkvTmaTile<Dqk, Dv>;
@@ -636,17 +632,11 @@ struct WgmmaDqTile : pipeline::ProducerConsumers {
                                             sizeof(float) * (kGateKeys + kKeyTerms) + wgmma::kTileAlignment;
 };
 
-// The kernel parameter of the dQ's TMA variant: the tensor maps of q and d_o with boxes of 64 columns x 128 rows
-// (the query tile) and of k and v with boxes of 64 columns x 64 rows (the key tile; tma::token_map).
-struct DqTmaMaps {
-  CUtensorMap q, d_o, k, v;
-};
-
-// The dQ of both kernels below; Maps: DqTmaMaps (the TMA producer, tma_producer.cuh) or NoTmaMaps (cp.async).
+// The dQ of both kernels below; Maps: BackwardTmaMaps (the TMA producer, tma_producer.cuh) or NoTmaMaps (cp.async).
 template <class T, int Dqk, int Dv, class Mask, class Maps>
 __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const typename Mask::Config& mc,
                                                    const QueryTileOrder& order, [[maybe_unused]] const Maps& maps) {
-  constexpr bool kTma = std::is_same_v<Maps, DqTmaMaps>;
+  constexpr bool kTma = std::is_same_v<Maps, BackwardTmaMaps>;
   static_assert(!kTma || kTmaMask<Mask>, "the TMA producer serves the plain masks");
 #if SPARSEATTN_WGMMA_ENABLED
   using Tile = WgmmaDqTile<Dqk, Dv>;
@@ -929,7 +919,7 @@ __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
 template <class T, int Dqk, int Dv, class Mask>
 __global__ void __launch_bounds__(WgmmaDqTile<Dqk, Dv>::kThreads, 1)
     attention_dq_wgmma_tma_kernel(AttnArgs<T> a, typename Mask::Config mc, QueryTileOrder order,
-                                  const __grid_constant__ DqTmaMaps maps) {
+                                  const __grid_constant__ BackwardTmaMaps maps) {
   attention_dq_wgmma<T, Dqk, Dv, Mask>(a, mc, order, maps);
 }
 
