@@ -62,10 +62,12 @@ TEST(SelectedBackwardPlan, OverrideSwitch) {
   }
 }
 
-TEST(SelectedBackwardPlan, GroupDqAt128UpTo128K) {
+TEST(SelectedBackwardPlan, GroupDqAt128UpTo16K) {
+  EXPECT_TRUE(use_group_dq(128, 128, 1, 16, kH100));
   EXPECT_TRUE(use_group_dq(128, 128, 8192, 16, kH100));
-  EXPECT_TRUE(use_group_dq(128, 128, kGroupMaxLen, 16, kH100));
-  EXPECT_FALSE(use_group_dq(128, 128, kGroupMaxLen + 1, 16, kH100));
+  EXPECT_TRUE(use_group_dq(128, 128, kGroupDqMaxLen, 16, kH100));
+  EXPECT_FALSE(use_group_dq(128, 128, kGroupDqMaxLen + 1, 16, kH100));  // measured slower with random inputs
+  EXPECT_FALSE(use_group_dq(128, 128, 65536, 16, kH100));
   EXPECT_FALSE(use_group_dq(128, 128, 0, 16, kH100));
   EXPECT_FALSE(use_group_dq(192, 128, 8192, 16, kH100));
   EXPECT_FALSE(use_group_dq(128, 128, 8192, 16, kA100));  // rows and stages need more than 163 KB

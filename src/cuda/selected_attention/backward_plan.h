@@ -102,11 +102,18 @@ inline bool group_dq_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int
   return group_dq_smem_bytes(dim_qk, dim_v, num_idx) <= smem_limit;
 }
 
-// Where the query-outer dQ runs, its group form replaces the one-token kernel as the group forward does
-// (use_group_forward): Dqk = Dv = 128 up to kGroupMaxLen tokens, on a device with the shared memory.
+// Where the query-outer dQ runs, its group form replaces the one-token kernel for Dqk = Dv = 128 up to sequences
+// of kGroupDqMaxLen tokens (`max_len`: the longest of the batch), on a device with the shared memory. On an H100
+// (64/4 heads, NSA defaults, selected dQ kernel) it is 4% faster at 8K with random inputs and 6-10% faster from 8K
+// to 32K with drifting ones (bench.drifting_tokens), but 2% slower at 16K with random inputs, 5% at 32K and 19% at
+// 64K, and no faster at 64K with drifting ones: sharing a tile saves L2 reads, while each consumer still reads the
+// whole tile from shared memory, and the ring, which holds a stage until its last reader is done, leaves a token
+// fewer tiles in flight than the one-token kernel's per-warp K and V buffers where the tokens share few blocks.
+inline constexpr std::int64_t kGroupDqMaxLen = 16384;
+
 inline bool use_group_dq(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len, std::int64_t num_idx,
                          std::size_t smem_limit) {
-  return dim_qk == 128 && dim_v == 128 && max_len >= 1 && max_len <= kGroupMaxLen &&
+  return dim_qk == 128 && dim_v == 128 && max_len >= 1 && max_len <= kGroupDqMaxLen &&
          group_dq_supported(dim_qk, dim_v, num_idx, smem_limit);
 }
 
