@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/selected_attention/backward_plan.h"
+#include "sparseattn/head_dims.h"
 #include "test_util.h"
 
 namespace sparseattn::test {
@@ -59,6 +60,38 @@ TEST(SelectedBackwardPlan, OverrideSwitch) {
     EXPECT_EQ(choose_kv_outer_dq(PathChoice::automatic, g, 128, 128, 65536, 16, 64, kH100),
               use_kv_outer_dq(g, 128, 128, 65536, 16, 64, kH100));
   }
+}
+
+TEST(SelectedBackwardPlan, GroupDqAt128UpTo16K) {
+  EXPECT_TRUE(use_group_dq(128, 128, 1, 16, kH100));
+  EXPECT_TRUE(use_group_dq(128, 128, 8192, 16, kH100));
+  EXPECT_TRUE(use_group_dq(128, 128, kGroupDqMaxLen, 16, kH100));
+  EXPECT_FALSE(use_group_dq(128, 128, kGroupDqMaxLen + 1, 16, kH100));  // measured slower with random inputs
+  EXPECT_FALSE(use_group_dq(128, 128, 65536, 16, kH100));
+  EXPECT_FALSE(use_group_dq(128, 128, 0, 16, kH100));
+  EXPECT_FALSE(use_group_dq(192, 128, 8192, 16, kH100));
+  EXPECT_FALSE(use_group_dq(128, 128, 8192, 16, kA100));  // rows and stages need more than 163 KB
+  // dO's rows of the 8 tokens (16 heads each), and Q's from Dqk + Dv > 256 on; the stages get the rest of 224 KB.
+  EXPECT_EQ(group_dq_rows_bytes(128, 128), 8u * 16 * 128 * 2);
+  EXPECT_EQ(group_dq_rows_bytes(192, 128), 8u * 16 * 320 * 2);
+  EXPECT_EQ(group_dq_smem_bytes(128, 128, 0), 32u * 1024 + 6 * 32 * 1024 + 6 * 2 * 8 + 8 * 13 * 4);
+  for (const sparseattn::HeadDims& dims : sparseattn::kCudaHeadDims) {
+    EXPECT_TRUE(group_dq_supported(dims.qk, dims.v, 16, kH100)) << dims.qk;
+    EXPECT_LE(group_dq_smem_bytes(dims.qk, dims.v, 16), 227u * 1024) << dims.qk;
+    EXPECT_GE(group_dq_smem_bytes(dims.qk, dims.v, 0) - group_dq_rows_bytes(dims.qk, dims.v),
+              2u * 32 * (dims.qk + dims.v) * 2)
+        << "two stages at least, " << dims.qk;
+  }
+}
+
+TEST(SelectedBackwardPlan, GroupDqSwitch) {
+  EXPECT_TRUE(choose_group_dq(PathChoice::query_group, 192, 128, 8192, 16, kH100));  // forced: where supported
+  EXPECT_FALSE(choose_group_dq(PathChoice::query_group, 128, 128, 8192, 16, kA100));
+  EXPECT_FALSE(choose_group_dq(PathChoice::query_outer, 128, 128, 8192, 16, kH100));
+  EXPECT_FALSE(choose_group_dq(PathChoice::kv_outer, 128, 128, 8192, 16, kH100));
+  EXPECT_FALSE(choose_group_dq(PathChoice::query_group, 128, 128, 8192, 0, kH100));
+  EXPECT_EQ(choose_group_dq(PathChoice::automatic, 128, 128, 65536, 16, kH100),
+            use_group_dq(128, 128, 65536, 16, kH100));
 }
 
 TEST(SelectedBackwardPlan, DqChunksBoundThePartials) {

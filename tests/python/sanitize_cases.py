@@ -9,7 +9,7 @@ Levels:
            mma.sync, SPARSEATTN_ATTENTION_MMA=sync) x group sizes 1, 3, 4, 8, 16, packed sequences of lengths 1,
            63, 65 and 700, batched ones too, bf16 (fp16 for group size 3, fp32 for the memory-bound ops); per
            configuration: compress_kv, compressed_attention, select_blocks, selected_attention with each forward
-           (SPARSEATTN_SELECTED_FORWARD=query|group|kv) and each dQ (SPARSEATTN_SELECTED_DQ=query|kv),
+           (SPARSEATTN_SELECTED_FORWARD=query|group|kv) and each dQ (SPARSEATTN_SELECTED_DQ=query|group|kv),
            flash_attention (causal, sliding window, cross lengths), combine and nsa_attention (whose backward
            runs accumulate).
   reduced  (racecheck, synccheck, initcheck): the same operations and paths for every head-dim pair and both
@@ -160,7 +160,7 @@ def run_select(x: Inputs):
     indices_of(x)
 
 
-def run_selected(x: Inputs, forward: str, dqs=("query", "kv")):
+def run_selected(x: Inputs, forward: str, dqs=("query", "group", "kv")):
     """The forward forced to `forward`, then one backward per dQ path (the dK/dV is shared)."""
     idx = indices_of(x)
     trace("select_blocks")

@@ -216,7 +216,7 @@ def selected_path(request, monkeypatch):
         monkeypatch.delenv("SPARSEATTN_SELECTED_DQ", raising=False)
     else:
         monkeypatch.setenv("SPARSEATTN_SELECTED_FORWARD", request.param)
-        monkeypatch.setenv("SPARSEATTN_SELECTED_DQ", "kv" if request.param == "kv" else "query")
+        monkeypatch.setenv("SPARSEATTN_SELECTED_DQ", request.param)
     return request.param
 
 

@@ -323,10 +323,12 @@ def test_selected_attention(forward, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, b
     _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
 
 
-# The two CUDA dQ paths of the backward (src/cuda/selection/backward_plan.h): query-outer or KV-block-outer, read on the
-# host like the forward switch; the KV-block-outer one on wgmma where it can (attention_mma "auto") and on
-# mma.sync ("sync").
+# The CUDA dQ paths of the backward (src/cuda/selected_attention/backward_plan.h): query-outer (one token per warp,
+# "query", or its group form, 8 tokens per CTA sharing K/V tiles, "group") or KV-block-outer ("kv"), read on the
+# host like the forward switch; the KV-block-outer one on wgmma where it can (attention_mma "auto") and on mma.sync
+# ("sync").
 DQ_ENV = "SPARSEATTN_SELECTED_DQ"
+DQ_PATHS = ["query", "group", "kv"]
 
 
 @pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n,future", SELECTED_CASES)
@@ -334,6 +336,46 @@ def test_selected_attention_kv_outer_dq(monkeypatch, attention_mma, dtype, lengt
                                         future):
     monkeypatch.setenv(DQ_ENV, "kv")
     _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
+
+
+@pytest.mark.parametrize("dq", ["query", "group"])
+@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n,future", SELECTED_CASES)
+def test_selected_attention_query_outer_dq(monkeypatch, dq, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n,
+                                           future):
+    monkeypatch.setenv(DQ_ENV, dq)
+    _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
+
+
+# The group dQ walks the union of its 8 tokens' lists in ascending block order; where every list ascends (as
+# select_blocks' do) that is each token's own order, so its dQ is the one-token dQ's bit for bit.
+GROUP_DQ_CASES = [
+    # (dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n)
+    (torch.bfloat16, [2000], False, 16, 1, 128, 128, 64, 16),
+    (torch.float16, [1, 9, 700, 0, 13], True, 12, 2, 128, 128, 32, 8),   # G = 12: padded rows; short sequences
+    (torch.bfloat16, [300], False, 20, 1, 64, 64, 64, 16),                # G = 20: a chunk of 16 and one of 4
+    (torch.bfloat16, [333, 64], True, 16, 1, 192, 128, 64, 16),           # Q's rows in shared memory too
+    (torch.float16, [257], False, 16, 1, 256, 256, 128, 8),
+]
+
+
+@pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n", GROUP_DQ_CASES)
+def test_selected_group_dq_equals_one_token_dq(monkeypatch, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n):
+    g = torch.Generator().manual_seed(31)
+    if packed:
+        shape, cu = (sum(lengths) + 2,), cu_seqlens_of(lengths).cuda()
+        idx = torch.cat(_nsa_indices(lengths, Hkv, n, block, seed=32) + [torch.full((2, Hkv, n), -1, dtype=torch.int32)])
+    else:
+        shape, cu = (2, lengths[0]), None
+        idx = torch.stack(_nsa_indices(lengths * 2, Hkv, n, block, seed=32))
+    q, k, v, d_o = (torch.randn(*shape, h, d, generator=g).to(dtype).cuda()
+                    for h, d in ((Hq, Dqk), (Hkv, Dqk), (Hkv, Dv), (Hq, Dv)))
+    grads = {}
+    for dq in ("query", "group"):
+        monkeypatch.setenv(DQ_ENV, dq)
+        poison_allocator()
+        grads[dq] = _run_selected(q, k, v, idx.cuda(), block, cu, d_o)[2]
+    for a, b in zip(grads["query"], grads["group"]):
+        assert torch.equal(a, b)
 
 
 def _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
@@ -368,7 +410,7 @@ def _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
         assert_lowp(got, ref, base, dtype, name)
 
 
-@pytest.mark.parametrize("dq", ["query", "kv"])
+@pytest.mark.parametrize("dq", DQ_PATHS)
 def test_selected_attention_backward_deterministic(monkeypatch, forward, dq):
     monkeypatch.setenv(DQ_ENV, dq)
     T, Hq, Hkv, D, block, n = 777, 8, 2, 128, 64, 16
@@ -439,7 +481,7 @@ LONG_SEGMENT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dq", ["query", "kv"])
+@pytest.mark.parametrize("dq", DQ_PATHS)
 @pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n", LONG_SEGMENT_CASES)
 def test_selected_attention_backward_long_segments(monkeypatch, dq, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n):
     monkeypatch.setenv(DQ_ENV, dq)

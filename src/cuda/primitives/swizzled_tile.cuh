@@ -28,19 +28,26 @@ struct SmemTile {
 // Copies R rows of D elements with cp.async: row_pointer(r) returns the global row or null (zero fill).
 // The passes over the tile's 16-byte pieces are unrolled at compile time, so a thread's rows and columns are
 // constants plus its index; keep row_pointer cheap (a precomputed base plus r times a stride), since it runs
-// once per piece.
+// once per piece. `thread`: the copying thread's index among the Threads (threadIdx.x when the first Threads of
+// the CTA copy).
 template <class T, int R, int D, int Threads, class RowPointer>
-__device__ __forceinline__ void load_rows(const SmemTile<T, R, D>& tile, RowPointer&& row_pointer, const T* fallback) {
+__device__ __forceinline__ void load_rows(const SmemTile<T, R, D>& tile, RowPointer&& row_pointer, const T* fallback,
+                                          int thread) {
   constexpr int kChunks = D / 8;  // 16-byte pieces per row
   constexpr int kPieces = R * kChunks, kPasses = (kPieces + Threads - 1) / Threads;
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
-    const int i = static_cast<int>(threadIdx.x) + pass * Threads;
+    const int i = thread + pass * Threads;
     if (kPieces % Threads != 0 && i >= kPieces) break;
     const int r = i / kChunks, c = i % kChunks;
     const T* src = row_pointer(r);
     cp_async_16(tile.at(r, c * 8), (src != nullptr ? src : fallback) + c * 8, src != nullptr ? 16 : 0);
   }
+}
+
+template <class T, int R, int D, int Threads, class RowPointer>
+__device__ __forceinline__ void load_rows(const SmemTile<T, R, D>& tile, RowPointer&& row_pointer, const T* fallback) {
+  load_rows<T, R, D, Threads>(tile, row_pointer, fallback, static_cast<int>(threadIdx.x));
 }
 
 // Copies rows [0, R) of a source whose row r is src + r * row_stride, zero-filling rows >= valid (fallback:

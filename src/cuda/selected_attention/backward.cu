@@ -2,7 +2,8 @@
 //  1. delta = rowsum(dO * O) (primitives/delta.cuh), unless the caller gives it;
 //  2. the inverse index (inverse_index.h): for each sequence, KV head and selection block, the ascending tokens
 //     whose index row lists it, built by a stable radix sort, and its segments;
-//  3. dQ, query-outer (dq_query_outer.cu: one warp per token, for large groups), or
+//  3. dQ, query-outer (dq_query_outer.cu: one warp per token, for large groups; or its group form,
+//     dq_query_group.cu: 8 consecutive tokens per CTA sharing K/V tiles), or
 //  4. dK/dV, KV-block-outer over the inverse index cut into chunks (dkdv.cu, dkdv_wgmma.cuh);
 //  5. dQ, KV-block-outer (dq_kv_block_outer.cu: gathered query rows per selected block, for groups up to 8),
 //     which reuses the inverse index's buffers once step 4 is done with them.
@@ -59,6 +60,7 @@ struct BwdPlan {
   std::size_t delta, offsets, keys_in, keys_out, values_in, values_out, seg_begin, seg_end, temp, temp_bytes,
       counts, scan, scan_temp, scan_temp_bytes, partials, total;
   bool dq_kv;                  // KV-block-outer dQ (dq_kv_block_outer.h) instead of the query-outer one
+  bool dq_group;               // the query-outer dQ's group form (dq_query_group.cu)
   std::int64_t dq_chunk_pairs; // its (KV head, token row) pairs per chunk
   selection::SortGroup dq_sort; // its chunks per sort (forward_plan.h)
   std::size_t dq_half, dq_scale;
@@ -103,10 +105,11 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
   const std::int64_t group = plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 0;
   {
     const DeviceGuard device(p.q.device_index);
-    plan.dq_kv = !plan.chunk &&
-                 selection::choose_kv_outer_dq(selection::parse_path_choice(std::getenv(selection::kDqEnv)), group,
-                                               dqk, dv, plan.total_rows, plan.num_idx, plan.block,
-                                               smem_optin_bytes(p.q.device_index));
+    const auto choice = selection::parse_path_choice(std::getenv(selection::kDqEnv));
+    const std::size_t smem_limit = smem_optin_bytes(p.q.device_index);
+    plan.dq_kv = !plan.chunk && selection::choose_kv_outer_dq(choice, group, dqk, dv, plan.total_rows, plan.num_idx,
+                                                              plan.block, smem_limit);
+    plan.dq_group = !plan.dq_kv && selection::choose_group_dq(choice, dqk, dv, s.max_len, plan.num_idx, smem_limit);
     plan.temp_bytes = selection::radix_sort_temp_bytes(plan.entries, plan.end_bit);
     if (plan.dq_kv) {
       // The KV-block-outer dQ sorts groups of its chunks in the dK/dV's index buffers (sized for every entry).
@@ -211,7 +214,11 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
                                 plan.entries, plan.end_bit, stream);
     selection::launch_segments(keys_out, plan.entries, plan.sentinel, seg_begin, seg_end, keys, stream);
     // 3. dQ, query-outer (or KV-block-outer after step 4).
-    if (!plan.dq_kv) selection::dq_query_outer(p, delta, p_scale, options.accumulate_dq);
+    if (plan.dq_group) {
+      selection::dq_query_group(p, delta, p_scale, options.accumulate_dq);
+    } else if (!plan.dq_kv) {
+      selection::dq_query_outer(p, delta, p_scale, options.accumulate_dq);
+    }
     // 4. dK, dV, KV-block-outer over the inverse index cut into chunks (dkdv_chunks.cuh).
     {
       const DkvConfig c{plan.heads_kv, group, plan.block, s.rows, plan.blocks_per_seq, s.batch, keys,

@@ -2,9 +2,10 @@
 // partial chunks of the KV-block-outer dQ, and the token chunks of the dK/dV. Plain C++ (no CUDA headers) so
 // that tests/cpp checks it on machines without a GPU.
 //
-// The two dQ paths (entry point: backward.cu):
+// The dQ paths (entry point: backward.cu):
 //  - query-outer (dq_query_outer.cu): one CTA per (token, KV head, 16 query heads of the group), like the
-//    query-outer forward;
+//    query-outer forward; its group form (dq_query_group.cu) runs 8 consecutive tokens per CTA, which load each
+//    K/V tile of the union of their blocks once (use_group_dq below);
 //  - KV-block-outer (dq_kv_block_outer.cu, on sm_90a dq_kv_block_outer_wgmma.cuh; the FSA forward's design):
 //    per selected block, gathered query rows of many tokens, a compact partial dQ per (token, query head,
 //    slot), merged in slot order.
@@ -72,8 +73,8 @@ inline bool use_kv_outer_dq(std::int64_t group, std::int64_t dim_qk, std::int64_
 }
 
 // Internal switch for tests and measurements, read on the host like the forward's (forward_plan.h):
-// SPARSEATTN_SELECTED_DQ = "query" or "kv" forces a dQ ("kv" only where dq_kv_supported), anything else (or
-// unset) leaves the choice to use_kv_outer_dq.
+// SPARSEATTN_SELECTED_DQ = "query", "group" or "kv" forces a dQ ("group" only where group_dq_supported, "kv" only
+// where dq_kv_supported), anything else (or unset) leaves the choice to use_kv_outer_dq and use_group_dq.
 inline constexpr const char* kDqEnv = "SPARSEATTN_SELECTED_DQ";
 
 inline bool choose_kv_outer_dq(PathChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
@@ -81,6 +82,53 @@ inline bool choose_kv_outer_dq(PathChoice choice, std::int64_t group, std::int64
   if (group < 1 || num_idx < 1 || tokens < 1) return false;
   return kv_outer_by_choice(choice, dq_kv_supported(dim_qk, dim_v, block, smem_limit),
                             use_kv_outer_dq(group, dim_qk, dim_v, tokens, num_idx, block, smem_limit));
+}
+
+// ------------------------------------------------------------------------------------------ the group dQ
+
+// The query-outer dQ's group form (dq_query_group.cu: 8 consecutive tokens per CTA share each K/V tile of the
+// union of their blocks, as the group forward does) keeps per token its 16 dO rows in shared memory, and its Q
+// rows too where Dqk + Dv > 256 (as the one-token dQ does there): with both in registers beside dQ, S and dP the
+// consumer needs about 250 registers and gets 232 beside the producer. The stages take what is left of 224 KB.
+inline constexpr std::size_t group_dq_rows_bytes(std::int64_t dim_qk, std::int64_t dim_v) {
+  return static_cast<std::size_t>(kGroupTokens * 16 * (dim_v + (dim_qk + dim_v > 256 ? dim_qk : 0)) * 2);
+}
+
+inline constexpr std::size_t group_dq_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t num_idx) {
+  return group_smem_bytes(dim_qk, dim_v, num_idx, group_dq_rows_bytes(dim_qk, dim_v));
+}
+
+inline bool group_dq_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t num_idx, std::size_t smem_limit) {
+  return group_dq_smem_bytes(dim_qk, dim_v, num_idx) <= smem_limit;
+}
+
+// Where the query-outer dQ runs, its group form replaces the one-token kernel for Dqk = Dv = 128 up to sequences
+// of kGroupDqMaxLen tokens (`max_len`: the longest of the batch), on a device with the shared memory. On an H100
+// (64/4 heads, NSA defaults, selected dQ kernel) it is 4% faster at 8K with random inputs and 6-10% faster from 8K
+// to 32K with drifting ones (bench.drifting_tokens), but 2% slower at 16K with random inputs, 5% at 32K and 19% at
+// 64K, and no faster at 64K with drifting ones: sharing a tile saves L2 reads, while each consumer still reads the
+// whole tile from shared memory, and the ring, which holds a stage until its last reader is done, leaves a token
+// fewer tiles in flight than the one-token kernel's per-warp K and V buffers where the tokens share few blocks.
+inline constexpr std::int64_t kGroupDqMaxLen = 16384;
+
+inline bool use_group_dq(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len, std::int64_t num_idx,
+                         std::size_t smem_limit) {
+  return dim_qk == 128 && dim_v == 128 && max_len >= 1 && max_len <= kGroupDqMaxLen &&
+         group_dq_supported(dim_qk, dim_v, num_idx, smem_limit);
+}
+
+// Whether the query-outer dQ (where it runs: not choose_kv_outer_dq) takes its group form: where "group" forces
+// it and it is supported, under "automatic" where use_group_dq prefers it, never under "query".
+inline bool choose_group_dq(PathChoice choice, std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len,
+                            std::int64_t num_idx, std::size_t smem_limit) {
+  if (num_idx < 1 || max_len < 1) return false;
+  switch (choice) {
+    case PathChoice::query_group: return group_dq_supported(dim_qk, dim_v, num_idx, smem_limit);
+    case PathChoice::automatic: return use_group_dq(dim_qk, dim_v, max_len, num_idx, smem_limit);
+    case PathChoice::query_outer:
+    case PathChoice::kv_outer: break;
+  }
+  return false;
 }
 
 // ------------------------------------------------------------------------------------ KV-block-outer chunks

@@ -56,7 +56,6 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
   const auto& seq = task.seq;
   const std::int64_t row = task.row, hq0 = task.hq0;
   const int rows_here = task.rows_here;
-  const int lane = threadIdx.x;
   auto load_k = [&](const KeyTiles<kKeys>& tile) { task.copy_k(ks, tile); };
   auto load_v = [&](const KeyTiles<kKeys>& tile) { task.copy_v(vs, tile); };
   KeyTiles<kKeys> tile = task.key_tiles(indices, c);
@@ -92,18 +91,7 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
       load_a(a, tile, 0, kk * 16);
     }
   };
-  // Rows lane / 4 and lane / 4 + 8: lse in the log2 domain (+inf where it is -inf or the row is padding: P = 0),
-  // the P factor g and g delta (dS = g P (dP - delta) = P (g dP - g delta)).
-  float lse2[2], g[2], g_delta[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = lane / 4 + 8 * i;
-    const bool used = r < rows_here;
-    const float x = used ? lse.at(seq.batch, row, hq0 + r) : -INFINITY;
-    lse2[i] = x == -INFINITY ? INFINITY : x * kLog2e;
-    g[i] = used ? p_scale_at(p_scale, seq.batch, row, hq0 + r) : 0.f;
-    g_delta[i] = used ? g[i] * delta.at(seq.batch, row, hq0 + r) : 0.f;
-  }
+  const DqRowTerms terms(lse, delta, p_scale, seq.batch, row, hq0, rows_here);
 
   float acc[DQK / 8][4] = {};
   while (has_tile) {
@@ -120,21 +108,7 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
     __syncwarp();
     float s[kKeys / 8][4] = {};
     accumulate_scores<T, kKeys, DQK>(s, [&](std::uint32_t(&a)[4], int kk) { row_fragment(a, qs, qa, kk); }, ks);
-    // dS (without the softmax scale) in place of S; columns past the tile's keys get P = 0.
-    const int keys = tile.keys();
-    with_mask(keys < kKeys, [&](auto masked) {
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float p = fast_exp2(fmaf(s[n][e], c.scale_log2, -lse2[e / 2]));
-          if constexpr (decltype(masked)::value) {
-            if (n * 8 + 2 * (lane % 4) + (e & 1) >= keys) p = 0.f;
-          }
-          s[n][e] = p * fmaf(g[e / 2], dp[n][e], -g_delta[e / 2]);
-        }
-      }
-    });
+    terms.ds_in_place<kKeys>(s, dp, tile.keys(), c.scale_log2);
     accumulate_product<T, kKeys, DQK>(acc, s, ks);  // dQ += dS K
     __syncwarp();  // every lane has read K
     if (has_next) load_k(next);
@@ -144,19 +118,7 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
   }
   cp_async_wait<0>();
 
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = lane / 4 + 8 * i;
-    if (r >= rows_here) continue;
-    T* dst = dq.row(seq.batch, row, hq0 + r);
-#pragma unroll
-    for (int nt = 0; nt < DQK / 8; ++nt) {
-      auto* pair = reinterpret_cast<std::uint32_t*>(dst + nt * 8 + 2 * (lane % 4));
-      float x = acc[nt][2 * i] * c.scale, y = acc[nt][2 * i + 1] * c.scale;
-      if (c.accumulate_dq) add_unpacked<T>(*pair, x, y);
-      *pair = pack2<T>(x, y);
-    }
-  }
+  store_dq_rows<T, DQK>(dq, acc, seq.batch, row, hq0, rows_here, c.scale, c.accumulate_dq);
 }
 
 }  // namespace

@@ -90,14 +90,22 @@ inline bool use_kv_outer_forward(std::int64_t group, std::int64_t dim_qk, std::i
 inline constexpr std::int64_t kGroupMaxLen = 131072;
 inline constexpr int kGroupTokens = 8;  // consecutive tokens per CTA (forward_query_group.cu)
 
-// Shared memory of the group forward: a ring of stages, each one key tile's K and V rows (64 keys, 32 from Dqk =
-// 192 on), of 224 KB or 16 stages at most, the ring's full and empty barriers, per token a queue of (use, keys)
-// entries and its count, and the tokens' index lists (num_idx entries each).
-inline constexpr std::size_t group_forward_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t num_idx) {
+// Shared memory of a group kernel: `rows_bytes` of per-token rows first (none in the forward; the dQ's, see
+// backward_plan.h), then a ring of stages, each one key tile's K and V rows (64 keys, 32 from Dqk = 192 on), as
+// many as fit what the rows leave of 224 KB (16 at most), the ring's full and empty barriers, per token a queue of
+// (use, keys) entries and its count, and the tokens' index lists (num_idx entries each).
+inline constexpr std::size_t group_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t num_idx,
+                                              std::size_t rows_bytes) {
   const std::size_t stage = static_cast<std::size_t>((dim_qk <= 128 ? 64 : 32) * (dim_qk + dim_v) * 2);
-  const std::size_t stages = std::min<std::size_t>(224 * 1024 / stage, 16);
-  return stages * stage + 2 * stages * 8 + kGroupTokens * (2 * stages + 1) * 4 +
+  const std::size_t room = 224 * 1024 > rows_bytes ? 224 * 1024 - rows_bytes : 0;
+  const std::size_t stages = std::min<std::size_t>(room / stage, 16);
+  return rows_bytes + stages * stage + 2 * stages * 8 + kGroupTokens * (2 * stages + 1) * 4 +
          kGroupTokens * static_cast<std::size_t>(num_idx) * 4;
+}
+
+// The group forward's: no rows.
+inline constexpr std::size_t group_forward_smem_bytes(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t num_idx) {
+  return group_smem_bytes(dim_qk, dim_v, num_idx, 0);
 }
 
 inline bool group_forward_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t num_idx,
@@ -113,7 +121,7 @@ inline bool use_group_forward(std::int64_t dim_qk, std::int64_t dim_v, std::int6
 
 // Internal switches for tests and measurements: an environment variable, read on the host by the CUDA entry
 // points (size query and launch alike, so both agree), forces a path: "query" (the one-token query-outer
-// kernel), "group" (the forward's group kernel; for the dQ the same as "query") or "kv" ("kv" only where that
+// kernel), "group" (the group kernel: the forward's, or the dQ's) or "kv" ("kv" only where that
 // path is supported); anything else (or unset) leaves the choice to the heuristic. The forward's is
 // SPARSEATTN_SELECTED_FORWARD (choose_forward), the backward's dQ has SPARSEATTN_SELECTED_DQ (backward_plan.h).
 enum class PathChoice { automatic, query_outer, query_group, kv_outer };

@@ -20,6 +20,9 @@ void forward_query_group(const SelectedAttentionParams& p);
 // O) and the P factor (null data: 1) laid out like lse (backward.cu); no workspace.
 void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
                     const LseView<const float>& p_scale, bool accumulate_dq);
+// Its group form (dq_query_group.cu): 8 consecutive tokens per CTA sharing their K/V tiles; the same arguments.
+void dq_query_group(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
+                    const LseView<const float>& p_scale, bool accumulate_dq);
 
 // Workspace of the KV-block-outer forward, from shapes only: byte offsets of each slice from the 256-byte
 // aligned base (see forward_kv_block_outer.cu for what they hold).

@@ -216,6 +216,70 @@ struct ForwardRows {
   }
 };
 
+// What a dQ warp (one-token or group form) holds of its chunk's rows lane / 4 and lane / 4 + 8 of one token: lse in
+// the log2 domain (+inf where it is -inf or the row is padding: P = 0), the P factor g and g delta (dS = g P (dP -
+// delta) = P (g dP - g delta); g is the P factor of a folded NSA gate, 1 otherwise).
+struct DqRowTerms {
+  float lse2[2], g[2], g_delta[2];
+
+  __device__ __forceinline__ DqRowTerms(const LseView<const float>& lse, const LseView<const float>& delta,
+                                        const LseView<const float>& p_scale, std::int64_t batch, std::int64_t row,
+                                        std::int64_t hq0, int rows_here) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = lane / 4 + 8 * i;
+      const bool used = r < rows_here;
+      const float x = used ? lse.at(batch, row, hq0 + r) : -INFINITY;
+      lse2[i] = x == -INFINITY ? INFINITY : x * kLog2e;
+      g[i] = used ? p_scale_at(p_scale, batch, row, hq0 + r) : 0.f;
+      g_delta[i] = used ? g[i] * delta.at(batch, row, hq0 + r) : 0.f;
+    }
+  }
+
+  // dS (without the softmax scale) in place of S from the tile's S and dP; columns past the tile's first `keys`
+  // get P = 0.
+  template <int kKeys>
+  __device__ __forceinline__ void ds_in_place(float (&s)[kKeys / 8][4], const float (&dp)[kKeys / 8][4], int keys,
+                                              float scale_log2) const {
+    const int lane = threadIdx.x % 32;
+    with_mask(keys < kKeys, [&](auto masked) {
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = fast_exp2(fmaf(s[n][e], scale_log2, -lse2[e / 2]));
+          if constexpr (decltype(masked)::value) {
+            if (n * 8 + 2 * (lane % 4) + (e & 1) >= keys) p = 0.f;
+          }
+          s[n][e] = p * fmaf(g[e / 2], dp[n][e], -g_delta[e / 2]);
+        }
+      }
+    });
+  }
+};
+
+// dq = acc * scale (+= where accumulate) for the chunk's rows of token `row`.
+template <class T, int DQK>
+__device__ __forceinline__ void store_dq_rows(const Tokens<T>& dq, const float (&acc)[DQK / 8][4], std::int64_t batch,
+                                              std::int64_t row, std::int64_t hq0, int rows_here, float scale,
+                                              bool accumulate) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = lane / 4 + 8 * i;
+    if (r >= rows_here) continue;
+    T* dst = dq.row(batch, row, hq0 + r);
+#pragma unroll
+    for (int nt = 0; nt < DQK / 8; ++nt) {
+      auto* pair = reinterpret_cast<std::uint32_t*>(dst + nt * 8 + 2 * (lane % 4));
+      float x = acc[nt][2 * i] * scale, y = acc[nt][2 * i + 1] * scale;
+      if (accumulate) add_unpacked<T>(*pair, x, y);
+      *pair = pack2<T>(x, y);
+    }
+  }
+}
+
 // Launches a forward kernel (one-token or group form) on p's tensors: grid, threads and shared memory as given.
 template <class T, class Kernel>
 void launch_forward(Kernel kernel, dim3 grid, int threads, std::size_t smem, const SelectedAttentionParams& p,
