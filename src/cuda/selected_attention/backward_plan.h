@@ -103,12 +103,10 @@ inline bool group_dq_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int
 }
 
 // Where the query-outer dQ runs, its group form replaces the one-token kernel for Dqk = Dv = 128 up to sequences
-// of kGroupDqMaxLen tokens (`max_len`: the longest of the batch), on a device with the shared memory. On an H100
-// (64/4 heads, NSA defaults, selected dQ kernel) it is 4% faster at 8K with random inputs and 6-10% faster from 8K
-// to 32K with drifting ones (bench.drifting_tokens), but 2% slower at 16K with random inputs, 5% at 32K and 19% at
-// 64K, and no faster at 64K with drifting ones: sharing a tile saves L2 reads, while each consumer still reads the
-// whole tile from shared memory, and the ring, which holds a stage until its last reader is done, leaves a token
-// fewer tiles in flight than the one-token kernel's per-warp K and V buffers where the tokens share few blocks.
+// of kGroupDqMaxLen tokens (`max_len`: the longest of the batch), on a device with the shared memory: up to there
+// it is the faster of the two on an H100, or about even, with random and with drifting inputs; beyond, with random
+// inputs, the 8 tokens share few tiles and the ring, which holds a stage until its last reader is done, leaves the
+// consumers waiting (docs/perf/2026-11-28-group-dq.md).
 inline constexpr std::int64_t kGroupDqMaxLen = 16384;
 
 inline bool use_group_dq(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len, std::int64_t num_idx,
