@@ -132,14 +132,8 @@ void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<cons
     using T = typename decltype(tag)::type;
     dispatch_head_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
       constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-      auto kernel = selected_dq_kernel<T, DQK, DV>;
-      const std::size_t smem = DqSmem<T, DQK, DV>::kBytes;
-      set_dynamic_smem(kernel, smem);
-      kernel<<<l.grid, kThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(
-          tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), index_of(p.indices),
-          lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, p_scale, tokens_of<T>(p.dq), l.table,
-          l.config);
-      check_launch("selected_dq_kernel");
+      launch_dq<T>(selected_dq_kernel<T, DQK, DV>, l.grid, kThreads, DqSmem<T, DQK, DV>::kBytes, p, l, delta,
+                   p_scale, "selected_dq_kernel");
     });
   });
 }

@@ -291,6 +291,18 @@ void launch_forward(Kernel kernel, dim3 grid, int threads, std::size_t smem, con
   check_launch(name);
 }
 
+// Launches a dQ kernel (one-token or group form) on p's tensors, with delta and the P factor (backward.cu).
+template <class T, class Kernel>
+void launch_dq(Kernel kernel, dim3 grid, int threads, std::size_t smem, const SelectedAttentionBackwardParams& p,
+               const QueryOuterLaunch& l, const LseView<const float>& delta, const LseView<const float>& p_scale,
+               const char* name) {
+  set_dynamic_smem(kernel, smem);
+  kernel<<<grid, threads, smem, static_cast<cudaStream_t>(p.stream)>>>(
+      tokens_of<const T>(p.q), tokens_of<const T>(p.k), tokens_of<const T>(p.v), index_of(p.indices),
+      lse_of<const float>(p.lse), tokens_of<const T>(p.d_o), delta, p_scale, tokens_of<T>(p.dq), l.table, l.config);
+  check_launch(name);
+}
+
 // The one-token kernels (forward_query_outer.cu, dq_query_outer.cu): a CTA of one warp per (token, KV head, chunk
 // of 16 query heads).
 inline constexpr int kTokenThreads = 32;
