@@ -1,8 +1,8 @@
 // Shared pieces of the query-outer kernels of selected_attention (mma.sync m16n8k16, fp32 accumulation):
-// forward_query_outer.cu and dq_query_outer.cu (one warp per token: the forward and the dQ) and
-// forward_query_group.cu (the forward with consecutive tokens per CTA sharing K/V tiles). A warp computes one
-// token's chunk of 16 query heads of a KV head's group: the heads are the 16 rows of the mma tile (padded with
-// zero rows when G < 16), Q (and dO) in registers.
+// forward_query_outer.cu and dq_query_outer.cu (one warp per token: the forward and the dQ) and their group forms
+// forward_query_group.cu and dq_query_group.cu (consecutive tokens per CTA sharing K/V tiles,
+// query_group_common.cuh). A warp computes one token's chunk of 16 query heads of a KV head's group: the heads are
+// the 16 rows of the mma tile (padded with zero rows when G < 16), Q (and dO) in registers or shared memory.
 #pragma once
 
 #include <cuda_runtime.h>
