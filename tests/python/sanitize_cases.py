@@ -15,8 +15,8 @@ Levels:
   reduced  (racecheck, synccheck, initcheck): the same operations and paths for every head-dim pair and both
            MMA paths, one group size per pair, shorter sequences (the selection configuration is shrunk so that
            the selected dK/dV still splits its segments into chunks and reduces them), and the group level.
-  group    the selected forward's group kernel alone, for every head-dim pair, on a sequence long enough that its
-           ring of stages wraps (a stage refilled after its readers released it).
+  group    the selected forward's and dQ's group kernels alone, for every head-dim pair, on a sequence long enough
+           that their rings of stages wrap (a stage refilled after its readers released it).
 
 Options: --shard I/N runs every N-th case from the I-th (parallel sanitizer processes); --match SUBSTR keeps the
 cases whose name contains SUBSTR; --list prints the case names; --kernels prints the names of the CUDA kernels the
@@ -270,6 +270,7 @@ def cases(level: str):
     for c in configs(level):
         if level == "group":
             out.append((f"{c.name}/selected-group-fwd", lambda x: run_selected(x, "group", dqs=()), c))
+            out.append((f"{c.name}/selected-group-dq", lambda x: run_selected(x, "query", dqs=("group",)), c))
             continue
         for op, fn in OPS.items():
             out.append((f"{c.name}/{op}", fn, c))
