@@ -256,7 +256,9 @@ __device__ __forceinline__ void produce(const Task& task, const Stages& stages, 
 
 // The start of a group kernel, by the whole CTA: the ring's barriers, the queues' counts and the tokens' index
 // lists; then the producer warpgroup fills the ring and is done (false), and the consumer warps claim their
-// registers (true).
+// registers (true). The kernel returns at once on false and finds the consumer's token itself: folding that into
+// the return value (a token or -1) makes ptxas allocate the two roles' registers together, and the group kernels
+// spill kilobytes.
 template <class Task, class Stages>
 __device__ __forceinline__ bool start_group(const Task& task, const Stages& stages, const typename Stages::Ring& ring,
                                             const IndexView& indices, const QueryOuterConfig& c) {
