@@ -103,17 +103,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 void dq_query_group(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
                     const LseView<const float>& p_scale, bool accumulate_dq) {
-  const QueryOuterLaunch l =
-      launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.seqs_k, p.block, p.scale, accumulate_dq);
-  if (l.empty) return;
-  dispatch_16bit(p.q.dtype, [&](auto tag) {
+  dispatch_query_outer(p, accumulate_dq, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& l) {
     using T = typename decltype(tag)::type;
-    dispatch_head_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
-      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-      const dim3 grid((l.grid.x + kTokens - 1) / kTokens, l.grid.y, l.grid.z);
-      launch_dq<T>(selected_group_dq_kernel<T, DQK, DV>, grid, kThreads,
-                   group_dq_smem_bytes(DQK, DV, l.config.num_idx), p, l, delta, p_scale, "selected_group_dq_kernel");
-    });
+    constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+    const dim3 grid((l.grid.x + kTokens - 1) / kTokens, l.grid.y, l.grid.z);
+    launch_dq<T>(selected_group_dq_kernel<T, DQK, DV>, grid, kThreads,
+                 group_dq_smem_bytes(DQK, DV, l.config.num_idx), p, l, delta, p_scale, "selected_group_dq_kernel");
   });
 }
 

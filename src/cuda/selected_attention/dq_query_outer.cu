@@ -125,16 +125,11 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
 
 void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
                     const LseView<const float>& p_scale, bool accumulate_dq) {
-  const QueryOuterLaunch l =
-      launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.seqs_k, p.block, p.scale, accumulate_dq);
-  if (l.empty) return;
-  dispatch_16bit(p.q.dtype, [&](auto tag) {
+  dispatch_query_outer(p, accumulate_dq, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& l) {
     using T = typename decltype(tag)::type;
-    dispatch_head_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
-      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-      launch_dq<T>(selected_dq_kernel<T, DQK, DV>, l.grid, kThreads, DqSmem<T, DQK, DV>::kBytes, p, l, delta,
-                   p_scale, "selected_dq_kernel");
-    });
+    constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+    launch_dq<T>(selected_dq_kernel<T, DQK, DV>, l.grid, kThreads, DqSmem<T, DQK, DV>::kBytes, p, l, delta,
+                 p_scale, "selected_dq_kernel");
   });
 }
 

@@ -91,15 +91,11 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
 }  // namespace
 
 void forward_query_outer(const SelectedAttentionParams& p) {
-  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.seqs_k, p.block, p.scale, false);
-  if (l.empty) return;
-  dispatch_16bit(p.q.dtype, [&](auto tag) {
+  dispatch_query_outer(p, false, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& l) {
     using T = typename decltype(tag)::type;
-    dispatch_head_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) {
-      constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-      launch_forward<T>(selected_forward_kernel<T, DQK, DV>, l.grid, kThreads, FwdSmem<T, DQK, DV>::kBytes, p, l,
-                        "selected_forward_kernel");
-    });
+    constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+    launch_forward<T>(selected_forward_kernel<T, DQK, DV>, l.grid, kThreads, FwdSmem<T, DQK, DV>::kBytes, p, l,
+                      "selected_forward_kernel");
   });
 }
 

@@ -303,6 +303,18 @@ void launch_dq(Kernel kernel, dim3 grid, int threads, std::size_t smem, const Se
   check_launch(name);
 }
 
+// The four entry points' common part (the forward and dQ, one-token and group forms): the launch from p's shapes
+// (nothing when it is empty), then body(tag, dqk, dv, l) for p's dtype and head dims, with dispatch_16bit's type tag
+// and dispatch_head_dims' constants.
+template <class Params, class Body>
+void dispatch_query_outer(const Params& p, bool accumulate_dq, Body&& body) {
+  const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.seqs_k, p.block, p.scale, accumulate_dq);
+  if (l.empty) return;
+  dispatch_16bit(p.q.dtype, [&](auto tag) {
+    dispatch_head_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) { body(tag, dqk_c, dv_c, l); });
+  });
+}
+
 // The one-token kernels (forward_query_outer.cu, dq_query_outer.cu): a CTA of one warp per (token, KV head, chunk
 // of 16 query heads).
 inline constexpr int kTokenThreads = 32;
