@@ -738,7 +738,9 @@ __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const t
   for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
     const i64 t0 = w.t0, tile_begin = w.tile_begin;
     KeyTileWalk<Mask> walk;
-    const int steps = walk.count(mc, seq, w, kN);
+    // The step count through a shuffle: uniform to the compiler (walk.count divides 64-bit numbers through a
+    // subroutine call), so that the loop's wgmma descriptors stay in uniform registers.
+    const int steps = __shfl_sync(0xffffffffu, walk.count(mc, seq, w, kN), 0);
     float acc[Dqk / 8][4];
     zero(acc);
     // With a gate (kHasGate): alpha of the thread's two rows and their dalpha sums.

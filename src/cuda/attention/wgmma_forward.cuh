@@ -194,7 +194,9 @@ __device__ __forceinline__ void attention_forward_wgmma(const AttnArgs<T>& a, co
   for_each_query_tile<Mask, kM, kN>(a, mc, order, [&](const auto& seq, const Mask& mask, const QueryWork& w) {
     const i64 t0 = w.t0, tile_begin = w.tile_begin;
     KeyTileWalk<Mask> walk;
-    const int steps = walk.count(mc, seq, w, kN);
+    // The step count through a shuffle: uniform to the compiler (walk.count divides 64-bit numbers through a
+    // subroutine call), so that the loop's wgmma descriptors stay in uniform registers.
+    const int steps = __shfl_sync(0xffffffffu, walk.count(mc, seq, w, kN), 0);
     float acc[Dv / 8][4];
     zero(acc);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};

@@ -499,7 +499,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     const bool rows_used = row_token[0] < tokens && row_token[1] < tokens && row_head[0] < G && row_head[1] < G;
     const int warp_all_visible =
         __reduce_min_sync(0xffffffffu, rows_used ? min(visible_end[0], visible_end[1]) : 0);
-    const int col_tiles = static_cast<int>(ceil_div((a0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile));
+    // Through a shuffle: uniform to the compiler (the 64-bit divisions are subroutine calls), so that the K
+    // descriptors of the loop below stay in uniform registers.
+    const int col_tiles = __shfl_sync(
+        0xffffffffu, static_cast<int>(ceil_div((a0 + tokens - 1) / c.sel_block + 1, c.blocks_per_tile)), 0);
     const auto k_stage = [&](int k) { return k_base + (k % L::kStages) * (kCols * D); };
     const auto first_col = [&](int k) { return first_cmp_block(c, k * c.blocks_per_tile); };
     // Compressed blocks [j0, j0 + kCols) of the sequence's KV head, zero rows past cmp_count (cp.async).

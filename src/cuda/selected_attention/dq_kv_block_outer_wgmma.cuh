@@ -145,7 +145,9 @@ __global__ void __launch_bounds__(128) dq_kv_wgmma_kernel(Tokens<const T> q, Tok
       int t_max = max(t_s[buf * kRows + lane], t_s[buf * kRows + lane + 32]);
 #pragma unroll
       for (int off = 16; off > 0; off /= 2) t_max = max(t_max, __shfl_xor_sync(0xffffffffu, t_max, off));
-      const int keys_vis = visible_keys(run.keys, run.first, t_max);
+      // Through a shuffle: the butterfly's result is warp-uniform but not known to be so by the compiler, and
+      // the key loop's wgmma descriptors stay in uniform registers only with a uniform bound.
+      const int keys_vis = __shfl_sync(0xffffffffu, visible_keys(run.keys, run.first, t_max), 0);
       const int row_keys[2] = {visible_keys(run.keys, run.first, t_row[0]),
                                visible_keys(run.keys, run.first, t_row[1])};
 
