@@ -7,10 +7,11 @@ kernel and checked to give the same bits.
 
 A CASE is Hq/Hkv@T:inputs, e.g. 64/4@65536:random or 64/4@65536:drifting (D = 128, bf16, batch 1, NSA defaults; the
 inputs as in sparseattn.bench, drawn from a fixed seed, so every run sees the same tensors). `run` profiles three
-forward+backward calls after a warm-up one (kernel ms: their mean) and times the call with the benchmark's Timer.
-`report` takes the runs in pairs (A, B, A, B, ...: alternate the builds, each run a fresh process) and prints, per
-case, whether every run's checksums agree, the wall and kernel totals of each run, and the mean of each kernel over
-the A runs and over the B runs with the change in percent. scripts/gpu_ab.sh builds both and runs this.
+forward+backward calls after a warm-up one (kernel ms: their mean) and times the call with the benchmark's Timer; the
+inputs and the timer come from the build's sparseattn.bench (revisions from 2026-11-27 on). `report` takes the runs
+in pairs (A, B, A, B, ...: alternate the builds, each run a fresh process) and prints, per case, whether every run's
+checksums agree, the wall and kernel totals of each run, and the mean of each kernel over the A runs and over the B
+runs with the change in percent. scripts/gpu_ab.sh builds both and runs this.
 """
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def run(label: str, out: str, cases: list[str]) -> None:
             return (out, *torch.autograd.grad(out, leaves, d_o))
 
         sums = [checksum(t) for t in forward_backward()]
+        # Profiled here rather than through the build's sparseattn.bench.kernel_times, so that both builds are
+        # measured by the same code.
         forward_backward()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
