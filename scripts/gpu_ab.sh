@@ -11,16 +11,9 @@
 # ROUNDS (default 2) sets the rounds. The base is installed under /tmp/sparseattn-ab-base and imported through
 # PYTHONPATH; this tree is installed into the interpreter's site-packages, as scripts/gpu_build.sh does, so the GPU
 # tests can run on it afterwards in the same call.
-set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:-/tmp/sparseattn-gpu}"
-base="${BASE:?BASE: a copy of the base revision's tree, e.g. .stage/base}"
+base="${BASE:?set BASE to a copy of the base revision (e.g. .stage/base)}"
 base_site=/tmp/sparseattn-ab-base
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 SPARSEATTN_ARCHS="${SPARSEATTN_ARCHS:-90a}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
-if [[ -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
-start=$(date +%s)
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 python3 -m pip install -q --no-build-isolation --no-deps --target "$base_site" "$base" >"$out/build-base.log" 2>&1 &
 base_build=$!
 python3 -m pip install -q --no-build-isolation --no-deps . >"$out/build.log" 2>&1 &

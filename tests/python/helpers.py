@@ -7,7 +7,9 @@ environment variable SPARSEATTN_ALLOW_MISSING is set, in which case the module i
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import sys
 from typing import Sequence
 
 import pytest
@@ -28,6 +30,17 @@ def require_sparseattn():
                           f"(pip install --no-build-isolation .), or set {ALLOW_MISSING_ENV}=1 to skip the "
                           f"tests that need it.") from exc
     return sparseattn
+
+
+
+def load_script(name: str):
+    """The module of scripts/<name>.py (not a package), registered in sys.modules as dataclasses need."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 # ------------------------------------------------------------------------------------------- tensors

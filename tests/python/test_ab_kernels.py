@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "ab_kernels.py")
-spec = importlib.util.spec_from_file_location("ab_kernels", SCRIPT)
-ab_kernels = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ab_kernels)
+from helpers import load_script
+
+ab_kernels = load_script("ab_kernels")
 
 
 def one_run(kernels: dict[str, float], checksums: list[int], wall: float = 10.0) -> dict:

@@ -3,15 +3,9 @@ architecture and function of cuobjdump -sass text."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
+from helpers import load_script
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "sass_audit.py")
-spec = importlib.util.spec_from_file_location("sass_audit", SCRIPT)
-sass_audit = importlib.util.module_from_spec(spec)
-sys.modules["sass_audit"] = sass_audit  # dataclasses look their module up there
-spec.loader.exec_module(sass_audit)
+sass_audit = load_script("sass_audit")
 
 SASS = """
 	code for sm_90a
