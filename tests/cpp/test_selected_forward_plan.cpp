@@ -6,7 +6,9 @@
 #include <utility>
 
 #include "test_util.h"
+
 #include "cuda/selected_attention/forward_plan.h"
+#include "cuda/selected_attention/group_sharing.h"
 #include "sparseattn/head_dims.h"
 
 namespace sparseattn::test {
@@ -71,18 +73,31 @@ TEST(SelectedForwardPlan, ChooseForward) {
                          std::size_t smem) {
     return choose_forward(choice, group, dim, dim, max_len, max_len, 16, 64, smem);
   };
-  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 8192, kH100), ForwardPath::query_group);
-  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 65536, kH100), ForwardPath::query_group);
-  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 131072, kH100), ForwardPath::query_group);
+  // Where the group form is supported the device chooses between it and the one-token forward.
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 8192, kH100), ForwardPath::query_adaptive);
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 65536, kH100), ForwardPath::query_adaptive);
+  EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 131072, kH100), ForwardPath::query_adaptive);
   EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 262144, kH100), ForwardPath::query_outer);
   EXPECT_EQ(choose(PathChoice::automatic, 16, 128, 8192, kA100), ForwardPath::query_outer);
   EXPECT_EQ(choose(PathChoice::automatic, 4, 128, 8192, kH100), ForwardPath::kv_outer);
-  EXPECT_EQ(choose(PathChoice::automatic, 4, 128, 512, kH100), ForwardPath::query_group);  // too short for kv
+  EXPECT_EQ(choose(PathChoice::automatic, 4, 128, 512, kH100), ForwardPath::query_adaptive);  // too short for kv
   EXPECT_EQ(choose(PathChoice::query_outer, 16, 128, 8192, kH100), ForwardPath::query_outer);
   EXPECT_EQ(choose(PathChoice::query_group, 16, 256, 65536, kH100), ForwardPath::query_group);
   EXPECT_EQ(choose(PathChoice::query_group, 4, 128, 65536, kH100), ForwardPath::query_group);
   EXPECT_EQ(choose(PathChoice::query_group, 16, 128, 8192, kA100), ForwardPath::query_outer);  // unsupported
+  EXPECT_EQ(choose(PathChoice::query_group, 16, 128, 8192, kH100), ForwardPath::query_group);  // forced: no choice
   EXPECT_EQ(choose(PathChoice::kv_outer, 16, 128, 8192, kH100), ForwardPath::kv_outer);
+}
+
+// The device chooses the group form where the sampled groups chose at most kGroupDistinctPerMille distinct blocks per
+// 1000 visible entries, or where it sampled none.
+TEST(SelectedForwardPlan, GroupFormPaysWhereTokensShare) {
+  EXPECT_TRUE(group_form_pays(0, 0));
+  EXPECT_TRUE(group_form_pays(16, 128));   // 8 tokens alike
+  EXPECT_FALSE(group_form_pays(128, 128)); // no block shared
+  EXPECT_TRUE(group_form_pays(kGroupDistinctPerMille, 1000));
+  EXPECT_FALSE(group_form_pays(kGroupDistinctPerMille + 1, 1000));
+  EXPECT_TRUE(group_form_pays(std::int64_t{1} << 40, std::int64_t{1} << 42));  // no overflow at large counts
 }
 
 TEST(SelectedForwardPlan, OverrideSwitch) {

@@ -301,13 +301,14 @@ SELECTED_CASES = [
 
 # The CUDA forwards (src/cuda/selection/forward_plan.h): the switch is read on the host by the CUDA entry points,
 # so setting it in this process selects the forward of the calls that follow ("group": the query-outer forward's
-# group form, 8 tokens per CTA sharing K/V tiles). The KV-block-outer one
+# group form, 8 tokens per CTA sharing K/V tiles; "auto": the heuristic, which lets the device choose between the
+# group form and the one-token forward where the group form is supported). The KV-block-outer one
 # runs on wgmma where it can (sm_90a, Dv <= 128); "kv-sync" forces its mma.sync kernel, and the mma.sync
 # dK/dV kernel of the backward (the other forwards' backward runs the wgmma one where it can: 64/64, 128/128 and
 # 192/128).
 FORWARD_ENV = "SPARSEATTN_SELECTED_FORWARD"
 MMA_ENV = "SPARSEATTN_ATTENTION_MMA"
-FORWARDS = ["query", "group", "kv", "kv-sync"]
+FORWARDS = ["auto", "query", "group", "kv", "kv-sync"]
 
 
 @pytest.fixture(params=FORWARDS)
@@ -321,6 +322,55 @@ def forward(request, monkeypatch):
 @pytest.mark.parametrize("dtype,lengths,packed,Hq,Hkv,Dqk,Dv,block,n,future", SELECTED_CASES)
 def test_selected_attention(forward, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future):
     _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
+
+
+def _forward_kernel_us(fn):
+    """GPU time (us) of the one-token ("query") and group ("group") forward kernels in one call of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times = {"query": 0.0, "group": 0.0}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", 0.0)
+        if "selected_group_forward_kernel" in event.key:
+            times["group"] += us
+        elif "selected_forward_kernel" in event.key:
+            times["query"] += us
+    return times
+
+
+@pytest.mark.parametrize("alike", [True, False])
+def test_selected_forward_form_chosen_by_sharing(monkeypatch, alike):
+    """Where the group form is supported (128/128) the device chooses between it and the one-token forward from how
+    many distinct blocks 8 consecutive tokens chose (src/cuda/selected_attention/group_sharing.h): all tokens alike
+    -> the group form does the work; every token of a group its own blocks -> the one-token forward does. Both give
+    the forced forms' outputs bit for bit, and the form not chosen returns at once."""
+    T, Hq, Hkv, D, block, n = 16384, 16, 1, 128, 16, 16
+    g = torch.Generator().manual_seed(41)
+    q, k, v = (torch.randn(1, T, h, D, generator=g).bfloat16().cuda() for h in (Hq, Hkv, Hkv))
+    t = torch.arange(T)[:, None]
+    if alike:
+        blocks = torch.arange(n)[None, :].expand(T, n)              # blocks 0 .. 15 for every token
+    else:
+        blocks = (t % 8) * n + torch.arange(n)[None, :]             # token 8i + r: blocks 16r .. 16r + 15
+    # Ascending blocks, so the visible ones (b * block <= t) come first and the -1 padding last.
+    idx = torch.where(blocks * block <= t, blocks, -1)[None, :, None, :].int().cuda()
+    outs = {}
+    for forward in ("query", "group"):
+        monkeypatch.setenv(FORWARD_ENV, forward)
+        outs[forward] = sa.selected_attention(q, k, v, idx, block=block)
+    monkeypatch.delenv(FORWARD_ENV)
+    poison_allocator()
+    o, lse = sa.selected_attention(q, k, v, idx, block=block)
+    for name in ("query", "group"):
+        assert torch.equal(o, outs[name][0]) and torch.equal(lse, outs[name][1]), name
+    times = _forward_kernel_us(lambda: sa.selected_attention(q, k, v, idx, block=block))
+    chosen, other = ("group", "query") if alike else ("query", "group")
+    assert times[chosen] > 3 * times[other], times
 
 
 # The CUDA dQ paths of the backward (src/cuda/selected_attention/backward_plan.h): query-outer (one token per warp,

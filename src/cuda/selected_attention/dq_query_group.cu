@@ -106,7 +106,7 @@ void dq_query_group(const SelectedAttentionBackwardParams& p, const LseView<cons
   dispatch_query_outer(p, accumulate_dq, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& l) {
     using T = typename decltype(tag)::type;
     constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-    const dim3 grid((l.grid.x + kTokens - 1) / kTokens, l.grid.y, l.grid.z);
+    const dim3 grid = group_grid(l.grid);
     launch_dq<T>(selected_group_dq_kernel<T, DQK, DV>, grid, kThreads,
                  group_dq_smem_bytes(DQK, DV, l.config.num_idx), p, l, delta, p_scale, "selected_group_dq_kernel");
   });

@@ -1,7 +1,7 @@
 // CUDA entry points of selected_attention's forward. Three forwards exist (forward_plan.h explains them and
 // holds the heuristics): the query-outer one (forward_query_outer.cu), which pads each token's G query heads to a
 // 16-row mma tile, its group form (forward_query_group.cu), whose CTAs of consecutive tokens load the K/V tiles
-// they share once, and the KV-block-outer one (forward_kv_block_outer.cu, with its sm_90a kernel in
+// they share once (forward_query_adaptive.cu chooses between the two on the device), and the KV-block-outer one (forward_kv_block_outer.cu, with its sm_90a kernel in
 // forward_kv_block_outer_wgmma.cuh), which packs the query rows of many tokens that selected the same block into
 // full tiles and merges per-slot partials. The backward's entry point is backward.cu.
 #include <cuda_runtime.h>
@@ -46,9 +46,16 @@ selection::ForwardPath forward_path(const SelectedAttentionParams& p) {
 
 }  // namespace
 
-// The query-outer forwards need no scratch; the KV-block-outer one its chunked inverse index and partials.
+// The query-outer forwards need no scratch but the word of the device's choice between them; the KV-block-outer one
+// its chunked inverse index and partials.
 std::size_t selected_attention_workspace_size(const SelectedAttentionParams& p) {
-  return forward_path(p) == selection::ForwardPath::kv_outer ? selection::kv_forward_plan(p).total : 0;
+  switch (forward_path(p)) {
+    case selection::ForwardPath::kv_outer: return selection::kv_forward_plan(p).total;
+    case selection::ForwardPath::query_adaptive: return selection::kAdaptiveWorkspaceBytes;
+    case selection::ForwardPath::query_group:
+    case selection::ForwardPath::query_outer: break;
+  }
+  return 0;
 }
 
 void selected_attention(const SelectedAttentionParams& p) {
@@ -56,6 +63,7 @@ void selected_attention(const SelectedAttentionParams& p) {
   switch (forward_path(p)) {
     case selection::ForwardPath::kv_outer: return selection::forward_kv_outer(p, selection::kv_forward_plan(p));
     case selection::ForwardPath::query_group: return selection::forward_query_group(p);
+    case selection::ForwardPath::query_adaptive: return selection::forward_query_adaptive(p);
     case selection::ForwardPath::query_outer: return selection::forward_query_outer(p);
   }
 }

@@ -156,18 +156,30 @@ inline bool choose_kv_outer(PathChoice choice, std::int64_t group, std::int64_t 
 }
 
 // Which forward runs: the KV-block-outer one as choose_kv_outer decides; otherwise the group form where it is
-// forced and supported or the heuristic prefers it, else the one-token query-outer forward. `max_len`: the
-// longest sequence; the other arguments as for choose_kv_outer.
-enum class ForwardPath { query_outer, query_group, kv_outer };
+// forced and supported, the group form or the one-token forward as the device chooses (query_adaptive) where the
+// heuristic prefers the group form, else the one-token query-outer forward. `max_len`: the longest sequence; the
+// other arguments as for choose_kv_outer.
+//
+// query_adaptive: which of the two query-outer forms is faster depends on the index lists, not on the shapes. The
+// group form loads each block its 8 tokens share once, but its tokens wait on each other's stages; the one-token
+// forward loads every entry's tiles and is faster where the tokens share little (random inputs at 64K tokens), the
+// group form where they share much (inputs with locality; short sequences, where the blocks are few). A kernel of
+// one CTA samples the lists (group_sharing.h) and writes the choice to the workspace; both forms are launched, and
+// the CTAs of the one not chosen return at once. Both give the same bits where the lists ascend.
+enum class ForwardPath { query_outer, query_group, query_adaptive, kv_outer };
+// The workspace of query_adaptive: the choice and the sampling kernel's counts (forward_query_adaptive.cu).
+inline constexpr std::size_t kAdaptiveWorkspaceBytes = 512;
 inline ForwardPath choose_forward(PathChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
                                   std::int64_t tokens, std::int64_t max_len, std::int64_t num_idx, std::int64_t block,
                                   std::size_t smem_limit) {
   if (choose_kv_outer(choice, group, dim_qk, dim_v, tokens, num_idx, block, smem_limit)) return ForwardPath::kv_outer;
-  const bool group_form =
-      choice == PathChoice::query_group ? group_forward_supported(dim_qk, dim_v, num_idx, smem_limit)
-                                        : choice == PathChoice::automatic &&
-                                              use_group_forward(dim_qk, dim_v, max_len, num_idx, smem_limit);
-  return group_form ? ForwardPath::query_group : ForwardPath::query_outer;
+  if (choice == PathChoice::query_group) {
+    return group_forward_supported(dim_qk, dim_v, num_idx, smem_limit) ? ForwardPath::query_group
+                                                                        : ForwardPath::query_outer;
+  }
+  const bool adaptive =
+      choice == PathChoice::automatic && use_group_forward(dim_qk, dim_v, max_len, num_idx, smem_limit);
+  return adaptive ? ForwardPath::query_adaptive : ForwardPath::query_outer;
 }
 
 // --------------------------------------------------------------------------------------- workspace chunks

@@ -16,6 +16,7 @@ template <class T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads, 1)
     selected_group_forward_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, IndexView indices,
                                   Tokens<T> o, LseView<float> lse, SeqPairTable seqs, QueryOuterConfig c) {
+  if (form_not_chosen(c)) return;
   using S = GroupStages<T, DQK, DV>;
   constexpr int kKeys = S::kKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -50,11 +51,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-void forward_query_group(const SelectedAttentionParams& p) {
-  dispatch_query_outer(p, false, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& l) {
+void forward_query_group(const SelectedAttentionParams& p, const std::int32_t* chosen_form) {
+  dispatch_query_outer(p, false, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& launch) {
     using T = typename decltype(tag)::type;
     constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
-    const dim3 grid((l.grid.x + kTokens - 1) / kTokens, l.grid.y, l.grid.z);
+    const QueryOuterLaunch l = with_form(launch, chosen_form, kGroupForm);
+    const dim3 grid = group_grid(l.grid);
     launch_forward<T>(selected_group_forward_kernel<T, DQK, DV>, grid, kThreads,
                       group_forward_smem_bytes(DQK, DV, l.config.num_idx), p, l, "selected_group_forward_kernel");
   });

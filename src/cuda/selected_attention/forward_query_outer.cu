@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
                                                                     Tokens<const T> v, IndexView indices,
                                                                     Tokens<T> o, LseView<float> lse, SeqPairTable seqs,
                                                                     QueryOuterConfig c) {
+  if (form_not_chosen(c)) return;
   using S = FwdSmem<T, DQK, DV>;
   constexpr int kKeys = S::kKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -90,10 +91,11 @@ __global__ void __launch_bounds__(kThreads) selected_forward_kernel(Tokens<const
 
 }  // namespace
 
-void forward_query_outer(const SelectedAttentionParams& p) {
-  dispatch_query_outer(p, false, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& l) {
+void forward_query_outer(const SelectedAttentionParams& p, const std::int32_t* chosen_form) {
+  dispatch_query_outer(p, false, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& launch) {
     using T = typename decltype(tag)::type;
     constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+    const QueryOuterLaunch l = with_form(launch, chosen_form, kOneTokenForm);
     launch_forward<T>(selected_forward_kernel<T, DQK, DV>, l.grid, kThreads, FwdSmem<T, DQK, DV>::kBytes, p, l,
                       "selected_forward_kernel");
   });

@@ -13,9 +13,13 @@
 namespace sparseattn::cuda::selection {
 
 // Query-outer forwards, no workspace: one token per warp (forward_query_outer.cu), or consecutive tokens per CTA
-// sharing their K/V tiles (forward_query_group.cu).
-void forward_query_outer(const SelectedAttentionParams& p);
-void forward_query_group(const SelectedAttentionParams& p);
+// sharing their K/V tiles (forward_query_group.cu). chosen_form (device memory; null: run): the word in which
+// forward_query_adaptive chose the form, so that the launch of the other form returns at once.
+void forward_query_outer(const SelectedAttentionParams& p, const std::int32_t* chosen_form = nullptr);
+void forward_query_group(const SelectedAttentionParams& p, const std::int32_t* chosen_form = nullptr);
+// Both, the form chosen on the device from a sample of the index lists (forward_query_adaptive.cu); p.workspace
+// holds at least kAdaptiveWorkspaceBytes.
+void forward_query_adaptive(const SelectedAttentionParams& p);
 // Query-outer dQ (dq_query_outer.cu): p.dq = (or += with accumulate_dq) the gradient of p.q, from delta = rowsum(dO
 // O) and the P factor (null data: 1) laid out like lse (backward.cu); no workspace.
 void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,

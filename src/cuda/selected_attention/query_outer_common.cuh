@@ -13,6 +13,7 @@
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/mma.cuh"
 #include "cuda/selected_attention/common.cuh"
+#include "cuda/selected_attention/forward_plan.h"
 #include "cuda/primitives/launch.cuh"
 #include "cuda/primitives/swizzled_tile.cuh"
 
@@ -24,7 +25,19 @@ struct QueryOuterConfig {
   std::int64_t heads_kv, group, chunks, num_idx, block;
   float scale, scale_log2;
   bool accumulate_dq;  // dQ only: dq += the gradient
+  // Where the form of the forward is chosen on the device (forward_query_adaptive.cu): the word the choice is
+  // written to, and this launch's form (ForwardForm); null: the launch runs.
+  const std::int32_t* chosen_form = nullptr;
+  std::int32_t form = 0;
 };
+
+// The forms of the query-outer forward, as forward_query_adaptive.cu writes its choice.
+enum ForwardForm : std::int32_t { kOneTokenForm = 1, kGroupForm = 2 };
+
+// Whether this launch is the form not chosen on the device, whose CTAs return at once.
+__device__ __forceinline__ bool form_not_chosen(const QueryOuterConfig& c) {
+  return c.chosen_form != nullptr && *c.chosen_form != c.form;
+}
 
 // What both launchers derive from the shapes: the configuration, the grid (token, KV head x chunk of 16 query
 // heads, sequence) and the query and key sequences (common.cuh: a query chunk's keys outnumber its queries); empty:
@@ -313,6 +326,19 @@ void dispatch_query_outer(const Params& p, bool accumulate_dq, Body&& body) {
   dispatch_16bit(p.q.dtype, [&](auto tag) {
     dispatch_head_dims(l.dqk, l.dv, [&](auto dqk_c, auto dv_c) { body(tag, dqk_c, dv_c, l); });
   });
+}
+
+// A launch of the forward's form `form` that runs only where the device chose it (chosen_form; null: always).
+inline QueryOuterLaunch with_form(const QueryOuterLaunch& l, const std::int32_t* chosen_form, ForwardForm form) {
+  QueryOuterLaunch out = l;
+  out.config.chosen_form = chosen_form;
+  out.config.form = form;
+  return out;
+}
+
+// The group kernels' grid (query_group_common.cuh): kGroupTokens consecutive tokens per CTA along x.
+inline dim3 group_grid(const dim3& token_grid) {
+  return dim3((token_grid.x + kGroupTokens - 1) / kGroupTokens, token_grid.y, token_grid.z);
 }
 
 // The one-token kernels (forward_query_outer.cu, dq_query_outer.cu): a CTA of one warp per (token, KV head, chunk
