@@ -82,11 +82,11 @@ inline bool use_kv_outer_forward(std::int64_t group, std::int64_t dim_qk, std::i
 }
 
 // Where the query-outer forward runs, its group form (forward_query_group.cu: 8 consecutive tokens per CTA load
-// each K/V tile of the union of their blocks once) replaces the one-token kernel for Dqk = Dv = 128 up to
-// sequences of kGroupMaxLen tokens (`max_len`: the longest sequence of the batch), where it is the faster of
-// the two on an H100; longer sequences are not measured, and at 192/128 the larger tiles leave fewer stages
-// and the group form is the slower one. It needs about 227 KB of shared memory per CTA (an H100's, not an
-// A100's 163 KB), and index lists of at most 77 entries.
+// each K/V tile of the union of their blocks once) is a candidate for Dqk = Dv = 128 up to sequences of
+// kGroupMaxLen tokens (`max_len`: the longest sequence of the batch); there the device chooses between it and the
+// one-token kernel from how much the tokens share (ForwardPath::query_adaptive below). Longer sequences are not
+// measured, and at 192/128 the larger tiles leave fewer stages and the group form is the slower one. It needs about
+// 227 KB of shared memory per CTA (an H100's, not an A100's 163 KB), and index lists of at most 77 entries.
 inline constexpr std::int64_t kGroupMaxLen = 131072;
 inline constexpr int kGroupTokens = 8;  // consecutive tokens per CTA (forward_query_group.cu)
 
