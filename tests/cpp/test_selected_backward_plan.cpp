@@ -62,12 +62,12 @@ TEST(SelectedBackwardPlan, OverrideSwitch) {
   }
 }
 
-TEST(SelectedBackwardPlan, GroupDqAt128UpTo16K) {
+TEST(SelectedBackwardPlan, GroupDqCandidateAt128UpTo128K) {
   EXPECT_TRUE(use_group_dq(128, 128, 1, 16, kH100));
   EXPECT_TRUE(use_group_dq(128, 128, 8192, 16, kH100));
-  EXPECT_TRUE(use_group_dq(128, 128, kGroupDqMaxLen, 16, kH100));
-  EXPECT_FALSE(use_group_dq(128, 128, kGroupDqMaxLen + 1, 16, kH100));  // measured slower with random inputs
-  EXPECT_FALSE(use_group_dq(128, 128, 65536, 16, kH100));
+  EXPECT_TRUE(use_group_dq(128, 128, 65536, 16, kH100));  // a candidate: the device chooses
+  EXPECT_TRUE(use_group_dq(128, 128, kGroupMaxLen, 16, kH100));
+  EXPECT_FALSE(use_group_dq(128, 128, kGroupMaxLen + 1, 16, kH100));  // not measured
   EXPECT_FALSE(use_group_dq(128, 128, 0, 16, kH100));
   EXPECT_FALSE(use_group_dq(192, 128, 8192, 16, kH100));
   EXPECT_FALSE(use_group_dq(128, 128, 8192, 16, kA100));  // rows and stages need more than 163 KB
@@ -85,13 +85,15 @@ TEST(SelectedBackwardPlan, GroupDqAt128UpTo16K) {
 }
 
 TEST(SelectedBackwardPlan, GroupDqSwitch) {
-  EXPECT_TRUE(choose_group_dq(PathChoice::query_group, 192, 128, 8192, 16, kH100));  // forced: where supported
-  EXPECT_FALSE(choose_group_dq(PathChoice::query_group, 128, 128, 8192, 16, kA100));
-  EXPECT_FALSE(choose_group_dq(PathChoice::query_outer, 128, 128, 8192, 16, kH100));
-  EXPECT_FALSE(choose_group_dq(PathChoice::kv_outer, 128, 128, 8192, 16, kH100));
-  EXPECT_FALSE(choose_group_dq(PathChoice::query_group, 128, 128, 8192, 0, kH100));
-  EXPECT_EQ(choose_group_dq(PathChoice::automatic, 128, 128, 65536, 16, kH100),
-            use_group_dq(128, 128, 65536, 16, kH100));
+  EXPECT_EQ(choose_dq_form(PathChoice::query_group, 192, 128, 8192, 16, kH100), DqForm::group);  // where supported
+  EXPECT_EQ(choose_dq_form(PathChoice::query_group, 128, 128, 8192, 16, kA100), DqForm::one_token);
+  EXPECT_EQ(choose_dq_form(PathChoice::query_outer, 128, 128, 8192, 16, kH100), DqForm::one_token);
+  EXPECT_EQ(choose_dq_form(PathChoice::kv_outer, 128, 128, 8192, 16, kH100), DqForm::one_token);
+  EXPECT_EQ(choose_dq_form(PathChoice::query_group, 128, 128, 8192, 0, kH100), DqForm::one_token);
+  EXPECT_EQ(choose_dq_form(PathChoice::automatic, 128, 128, 65536, 16, kH100), DqForm::adaptive);
+  EXPECT_EQ(choose_dq_form(PathChoice::automatic, 128, 128, 262144, 16, kH100), DqForm::one_token);
+  EXPECT_EQ(choose_dq_form(PathChoice::automatic, 192, 128, 8192, 16, kH100), DqForm::one_token);
+  EXPECT_EQ(choose_dq_form(PathChoice::automatic, 128, 128, 8192, 16, kA100), DqForm::one_token);
 }
 
 TEST(SelectedBackwardPlan, DqChunksBoundThePartials) {

@@ -324,8 +324,9 @@ def test_selected_attention(forward, dtype, lengths, packed, Hq, Hkv, Dqk, Dv, b
     _check_selected(dtype, lengths, packed, Hq, Hkv, Dqk, Dv, block, n, future)
 
 
-def _forward_kernel_us(fn):
-    """GPU time (us) of the one-token ("query") and group ("group") forward kernels in one call of fn."""
+def _form_kernel_us(fn, one_token, group):
+    """GPU time (us) of the one-token kernel named `one_token` ("query") and the group kernel named `group` ("group")
+    in one call of fn."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -336,11 +337,28 @@ def _forward_kernel_us(fn):
     times = {"query": 0.0, "group": 0.0}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", 0.0)
-        if "selected_group_forward_kernel" in event.key:
+        name = event.key.split("<")[0].split("::")[-1]
+        if name == group:
             times["group"] += us
-        elif "selected_forward_kernel" in event.key:
+        elif name == one_token:
             times["query"] += us
     return times
+
+
+def _sharing_case(alike):
+    """128/128 inputs of 16K tokens, 16/1 heads, blocks of 16 keys, n = 16: every token the same blocks (alike), or
+    the 8 tokens of each group blocks of their own."""
+    T, Hq, Hkv, D, block, n = 16384, 16, 1, 128, 16, 16
+    g = torch.Generator().manual_seed(41)
+    q, k, v, d_o = (torch.randn(1, T, h, D, generator=g).bfloat16().cuda() for h in (Hq, Hkv, Hkv, Hq))
+    t = torch.arange(T)[:, None]
+    if alike:
+        blocks = torch.arange(n)[None, :].expand(T, n)              # blocks 0 .. 15 for every token
+    else:
+        blocks = (t % 8) * n + torch.arange(n)[None, :]             # token 8i + r: blocks 16r .. 16r + 15
+    # Ascending blocks, so the visible ones (b * block <= t) come first and the -1 padding last.
+    idx = torch.where(blocks * block <= t, blocks, -1)[None, :, None, :].int().cuda()
+    return q, k, v, d_o, idx, block
 
 
 @pytest.mark.parametrize("alike", [True, False])
@@ -349,16 +367,7 @@ def test_selected_forward_form_chosen_by_sharing(monkeypatch, alike):
     many distinct blocks 8 consecutive tokens chose (src/cuda/selected_attention/group_sharing.h): all tokens alike
     -> the group form does the work; every token of a group its own blocks -> the one-token forward does. Both give
     the forced forms' outputs bit for bit, and the form not chosen returns at once."""
-    T, Hq, Hkv, D, block, n = 16384, 16, 1, 128, 16, 16
-    g = torch.Generator().manual_seed(41)
-    q, k, v = (torch.randn(1, T, h, D, generator=g).bfloat16().cuda() for h in (Hq, Hkv, Hkv))
-    t = torch.arange(T)[:, None]
-    if alike:
-        blocks = torch.arange(n)[None, :].expand(T, n)              # blocks 0 .. 15 for every token
-    else:
-        blocks = (t % 8) * n + torch.arange(n)[None, :]             # token 8i + r: blocks 16r .. 16r + 15
-    # Ascending blocks, so the visible ones (b * block <= t) come first and the -1 padding last.
-    idx = torch.where(blocks * block <= t, blocks, -1)[None, :, None, :].int().cuda()
+    q, k, v, _, idx, block = _sharing_case(alike)
     outs = {}
     for forward in ("query", "group"):
         monkeypatch.setenv(FORWARD_ENV, forward)
@@ -368,7 +377,29 @@ def test_selected_forward_form_chosen_by_sharing(monkeypatch, alike):
     o, lse = sa.selected_attention(q, k, v, idx, block=block)
     for name in ("query", "group"):
         assert torch.equal(o, outs[name][0]) and torch.equal(lse, outs[name][1]), name
-    times = _forward_kernel_us(lambda: sa.selected_attention(q, k, v, idx, block=block))
+    times = _form_kernel_us(lambda: sa.selected_attention(q, k, v, idx, block=block),
+                            "selected_forward_kernel", "selected_group_forward_kernel")
+    chosen, other = ("group", "query") if alike else ("query", "group")
+    assert times[chosen] > 3 * times[other], times
+
+
+@pytest.mark.parametrize("alike", [True, False])
+def test_selected_dq_form_chosen_by_sharing(monkeypatch, alike):
+    """The same choice for the query-outer dQ (src/cuda/selected_attention/backward_plan.h, DqForm::adaptive): the
+    group dQ where the tokens share, the one-token dQ where they do not; gradients bit for bit the forced forms'."""
+    q, k, v, d_o, idx, block = _sharing_case(alike)
+    grads = {}
+    for dq in ("query", "group"):
+        monkeypatch.setenv(DQ_ENV, dq)
+        grads[dq] = _run_selected(q, k, v, idx, block, None, d_o)[2]
+    monkeypatch.delenv(DQ_ENV, raising=False)
+    poison_allocator()
+    got = _run_selected(q, k, v, idx, block, None, d_o)[2]
+    for name in ("query", "group"):
+        for a, b in zip(got, grads[name]):
+            assert torch.equal(a, b), name
+    times = _form_kernel_us(lambda: _run_selected(q, k, v, idx, block, None, d_o),
+                            "selected_dq_kernel", "selected_group_dq_kernel")
     chosen, other = ("group", "query") if alike else ("query", "group")
     assert times[chosen] > 3 * times[other], times
 

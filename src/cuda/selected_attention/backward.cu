@@ -3,11 +3,13 @@
 //  2. the inverse index (inverse_index.h): for each sequence, KV head and selection block, the ascending tokens
 //     whose index row lists it, built by a stable radix sort, and its segments;
 //  3. dQ, query-outer (dq_query_outer.cu: one warp per token, for large groups; or its group form,
-//     dq_query_group.cu: 8 consecutive tokens per CTA sharing K/V tiles), or
+//     dq_query_group.cu: 8 consecutive tokens per CTA sharing K/V tiles; or the two chosen between on the device,
+//     query_adaptive.cu), or
 //  4. dK/dV, KV-block-outer over the inverse index cut into chunks (dkdv.cu, dkdv_wgmma.cuh);
 //  5. dQ, KV-block-outer (dq_kv_block_outer.cu: gathered query rows per selected block, for groups up to 8),
 //     which reuses the inverse index's buffers once step 4 is done with them.
-// Which dQ runs is a pure host choice from shapes (backward_plan.h). No float atomics anywhere: every sum over CTAs
+// Which dQ path runs is a host choice from shapes (backward_plan.h); between the query-outer dQ's two forms the device
+// may choose from the index lists. No float atomics anywhere: every sum over CTAs
 // is written to a workspace slot and added up in a fixed order, so the backward is deterministic.
 // A query chunk (common.cuh: keys outnumbering queries) numbers the blocks of the keys' sequences; the inverse index
 // and the dK/dV take it, and its dQ is the query-outer one.
@@ -60,7 +62,8 @@ struct BwdPlan {
   std::size_t delta, offsets, keys_in, keys_out, values_in, values_out, seg_begin, seg_end, temp, temp_bytes,
       counts, scan, scan_temp, scan_temp_bytes, partials, total;
   bool dq_kv;                  // KV-block-outer dQ (dq_kv_block_outer.h) instead of the query-outer one
-  bool dq_group;               // the query-outer dQ's group form (dq_query_group.cu)
+  selection::DqForm dq_form;   // the query-outer dQ's: one-token, group (dq_query_group.cu) or chosen on the device
+  std::size_t dq_choice;       // the device's choice (query_adaptive.cu), where dq_form is adaptive
   std::int64_t dq_chunk_pairs; // its (KV head, token row) pairs per chunk
   selection::SortGroup dq_sort; // its chunks per sort (forward_plan.h)
   std::size_t dq_half, dq_scale;
@@ -109,7 +112,7 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
     const std::size_t smem_limit = smem_optin_bytes(p.q.device_index);
     plan.dq_kv = !plan.chunk && selection::choose_kv_outer_dq(choice, group, dqk, dv, plan.total_rows, plan.num_idx,
                                                               plan.block, smem_limit);
-    plan.dq_group = !plan.dq_kv && selection::choose_group_dq(choice, dqk, dv, s.max_len, plan.num_idx, smem_limit);
+    plan.dq_form = selection::choose_dq_form(choice, dqk, dv, s.max_len, plan.num_idx, smem_limit);
     plan.temp_bytes = selection::radix_sort_temp_bytes(plan.entries, plan.end_bit);
     if (plan.dq_kv) {
       // The KV-block-outer dQ sorts groups of its chunks in the dK/dV's index buffers (sized for every entry).
@@ -122,6 +125,9 @@ BwdPlan plan_of(const SelectedAttentionBackwardParams& p) {
     }
   }
   plan.temp = take(plan.temp_bytes);
+  if (!plan.dq_kv && plan.dq_form == selection::DqForm::adaptive) {
+    plan.dq_choice = take(selection::kAdaptiveWorkspaceBytes);
+  }
   plan.keys = keys;
   plan.chunk_tokens = selection::dkv_chunk_tokens(plan.entries, plan.heads_q / std::max<std::int64_t>(1, plan.heads_kv),
                                        plan.num_idx, plan.block, dqk, dv);
@@ -214,10 +220,14 @@ void selected_attention_backward(const SelectedAttentionBackwardParams& p,
                                 plan.entries, plan.end_bit, stream);
     selection::launch_segments(keys_out, plan.entries, plan.sentinel, seg_begin, seg_end, keys, stream);
     // 3. dQ, query-outer (or KV-block-outer after step 4).
-    if (plan.dq_group) {
-      selection::dq_query_group(p, delta, p_scale, options.accumulate_dq);
-    } else if (!plan.dq_kv) {
-      selection::dq_query_outer(p, delta, p_scale, options.accumulate_dq);
+    if (!plan.dq_kv) {
+      switch (plan.dq_form) {
+        case selection::DqForm::group: selection::dq_query_group(p, delta, p_scale, options.accumulate_dq); break;
+        case selection::DqForm::adaptive:
+          selection::dq_query_adaptive(p, delta, p_scale, options.accumulate_dq, ws + plan.dq_choice);
+          break;
+        case selection::DqForm::one_token: selection::dq_query_outer(p, delta, p_scale, options.accumulate_dq); break;
+      }
     }
     // 4. dK, dV, KV-block-outer over the inverse index cut into chunks (dkdv_chunks.cuh).
     {

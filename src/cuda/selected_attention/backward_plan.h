@@ -102,31 +102,34 @@ inline bool group_dq_supported(std::int64_t dim_qk, std::int64_t dim_v, std::int
   return group_dq_smem_bytes(dim_qk, dim_v, num_idx) <= smem_limit;
 }
 
-// Where the query-outer dQ runs, its group form replaces the one-token kernel for Dqk = Dv = 128 up to sequences
-// of kGroupDqMaxLen tokens (`max_len`: the longest of the batch), on a device with the shared memory: up to there
-// it is the faster of the two on an H100, or about even, with random and with drifting inputs; beyond, with random
-// inputs, the 8 tokens share few tiles and the ring, which holds a stage until its last reader is done, leaves the
-// consumers waiting (docs/perf/2026-11-28-group-dq.md).
-inline constexpr std::int64_t kGroupDqMaxLen = 16384;
-
+// Where the query-outer dQ runs, its group form is a candidate for Dqk = Dv = 128 up to sequences of kGroupMaxLen
+// tokens (`max_len`: the longest of the batch; the forward's bound), on a device with the shared memory. There the
+// device chooses between it and the one-token dQ from how much 8 consecutive tokens share, as for the forward
+// (forward_plan.h, ForwardPath::query_adaptive; the same sampling and bound): where they share little, the group
+// form's ring, which holds a stage until its last reader is done, leaves the consumers waiting
+// (docs/perf/2026-11-28-group-dq.md, 2026-11-28-adaptive-group-forward.md).
 inline bool use_group_dq(std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len, std::int64_t num_idx,
                          std::size_t smem_limit) {
-  return dim_qk == 128 && dim_v == 128 && max_len >= 1 && max_len <= kGroupDqMaxLen &&
+  return dim_qk == 128 && dim_v == 128 && max_len >= 1 && max_len <= kGroupMaxLen &&
          group_dq_supported(dim_qk, dim_v, num_idx, smem_limit);
 }
 
-// Whether the query-outer dQ (where it runs: not choose_kv_outer_dq) takes its group form: where "group" forces
-// it and it is supported, under "automatic" where use_group_dq prefers it, never under "query".
-inline bool choose_group_dq(PathChoice choice, std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len,
-                            std::int64_t num_idx, std::size_t smem_limit) {
-  if (num_idx < 1 || max_len < 1) return false;
+// Which query-outer dQ runs (where it runs: not choose_kv_outer_dq): the group form where "group" forces it and it
+// is supported, the form chosen on the device under "automatic" where use_group_dq allows the group form, else
+// (and always under "query") the one-token dQ.
+enum class DqForm { one_token, group, adaptive };
+inline DqForm choose_dq_form(PathChoice choice, std::int64_t dim_qk, std::int64_t dim_v, std::int64_t max_len,
+                             std::int64_t num_idx, std::size_t smem_limit) {
+  if (num_idx < 1 || max_len < 1) return DqForm::one_token;
   switch (choice) {
-    case PathChoice::query_group: return group_dq_supported(dim_qk, dim_v, num_idx, smem_limit);
-    case PathChoice::automatic: return use_group_dq(dim_qk, dim_v, max_len, num_idx, smem_limit);
+    case PathChoice::query_group:
+      return group_dq_supported(dim_qk, dim_v, num_idx, smem_limit) ? DqForm::group : DqForm::one_token;
+    case PathChoice::automatic:
+      return use_group_dq(dim_qk, dim_v, max_len, num_idx, smem_limit) ? DqForm::adaptive : DqForm::one_token;
     case PathChoice::query_outer:
     case PathChoice::kv_outer: break;
   }
-  return false;
+  return DqForm::one_token;
 }
 
 // ------------------------------------------------------------------------------------ KV-block-outer chunks

@@ -2,7 +2,8 @@
 // K/V tile of the union of their selected blocks; each consumer warp computes one token's dQ as the one-token dQ
 // does (dq_query_outer.cu: per key tile dP = dO V^T, S = Q K^T, dS in registers, dQ += dS K), taking from its
 // queue the stages it reads. Inputs where neighbouring tokens choose alike then read fewer K/V rows from L2, as in
-// the group forward. backward_plan.h chooses this form (use_group_dq). dQ is bitwise the one-token dQ's where the
+// the group forward. Where backward_plan.h allows this form (use_group_dq), query_adaptive.cu chooses between it and
+// the one-token dQ on the device. dQ is bitwise the one-token dQ's where the
 // index lists ascend (the union's walk then visits each token's blocks in its list's order).
 //
 // Registers: with Q's and dO's fragments, dQ, S and dP in registers the consumer needs about 250 and gets 232
@@ -34,6 +35,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     selected_group_dq_kernel(Tokens<const T> q, Tokens<const T> k, Tokens<const T> v, IndexView indices,
                              LseView<const float> lse, Tokens<const T> d_o, LseView<const float> delta,
                              LseView<const float> p_scale, Tokens<T> dq, SeqPairTable seqs, QueryOuterConfig c) {
+  if (form_not_chosen(c)) return;
   using R = GroupDqRows<T, DQK, DV>;
   using S = GroupStages<T, DQK, DV, R::kBytes>;
   constexpr int kKeys = S::kKeys;
@@ -102,10 +104,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 void dq_query_group(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
-                    const LseView<const float>& p_scale, bool accumulate_dq) {
-  dispatch_query_outer(p, accumulate_dq, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& l) {
+                    const LseView<const float>& p_scale, bool accumulate_dq, const std::int32_t* chosen_form) {
+  dispatch_query_outer(p, accumulate_dq, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& launch) {
     using T = typename decltype(tag)::type;
     constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+    const QueryOuterLaunch l = with_form(launch, chosen_form, kGroupForm);
     const dim3 grid = group_grid(l.grid);
     launch_dq<T>(selected_group_dq_kernel<T, DQK, DV>, grid, kThreads,
                  group_dq_smem_bytes(DQK, DV, l.config.num_idx), p, l, delta, p_scale, "selected_group_dq_kernel");

@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
                                                                LseView<const float> delta,
                                                                LseView<const float> p_scale, Tokens<T> dq,
                                                                SeqPairTable seqs, QueryOuterConfig c) {
+  if (form_not_chosen(c)) return;
   using S = DqSmem<T, DQK, DV>;
   constexpr int kKeys = S::kKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -124,10 +125,11 @@ __global__ void __launch_bounds__(kThreads) selected_dq_kernel(Tokens<const T> q
 }  // namespace
 
 void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
-                    const LseView<const float>& p_scale, bool accumulate_dq) {
-  dispatch_query_outer(p, accumulate_dq, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& l) {
+                    const LseView<const float>& p_scale, bool accumulate_dq, const std::int32_t* chosen_form) {
+  dispatch_query_outer(p, accumulate_dq, [&](auto tag, auto dqk_c, auto dv_c, const QueryOuterLaunch& launch) {
     using T = typename decltype(tag)::type;
     constexpr int DQK = decltype(dqk_c)::value, DV = decltype(dv_c)::value;
+    const QueryOuterLaunch l = with_form(launch, chosen_form, kOneTokenForm);
     launch_dq<T>(selected_dq_kernel<T, DQK, DV>, l.grid, kThreads, DqSmem<T, DQK, DV>::kBytes, p, l, delta,
                  p_scale, "selected_dq_kernel");
   });

@@ -167,7 +167,7 @@ inline bool choose_kv_outer(PathChoice choice, std::int64_t group, std::int64_t 
 // one CTA samples the lists (group_sharing.h) and writes the choice to the workspace; both forms are launched, and
 // the CTAs of the one not chosen return at once. Both give the same bits where the lists ascend.
 enum class ForwardPath { query_outer, query_group, query_adaptive, kv_outer };
-// The workspace of query_adaptive: the choice and the sampling kernel's counts (forward_query_adaptive.cu).
+// The workspace of query_adaptive: the choice and the sampling kernel's counts (query_adaptive.cu).
 inline constexpr std::size_t kAdaptiveWorkspaceBytes = 512;
 inline ForwardPath choose_forward(PathChoice choice, std::int64_t group, std::int64_t dim_qk, std::int64_t dim_v,
                                   std::int64_t tokens, std::int64_t max_len, std::int64_t num_idx, std::int64_t block,

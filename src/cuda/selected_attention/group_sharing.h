@@ -1,8 +1,8 @@
-// When the group forward (forward_query_group.cu) pays against the one-token forward: the group form loads each
-// distinct block that its kGroupTokens consecutive tokens chose once for all of them, the one-token forward loads every
-// (token, block) entry's tiles but its tokens never wait on each other. Which is faster depends on how many distinct
-// blocks there are per visible entry, which forward_query_adaptive.cu samples on the device. Plain C++ for the host
-// (tests/cpp) and the device.
+// When the group forms of the query-outer forward and dQ (forward_query_group.cu, dq_query_group.cu) pay against the
+// one-token kernels: a group form loads each distinct block that its kGroupTokens consecutive tokens chose once for
+// all of them, a one-token kernel loads every (token, block) entry's tiles but its tokens never wait on each other.
+// Which is faster depends on how many distinct blocks there are per visible entry, which query_adaptive.cu samples on
+// the device. Plain C++ for the host (tests/cpp) and the device.
 #pragma once
 
 #include <cstdint>

@@ -14,19 +14,23 @@ namespace sparseattn::cuda::selection {
 
 // Query-outer forwards, no workspace: one token per warp (forward_query_outer.cu), or consecutive tokens per CTA
 // sharing their K/V tiles (forward_query_group.cu). chosen_form (device memory; null: run): the word in which
-// forward_query_adaptive chose the form, so that the launch of the other form returns at once.
+// query_adaptive.cu chose the form, so that the launch of the other form returns at once.
 void forward_query_outer(const SelectedAttentionParams& p, const std::int32_t* chosen_form = nullptr);
 void forward_query_group(const SelectedAttentionParams& p, const std::int32_t* chosen_form = nullptr);
-// Both, the form chosen on the device from a sample of the index lists (forward_query_adaptive.cu); p.workspace
-// holds at least kAdaptiveWorkspaceBytes.
-void forward_query_adaptive(const SelectedAttentionParams& p);
 // Query-outer dQ (dq_query_outer.cu): p.dq = (or += with accumulate_dq) the gradient of p.q, from delta = rowsum(dO
 // O) and the P factor (null data: 1) laid out like lse (backward.cu); no workspace.
 void dq_query_outer(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
-                    const LseView<const float>& p_scale, bool accumulate_dq);
+                    const LseView<const float>& p_scale, bool accumulate_dq,
+                    const std::int32_t* chosen_form = nullptr);
 // Its group form (dq_query_group.cu): 8 consecutive tokens per CTA sharing their K/V tiles; the same arguments.
 void dq_query_group(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
-                    const LseView<const float>& p_scale, bool accumulate_dq);
+                    const LseView<const float>& p_scale, bool accumulate_dq,
+                    const std::int32_t* chosen_form = nullptr);
+// Both forms of the forward, or of the dQ, the form chosen on the device from a sample of the index lists
+// (query_adaptive.cu); `workspace` (the forward's: p.workspace) holds at least kAdaptiveWorkspaceBytes.
+void forward_query_adaptive(const SelectedAttentionParams& p);
+void dq_query_adaptive(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
+                       const LseView<const float>& p_scale, bool accumulate_dq, void* workspace);
 
 // Workspace of the KV-block-outer forward, from shapes only: byte offsets of each slice from the 256-byte
 // aligned base (see forward_kv_block_outer.cu for what they hold).

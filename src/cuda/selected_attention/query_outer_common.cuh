@@ -25,14 +25,14 @@ struct QueryOuterConfig {
   std::int64_t heads_kv, group, chunks, num_idx, block;
   float scale, scale_log2;
   bool accumulate_dq;  // dQ only: dq += the gradient
-  // Where the form of the forward is chosen on the device (forward_query_adaptive.cu): the word the choice is
-  // written to, and this launch's form (ForwardForm); null: the launch runs.
+  // Where the form of the forward or dQ is chosen on the device (query_adaptive.cu): the word the choice is
+  // written to, and this launch's form (QueryForm); null: the launch runs.
   const std::int32_t* chosen_form = nullptr;
   std::int32_t form = 0;
 };
 
-// The forms of the query-outer forward, as forward_query_adaptive.cu writes its choice.
-enum ForwardForm : std::int32_t { kOneTokenForm = 1, kGroupForm = 2 };
+// The forms of the query-outer forward and dQ, as query_adaptive.cu writes its choice.
+enum QueryForm : std::int32_t { kOneTokenForm = 1, kGroupForm = 2 };
 
 // Whether this launch is the form not chosen on the device, whose CTAs return at once.
 __device__ __forceinline__ bool form_not_chosen(const QueryOuterConfig& c) {
@@ -328,8 +328,8 @@ void dispatch_query_outer(const Params& p, bool accumulate_dq, Body&& body) {
   });
 }
 
-// A launch of the forward's form `form` that runs only where the device chose it (chosen_form; null: always).
-inline QueryOuterLaunch with_form(const QueryOuterLaunch& l, const std::int32_t* chosen_form, ForwardForm form) {
+// A launch of form `form` that runs only where the device chose it (chosen_form; null: always).
+inline QueryOuterLaunch with_form(const QueryOuterLaunch& l, const std::int32_t* chosen_form, QueryForm form) {
   QueryOuterLaunch out = l;
   out.config.chosen_form = chosen_form;
   out.config.form = form;

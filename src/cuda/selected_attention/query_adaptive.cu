@@ -1,8 +1,9 @@
-// The query-outer forward whose form is chosen on the device (forward_plan.h, ForwardPath::query_adaptive): a
-// sampling kernel walks the index lists of groups of kGroupTokens consecutive tokens, counts the distinct blocks
-// they chose against their visible entries and writes the form that pays (group_sharing.h) to the workspace; then
-// both forms are launched, and every CTA of the one not chosen returns at once (form_not_chosen). No host
-// synchronisation: the choice stays on the stream, and the same calls replay under CUDA graphs.
+// The query-outer forward and dQ whose form is chosen on the device (forward_plan.h, ForwardPath::query_adaptive;
+// backward_plan.h, DqForm::adaptive): a sampling kernel walks the index lists of groups of kGroupTokens consecutive
+// tokens, counts the distinct blocks they chose against their visible entries and writes the form that pays
+// (group_sharing.h) to the workspace; then both forms are launched, and every CTA of the one not chosen returns at
+// once (form_not_chosen). No host synchronisation: the choice stays on the stream, and the same calls replay under
+// CUDA graphs.
 #include <cstdint>
 
 #include "cuda/selected_attention/group_sharing.h"
@@ -107,19 +108,36 @@ __global__ void __launch_bounds__(32 * kSamplingWarps)
   words->form = group_form_pays(all_distinct, all_entries) ? kGroupForm : kOneTokenForm;
 }
 
+// Enqueues the choice for the query-outer launch `l` over `indices` into `workspace`; returns the word of the form.
+const std::int32_t* choose_form(const QueryOuterLaunch& l, const TensorView& indices, void* workspace,
+                                void* stream_handle) {
+  auto* words = static_cast<SamplingWords*>(workspace);
+  const auto stream = static_cast<cudaStream_t>(stream_handle);
+  zero_async(&words->done, sizeof(words->done), stream, "the form choice's CTA count");
+  choose_group_form_kernel<<<kSamplingCtas, 32 * kSamplingWarps, 0, stream>>>(index_of(indices), l.table, l.config,
+                                                                              group_grid(l.grid), words);
+  check_launch("choose_group_form_kernel");
+  return &words->form;
+}
+
 }  // namespace
 
 void forward_query_adaptive(const SelectedAttentionParams& p) {
   const QueryOuterLaunch l = launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.seqs_k, p.block, p.scale, false);
   if (l.empty) return;
-  auto* words = static_cast<SamplingWords*>(p.workspace);
-  const auto stream = static_cast<cudaStream_t>(p.stream);
-  zero_async(&words->done, sizeof(words->done), stream, "the form choice's CTA count");
-  choose_group_form_kernel<<<kSamplingCtas, 32 * kSamplingWarps, 0, stream>>>(index_of(p.indices), l.table, l.config,
-                                                                              group_grid(l.grid), words);
-  check_launch("choose_group_form_kernel");
-  forward_query_group(p, &words->form);
-  forward_query_outer(p, &words->form);
+  const std::int32_t* form = choose_form(l, p.indices, p.workspace, p.stream);
+  forward_query_group(p, form);
+  forward_query_outer(p, form);
+}
+
+void dq_query_adaptive(const SelectedAttentionBackwardParams& p, const LseView<const float>& delta,
+                       const LseView<const float>& p_scale, bool accumulate_dq, void* workspace) {
+  const QueryOuterLaunch l =
+      launch_of(p.q, p.k, p.v, p.indices, p.seqs, p.seqs_k, p.block, p.scale, accumulate_dq);
+  if (l.empty) return;
+  const std::int32_t* form = choose_form(l, p.indices, workspace, p.stream);
+  dq_query_group(p, delta, p_scale, accumulate_dq, form);
+  dq_query_outer(p, delta, p_scale, accumulate_dq, form);
 }
 
 }  // namespace sparseattn::cuda::selection
