@@ -8,9 +8,9 @@
 //  4. dK/dV, KV-block-outer over the inverse index cut into chunks (dkdv.cu, dkdv_wgmma.cuh);
 //  5. dQ, KV-block-outer (dq_kv_block_outer.cu: gathered query rows per selected block, for groups up to 8),
 //     which reuses the inverse index's buffers once step 4 is done with them.
-// Which dQ path runs is a host choice from shapes (backward_plan.h); between the query-outer dQ's two forms the device
-// may choose from the index lists. No float atomics anywhere: every sum over CTAs
-// is written to a workspace slot and added up in a fixed order, so the backward is deterministic.
+// Which dQ path runs is a host choice from shapes (backward_plan.h); between the query-outer dQ's two forms the
+// device may choose from the index lists. No float atomics anywhere: every sum over CTAs is written to a workspace
+// slot and added up in a fixed order, so the backward is deterministic.
 // A query chunk (common.cuh: keys outnumbering queries) numbers the blocks of the keys' sequences; the inverse index
 // and the dK/dV take it, and its dQ is the query-outer one.
 //

@@ -3,8 +3,8 @@
 // does (dq_query_outer.cu: per key tile dP = dO V^T, S = Q K^T, dS in registers, dQ += dS K), taking from its
 // queue the stages it reads. Inputs where neighbouring tokens choose alike then read fewer K/V rows from L2, as in
 // the group forward. Where backward_plan.h allows this form (use_group_dq), query_adaptive.cu chooses between it and
-// the one-token dQ on the device. dQ is bitwise the one-token dQ's where the
-// index lists ascend (the union's walk then visits each token's blocks in its list's order).
+// the one-token dQ on the device. dQ is bitwise the one-token dQ's where the index lists ascend (the union's walk
+// then visits each token's blocks in its list's order).
 //
 // Registers: with Q's and dO's fragments, dQ, S and dP in registers the consumer needs about 250 and gets 232
 // beside the producer, so each warp copies its token's dO rows (and Q's where Dqk + Dv > 256, as the one-token

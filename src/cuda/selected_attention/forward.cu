@@ -1,9 +1,10 @@
 // CUDA entry points of selected_attention's forward. Three forwards exist (forward_plan.h explains them and
 // holds the heuristics): the query-outer one (forward_query_outer.cu), which pads each token's G query heads to a
 // 16-row mma tile, its group form (forward_query_group.cu), whose CTAs of consecutive tokens load the K/V tiles
-// they share once (query_adaptive.cu chooses between the two on the device), and the KV-block-outer one (forward_kv_block_outer.cu, with its sm_90a kernel in
-// forward_kv_block_outer_wgmma.cuh), which packs the query rows of many tokens that selected the same block into
-// full tiles and merges per-slot partials. The backward's entry point is backward.cu.
+// they share once (query_adaptive.cu chooses between the two on the device), and the KV-block-outer one
+// (forward_kv_block_outer.cu, with its sm_90a kernel in forward_kv_block_outer_wgmma.cuh), which packs the query
+// rows of many tokens that selected the same block into full tiles and merges per-slot partials. The backward's
+// entry point is backward.cu.
 #include <cuda_runtime.h>
 
 #include <cstdlib>

@@ -1,8 +1,8 @@
 // The group forward of selected_attention (query_group_common.cuh): 8 consecutive tokens per CTA share each K/V
 // tile of the union of their selected blocks; each consumer warp computes one token as the one-token forward does
 // (S = Q K^T, online softmax, O += P V, all in registers). Where forward_plan.h allows this form (use_group_forward),
-// query_adaptive.cu chooses between it and the one-token forward on the device. Outputs are bitwise the one-token forward's where the index lists ascend
-// (the union's walk then visits each token's blocks in its list's order).
+// query_adaptive.cu chooses between it and the one-token forward on the device. Outputs are bitwise the one-token
+// forward's where the index lists ascend (the union's walk then visits each token's blocks in its list's order).
 #include "cuda/selected_attention/launchers.h"
 #include "cuda/selected_attention/query_group_common.cuh"
 
