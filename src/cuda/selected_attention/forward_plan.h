@@ -163,9 +163,10 @@ inline bool choose_kv_outer(PathChoice choice, std::int64_t group, std::int64_t 
 // query_adaptive: which of the two query-outer forms is faster depends on the index lists, not on the shapes. The
 // group form loads each block its 8 tokens share once, but its tokens wait on each other's stages; the one-token
 // forward loads every entry's tiles and is faster where the tokens share little (random inputs at 64K tokens), the
-// group form where they share much (inputs with locality; short sequences, where the blocks are few). A kernel of
-// one CTA samples the lists (group_sharing.h) and writes the choice to the workspace; both forms are launched, and
-// the CTAs of the one not chosen return at once. Both give the same bits where the lists ascend.
+// group form where they share much (inputs with locality; short sequences, where the blocks are few). A sampling
+// kernel (query_adaptive.cu) counts distinct blocks in about 500 groups (group_sharing.h) and writes the choice to
+// the workspace; both forms are launched, and the CTAs of the one not chosen return at once. Both give the same bits
+// where the lists ascend.
 enum class ForwardPath { query_outer, query_group, query_adaptive, kv_outer };
 // The workspace of query_adaptive: the choice and the sampling kernel's counts (query_adaptive.cu).
 inline constexpr std::size_t kAdaptiveWorkspaceBytes = 512;

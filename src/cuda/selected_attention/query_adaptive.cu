@@ -31,8 +31,8 @@ static_assert(sizeof(SamplingWords) <= kAdaptiveWorkspaceBytes, "forward_plan.h 
 
 // By one warp: the distinct blocks and visible entries of `tokens` lists (num_idx entries, `stride` apart) of
 // consecutive tokens whose first sits at key position first_pos. Lane i < tokens follows list i; each step takes the
-// smallest block at the lanes' heads (one distinct block) and moves on the lanes that hold it, as the group forward's
-// walk does (query_group_common.cuh, GroupTiles). An entry is visible where it is a block (>= 0, before its list's
+// smallest block at the lanes' heads (one distinct block) and moves on the lanes that hold it, as the group forms'
+// walk does (query_group_common.cuh, GroupTiles), here over the index's rows in global memory. An entry is visible where it is a block (>= 0, before its list's
 // first -1) that starts at or before its token's position.
 __device__ __forceinline__ void walk_group(const std::int32_t* lists, std::int64_t stride, int tokens,
                                            std::int64_t num_idx, std::int64_t block, std::int64_t first_pos,
