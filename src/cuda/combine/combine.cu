@@ -2,7 +2,9 @@
 // handled by up to 32 lanes of one warp moving 16 bytes at a time where the rows are aligned, so the gate is
 // read once per lane and d_gate is a shuffle reduction over the row's lanes (deterministic, no atomics).
 // A lane group takes a run of kHeadsPerGroup heads of one token, so that the 64-bit index arithmetic of
-// finding a row is paid once per run: paid once per row, it makes the backward issue-bound.
+// finding a row is paid once per run: paid once per row, it makes the backward issue-bound. The backward of the
+// NSA path (every gate folded into its branch's backward) has its own kernel, which keeps the loads of several
+// heads in flight together instead of one branch's row at a time.
 #include "cuda/primitives/common.cuh"
 #include "cuda/combine/ops.h"
 
@@ -189,6 +191,83 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 5)
   }
 }
 
+// combine_backward_kernel where every branch's gate is folded into its backward (no d_out: the NSA path on CUDA)
+// and the rows are one 16-byte piece per lane: d_gate = delta = sum(d_o * o) per row, and the gate as the branch's P
+// factor. The loads of kBatch heads are issued together and without branches between them (a lane past its run,
+// or an absent branch, reads a valid row and drops the product), so that they are in flight together;
+// the row sums are reduced over the row's lanes afterwards, every head's at once. Two heads per batch at four CTAs
+// per SM (64 registers, no spills) keep the most bytes moving (docs/perf/2026-11-28-combine-backward-and-dkv-gather.md).
+constexpr int kFoldedBatch = 2, kFoldedBlocksPerSm = 4;
+
+template <class T>
+__global__ void __launch_bounds__(kThreadsPerBlock, kFoldedBlocksPerSm)
+    combine_backward_folded_kernel(Branches<T> branches, Tokens<T> d_o, BackwardOutputs<T> outs, RowGrid grid,
+                                   int lanes) {
+  constexpr int kVec = 16 / sizeof(T), kBatch = kFoldedBatch;
+  static_assert(kHeadsPerGroup % kBatch == 0, "whole batches of heads");
+  RowsOf r;
+  const bool active = rows_of(grid, lanes, r);
+  if (__all_sync(0xffffffffu, !active)) return;
+  const int heads = active ? r.h_end - r.h : 0;
+  const int runs = __reduce_max_sync(0xffffffffu, heads);
+  const std::int64_t d0 = std::int64_t{r.lane} * kVec;  // the lanes' pieces are the row (launcher)
+  const T* const fallback = d_o.data;
+  float d_gate[kHeadsPerGroup][kNumBranches] = {};
+#pragma unroll
+  for (int run0 = 0; run0 < kHeadsPerGroup; run0 += kBatch) {
+    if (run0 >= runs) break;  // the same for the whole warp
+    uint4 raw[kBatch][1 + kNumBranches];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const bool in = run0 + b < heads;
+      const int h = r.h + run0 + b;
+      const T* grad = in ? d_o.row(r.b, r.t, h) + d0 : fallback;
+      raw[b][0] = *reinterpret_cast<const uint4*>(grad);
+#pragma unroll
+      for (int i = 0; i < kNumBranches; ++i) {
+        const T* x = in && branches.present[i] ? branches.outputs[i].row(r.b, r.t, h) + d0 : grad;
+        raw[b][1 + i] = *reinterpret_cast<const uint4*>(x);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const T* g = reinterpret_cast<const T*>(&raw[b][0]);
+#pragma unroll
+      for (int i = 0; i < kNumBranches; ++i) {
+        const T* x = reinterpret_cast<const T*>(&raw[b][1 + i]);
+        float sum = 0.f;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sum += to_float(g[e]) * to_float(x[e]);
+        if (run0 + b < heads) d_gate[run0 + b][i] += sum;
+      }
+    }
+  }
+#pragma unroll
+  for (int run = 0; run < kHeadsPerGroup; ++run) {
+    if (run >= runs) break;
+#pragma unroll
+    for (int i = 0; i < kNumBranches; ++i) {
+      if (!branches.present[i]) continue;
+      for (int offset = lanes / 2; offset > 0; offset /= 2) {
+        d_gate[run][i] += __shfl_xor_sync(0xffffffffu, d_gate[run][i], offset);
+      }
+    }
+  }
+  if (!active || r.lane != 0) return;
+#pragma unroll
+  for (int run = 0; run < kHeadsPerGroup; ++run) {
+    if (run >= heads) break;
+    const int h = r.h + run;
+#pragma unroll
+    for (int i = 0; i < kNumBranches; ++i) {
+      if (!branches.present[i]) continue;
+      if (outs.d_gates[i].data != nullptr) outs.d_gates[i].at(r.b, r.t, h) = from_float<T>(d_gate[run][i]);
+      if (outs.deltas[i].data != nullptr) outs.deltas[i].at(r.b, r.t, h) = d_gate[run][i];
+      if (outs.scales[i].data != nullptr) outs.scales[i].at(r.b, r.t, h) = to_float(branches.gates[i].at(r.b, r.t, h));
+    }
+  }
+}
+
 // 16 / sizeof(T) when every row of these token tensors starts 16-byte aligned and dim is a multiple of it; else 1.
 template <class T, class... Views>
 int vector_width(std::int64_t dim, const Views&... views) {
@@ -254,8 +333,14 @@ void combine_backward(const CombineBackwardParams& params, const std::array<Tens
       kernel<<<blocks_for(grid, lanes), kThreadsPerBlock, 0, stream>>>(
           branches_of<T>(outs, params.gates), tokens_of<T>(params.d_o), backward_outputs, grid, lanes);
     };
-    if (vector_width<T>(grid.dim, params.d_o, outs[0], outs[1], outs[2], d_outs[0], d_outs[1], d_outs[2]) > 1) {
-      launch(combine_backward_kernel<T, 16 / sizeof(T)>, 16 / sizeof(T));
+    // The folded kernel where no branch stores d_out and the rows are 16-byte pieces, one per lane.
+    const int wide = vector_width<T>(grid.dim, params.d_o, outs[0], outs[1], outs[2], d_outs[0], d_outs[1], d_outs[2]);
+    bool folded = wide > 1 && lanes_per_row(grid.dim, wide) * wide == grid.dim;
+    for (int i = 0; i < kNumBranches; ++i) folded = folded && !d_outs[i].present();
+    if (folded) {
+      launch(combine_backward_folded_kernel<T>, wide);
+    } else if (wide > 1) {
+      launch(combine_backward_kernel<T, 16 / sizeof(T)>, wide);
     } else {
       launch(combine_backward_kernel<T, 1>, 1);
     }
