@@ -200,10 +200,12 @@ def test_compressed_backward_varlen(monkeypatch, dtype, dims):
 
 
 # (B, T, S, Hq, Hkv, causal, window): dense causal, NSA's sliding window (window (w - 1, 0)), whole tiles only,
-# fewer queries than keys, not causal.
+# fewer queries than keys, not causal; a narrow window over eight query heads per KV head, where every dQ and dK/dV
+# warpgroup skips a step of each query tile and head (the consumers' unseen steps).
 FLASH_CASES = [
     (1, 4097, 4097, 2, 1, True, (-1, -1)),
     (2, 1000, 1000, 4, 2, True, (511, 0)),
+    (1, 1500, 1500, 8, 1, True, (127, 0)),
     (1, 2048, 2048, 4, 1, True, (-1, -1)),
     (1, 3001, 3001, 4, 4, True, (255, 0)),
     (1, 640, 1030, 4, 1, False, (-1, -1)),

@@ -625,6 +625,33 @@ __device__ __forceinline__ void visible_queries(const Mask& m, i64 j, i64& first
   end = j < m.S ? min(m.end_query(j), m.T) : 0;
 }
 
+// The key tiles of kN keys that some of the query rows [row0, row0 + kRows) see under a monotone mask, as the steps
+// [first, last] of a walk of `steps` tiles from tile tile_begin (last < first: none). The rows' visible intervals
+// lie in [lo(row0), hi(last row)], so a step outside it has no visible element; a step inside may still have none
+// (rows with hi < lo), which the caller's per-element mask covers.
+template <int kN, int kRows, class Mask>
+__device__ __forceinline__ void rows_key_steps(const Mask& m, i64 row0, i64 tile_begin, int steps, int& first,
+                                               int& last) {
+  first = 0;
+  last = -1;
+  if (row0 >= m.T) return;
+  const i64 row1 = min(row0 + kRows - 1, m.T - 1);
+  const i64 lo = m.lo(row0), hi = min(m.hi(row1), m.S - 1);
+  if (hi < lo || hi < 0) return;
+  first = static_cast<int>(max(i64{0}, lo / kN - tile_begin));
+  last = static_cast<int>(min(i64{steps - 1}, hi / kN - tile_begin));
+}
+
+// The queries [first, end) that see some of the keys [j0, j0 + kKeys) under a monotone mask (empty when j0 is past
+// the sequence): first_query and end_query are nondecreasing in the key.
+template <int kKeys, class Mask>
+__device__ __forceinline__ void keys_visible_queries(const Mask& m, i64 j0, i64& first, i64& end) {
+  i64 unused;
+  visible_queries(m, j0, first, unused);
+  visible_queries(m, min(j0 + kKeys - 1, m.S - 1), unused, end);
+  if (j0 >= m.S) first = end = 0;
+}
+
 // The forward's epilogue for a warp's 16 rows starting at query row0: O = acc / l and lse = (m + log2 l) ln 2
 // (-inf for rows that see no key, whose O is 0).
 template <int Dv, class T, class Seq>

@@ -40,6 +40,13 @@ namespace sparseattn::cuda::attention {
 
 using wgmma::load_swizzled_tile;  // shared with the select_blocks and selected-attention kernels
 
+// Whether the dQ and dK/dV consumers of a masking policy skip the steps that none of their rows sees (rows_key_steps,
+// dkv_seen_tiles): FlashMask's windows and causal diagonal leave one such step per warpgroup and tile. Not
+// CompressedMask, whose bounds cost 64-bit divisions and whose warpgroups differ in so many steps that the dK/dV
+// would not skip them (dkv_seen_tiles) and the dQ would skip about one in sixteen query tiles' last steps.
+template <class Mask>
+inline constexpr bool kSkipsUnseenSteps = std::is_same_v<Mask, FlashMask>;
+
 // The two score products of a backward step, committed as one MMA group: s = A_s B_s^T over Dqk columns and
 // dp = A_p B_p^T over Dv (every operand K-major, its descriptor at column 0; A tiles of kRowsA rows, B tiles of
 // kRowsB rows; N = kN). dQ: A = Q, dO and B = K, V; dK/dV: A = K, V and B = Q, dO (the transposed products).
@@ -339,6 +346,9 @@ struct WgmmaDkvTmaTile {
   // issues its scores, and lands those before its elementwise part, which runs while the other consumer's MMAs
   // occupy the tensor cores (the two take turns to issue, pipeline::Turns); at most 192 operand registers are live.
   static constexpr bool kOverlapsUpdate = !(Dqk == 128 && Dv == 128);
+  // Whether a consumer skips the query steps that do not see its keys (attention_dkv_wgmma_tma_kernel). Not at
+  // 192/128, whose consumers have no registers left for the walk's state (ptxas spills 276 bytes instead of 60).
+  static constexpr bool kSkipsUnseen = Dqk + Dv <= 256;
   static constexpr int kProducerThreads = pipeline::ProducerConsumers::kProducerThreads;
   static constexpr int kConsumerThreads = Consumers::kThreads;
   static_assert(kConsumerThreads == pipeline::ProducerConsumers::kConsumerThreads, "the rings count 256 consumers");
@@ -392,6 +402,28 @@ __device__ __forceinline__ void produce_row_stats(const Ring& ring, unsigned use
   __syncwarp();
   if (lane == 0) pipeline::arrive(ring.full_barrier(use));
   __syncwarp();
+}
+
+// The query tiles of kM rows, relative to tile_begin, that see some of a dK/dV warpgroup's 64 keys from j0 under a
+// monotone mask: [first, last] of the `tiles` each head walks, the same for every head (the plain masks have no
+// per-head windows). A consumer skips the others, so at the boundary between two heads it passes (tiles - 1 - last)
+// + first slots of the step ring on without using them, which it waits for while its previous step's update still
+// holds a slot: only up to kMaxSkipped such slots (fewer than the ring's free ones) keep the producer ahead of every
+// wait; with more, every tile counts as seen.
+template <int kM, int kMaxSkipped, class Mask>
+__device__ __forceinline__ void dkv_seen_tiles(const Mask& mask, i64 j0, int tile_begin, int tiles, int& first,
+                                               int& last) {
+  i64 q_first, q_end;
+  keys_visible_queries<64>(mask, j0, q_first, q_end);
+  first = 0;
+  last = tiles - 1;
+  if (q_end <= q_first) return;
+  const int lo = max(0, static_cast<int>(q_first / kM) - tile_begin);
+  const int hi = min(tiles - 1, static_cast<int>((q_end - 1) / kM) - tile_begin);
+  if (lo <= hi && tiles - 1 - hi + lo <= kMaxSkipped) {
+    first = lo;
+    last = hi;
+  }
 }
 
 template <class T, int Dqk, int Dv, class Mask>
@@ -474,14 +506,40 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
   // What the step loop needs of the CTA's work, in 32 bits (the rest is found again for the stores): steps, step i's
   // query tile tile_begin + i % tiles (DkvWork::tile), and the queries [q_first, q_end) (positions in the sequence,
   // below 2^31) that see this thread's two key rows.
-  int steps = 0, tile_begin = 0, q_first[2], q_end[2];
+  // A warpgroup computes only the steps whose query tile sees its keys, tiles [seen_first, seen_last] of each head
+  // (dkv_seen_tiles: with a window each warpgroup has one tile fewer per head than the CTA, with a causal mask the
+  // second warpgroup one); its pipeline step i is the i-th of those, and the ring's other steps it passes on unused.
+  // Where the two take turns (at 128/128), only if both have as many tiles per head: their turns then pair up, and
+  // neither runs ahead of the other's releases by more than the ring holds.
+  constexpr bool kSkips = Tile::kSkipsUnseen && kSkipsUnseenSteps<Mask>;
+  int steps = 0, tile_begin = 0, q_first[2], q_end[2], seen_first = 0, seen_last = 0, seen_steps = 0;
   unsigned tiles = 1;
   find_work([&](const auto&, const Mask& mask, const DkvWork& w) {
     steps = static_cast<int>(w.steps);
     tile_begin = static_cast<int>(w.tile_begin);
     tiles = static_cast<unsigned>(w.tiles);
     thread_visible_queries(mask, w.j0 + warp * 16, q_first, q_end);
+    seen_steps = steps;
+    if (kSkips && steps > 0) {
+      constexpr int kMaxSkipped = Tile::kBuffers - 2;
+      int other_first, other_last;
+      dkv_seen_tiles<kM, kMaxSkipped>(mask, w.j0 + warpgroup_row0, tile_begin, static_cast<int>(tiles), seen_first,
+                                      seen_last);
+      dkv_seen_tiles<kM, kMaxSkipped>(mask, w.j0 + 64 - warpgroup_row0, tile_begin, static_cast<int>(tiles),
+                                      other_first, other_last);
+      if (!Tile::kOverlapsUpdate && seen_last - seen_first != other_last - other_first) {
+        seen_first = 0;
+        seen_last = static_cast<int>(tiles) - 1;
+      }
+      seen_steps = steps / static_cast<int>(tiles) * (seen_last - seen_first + 1);
+    }
   });
+  if constexpr (kSkips) {
+    // Through shuffles: uniform to the compiler, so that the ring slots' wgmma descriptors stay in uniform registers.
+    seen_first = __shfl_sync(0xffffffffu, seen_first, 0);
+    seen_last = __shfl_sync(0xffffffffu, seen_last, 0);
+    seen_steps = __shfl_sync(0xffffffffu, seen_steps, 0);
+  }
   const DkvDescriptors desc = dkv_descriptors<kN, kM>(sK, sV, sQ, sDO, warpgroup_row0);  // slot 0's Q and dO
 
   float dk[Dqk / 8][4], dv[Dv / 8][4];
@@ -490,18 +548,45 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
   if (steps > 0) {
     float s[kM / 8][4], dp[kM / 8][4];
     std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
-    int ds_tile = tile_begin;  // the query tile of make_ds's next step
+    // With kSkips: the ring's use (the walk's step) of the current pipeline step and of the one before, and the
+    // current step's query tile relative to tile_begin; begin_step moves them on, passing the unseen uses on (wait,
+    // release). Without, pipeline step i is use i, and make_ds walks the query tiles.
+    [[maybe_unused]] int use = 0, previous_use = 0, tile = seen_first;
+    [[maybe_unused]] int ds_tile = tile_begin;  // without kSkips: the query tile of make_ds's next step
+    auto pass_on = [&](int from, int to) {
+      for (int u = from; u < to; ++u) {
+        step_ring.wait_full(u);
+        step_ring.release(u);
+      }
+    };
     // With kOverlapsUpdate, step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of
     // step i - 1 (its elementwise part done one step earlier) are in flight; its slot was filled by the producer
     // meanwhile.
     auto begin_step = [&](int step) {
       if (step == 0) kv_ring.wait_full(0);
-      if (step < steps) step_ring.wait_full(step);
+      if constexpr (kSkips) {
+        previous_use = use;
+        if (step == 0) {
+          pass_on(0, seen_first);
+          use = seen_first;
+        } else if (step < seen_steps) {
+          if (tile == seen_last) {  // the next head's first seen tile
+            const int skipped = static_cast<int>(tiles) - 1 - seen_last + seen_first;
+            pass_on(use + 1, use + 1 + skipped);
+            use += skipped + 1;
+            tile = seen_first;
+          } else {
+            ++use;
+            ++tile;
+          }
+        }
+      }
+      if (step < seen_steps) step_ring.wait_full(kSkips ? use : step);
       wgmma::fence_shared_for_async();  // the producer's zero-filled tiles (cp.async) before the MMAs read them
       wgmma::fence();
     };
     auto issue_step_scores = [&](int step) {  // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
-      const int buf = step_ring.slot(step);
+      const int buf = step_ring.slot(kSkips ? use : step);
       // The K and V descriptors made opaque here, so that the compiler advances them per MMA (an add each) instead
       // of holding every advanced copy across the step loop, in registers that the consumers do not have.
       std::uint64_t k_rows = desc.k, v_rows = desc.v;
@@ -509,8 +594,8 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
       issue_scores<T, kM, Dqk, Dv, kN, kM>(s, dp, k_rows, wgmma::advance(desc.q, buf * Tile::kQ * 2), v_rows,
                                            wgmma::advance(desc.d_o, buf * Tile::kDO * 2));
     };
-    auto issue_update = [&](int step) {  // dV += P^T dO and dK += dS^T Q of step - 1
-      const int buf = step_ring.slot(step - 1);
+    auto issue_update = [&](int step) {  // dV += P^T dO and dK += dS^T Q of the previous step
+      const int buf = step_ring.slot(kSkips ? previous_use : step - 1);
       wgmma::issue_dkv_update<T, kM, Dqk, Dv>(dk, dv, p_a, ds_a, wgmma::advance(desc.q_mn, buf * Tile::kQ * 2),
                                               wgmma::advance(desc.d_o_mn, buf * Tile::kDO * 2));
     };
@@ -519,13 +604,17 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
     auto make_ds = [&](int step) {
       wgmma::fence_operand(wgmma::flat<kM>(s));
       wgmma::fence_operand(wgmma::flat<kM>(dp));
-      const int buf = step_ring.slot(step);
+      const int buf = step_ring.slot(kSkips ? use : step);
       const float* lse = sLse + buf * kM;
       const float* delta = sDelta + buf * kM;
       const float* p_scale = sScale + buf * kM;
-      // Step i's query tile tile_begin + i % tiles, walked without a division (make_ds runs once per step, in order).
-      const int t0 = ds_tile * kM;
-      if (++ds_tile == tile_begin + static_cast<int>(tiles)) ds_tile = tile_begin;
+      int t0 = (tile_begin + tile) * kM;
+      if constexpr (!kSkips) {
+        // Step i's query tile tile_begin + i % tiles, walked without a division (make_ds runs once per step, in
+        // order).
+        t0 = ds_tile * kM;
+        if (++ds_tile == tile_begin + static_cast<int>(tiles)) ds_tile = tile_begin;
+      }
       const int col_first[2] = {q_first[0] - t0, q_first[1] - t0}, col_end[2] = {q_end[0] - t0, q_end[1] - t0};
       const bool full = max(col_first[0], col_first[1]) <= 0 && min(col_end[0], col_end[1]) >= kM;
       with_mask(!full, [&](auto masked) {
@@ -553,14 +642,14 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
       wgmma::fence_operand(wgmma::flat<Dqk>(dk));
       wgmma::fence_operand(p_a);
       wgmma::fence_operand(ds_a);
-      if (step > 0) step_ring.release(step - 1);  // its update has landed: the slot is free
-      if (Tile::kOverlapsUpdate && step < steps) {
+      if (step > 0) step_ring.release(kSkips ? previous_use : step - 1);  // its update has landed: the slot is free
+      if (Tile::kOverlapsUpdate && step < seen_steps) {
         wgmma::to_a_fragments<T, kM>(s, p_a);
         wgmma::to_a_fragments<T, kM>(dp, ds_a);
       }
     };
     if constexpr (Tile::kOverlapsUpdate) {
-      wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_update, make_ds, land);
+      wgmma::overlapped_steps(seen_steps, begin_step, issue_step_scores, issue_update, make_ds, land);
     } else {
       // Step i, in the consumer's turn, issues the update of step i - 1, lands it (its A fragments are then free),
       // issues the scores of step i; then it lands those and runs step i's elementwise part while the other
@@ -571,7 +660,7 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
         land(step);
         wgmma::fence_operand(wgmma::flat<kM>(s));
         wgmma::fence_operand(wgmma::flat<kM>(dp));
-        if (step < steps) {
+        if (step < seen_steps) {
           make_ds(step);
           wgmma::to_a_fragments<T, kM>(s, p_a);
           wgmma::to_a_fragments<T, kM>(dp, ds_a);
@@ -582,7 +671,7 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
       issue_step_scores(0);
       turns.pass();
       finish_step(0);
-      for (int step = 1; step < steps; ++step) {
+      for (int step = 1; step < seen_steps; ++step) {
         begin_step(step);
         turns.take();
         issue_update(step);
@@ -593,13 +682,14 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
         turns.pass();
         finish_step(step);
       }
-      begin_step(steps);
+      begin_step(seen_steps);
       turns.take();
-      issue_update(steps);
+      issue_update(seen_steps);
       turns.pass();
-      finish_step(steps);
+      finish_step(seen_steps);
       turns.finish();
     }
+    if constexpr (kSkips) pass_on(use + 1, steps);
   }
   find_work([&](const auto& seq, const Mask&, const DkvWork& w) {
     store_dkv_rows<true, true>(dk, dv, a, seq, w.split, w.j0 + warp * 16, w.hk);
@@ -769,6 +859,29 @@ __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const t
       // then stage the term of one key each into the consumer's key-term buffer, ordered like the gate delta.
       [[maybe_unused]] bool terms_by_key = false;
       [[maybe_unused]] float key_term_value = 0.f;
+      // With kSkipsUnseenSteps (FlashMask): this warpgroup's 64 rows see the key tiles of steps [first_seen,
+      // first_seen + seen) only (a monotone mask's rows see one interval together), so its pipeline runs over those
+      // steps (step i below is step first_seen + i of the walk) and the others only pass their K/V stage on; with a
+      // window each warpgroup has one step fewer than the query tile. Both warpgroups take as many turns: the one
+      // with fewer steps takes empty turns after its last.
+      [[maybe_unused]] int first_seen = 0, seen = steps, turns_left = 0;
+      if constexpr (kSkipsUnseenSteps<Mask>) {
+        int last = 0, other_first = 0, other_last = 0;
+        rows_key_steps<kN, 64>(mask, t0 + warpgroup_row0, tile_begin, steps, first_seen, last);
+        rows_key_steps<kN, 64>(mask, t0 + 64 - warpgroup_row0, tile_begin, steps, other_first, other_last);
+        // Through shuffles: uniform to the compiler, so that the loop's wgmma descriptors stay in uniform registers.
+        first_seen = __shfl_sync(0xffffffffu, first_seen, 0);
+        seen = __shfl_sync(0xffffffffu, max(0, last - first_seen + 1), 0);
+        const int other_seen = max(0, other_last - other_first + 1);
+        // overlapped_steps takes seen + 1 turns
+        const int turns_taken = seen > 0 ? seen + 1 : 0, other_turns = other_seen > 0 ? other_seen + 1 : 0;
+        turns_left = __shfl_sync(0xffffffffu, max(0, other_turns - turns_taken), 0);
+        for (int step = 0; step < first_seen; ++step) {
+          kv_ring.wait_full(key_tiles + step);
+          kv_ring.release(key_tiles + step);
+        }
+      }
+      const unsigned first_use = key_tiles + first_seen;  // the K/V ring's use of step 0
       float s[kN / 8][4], dp[kN / 8][4];
       std::uint32_t ds[kN / 16][4];
       // Step i (key tile tile_begin + i) computes S and dP of its tile while dQ += dS K of the tile before (dS
@@ -779,7 +892,7 @@ __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const t
       [[maybe_unused]] float gate_key_delta = 0.f;
       auto begin_step = [&](int step) {
         if constexpr (kHasTerms<Mask>) {
-          if (step < steps) {
+          if (step < seen) {
             key_tile = walk.next(mc, seq, w, step == 0 ? tile_begin : key_tile + 1, kN);
             const QueryTileTerms tt(mc.terms, walk.kind(mc, key_tile));
             terms_kind = tt.kind;
@@ -793,30 +906,31 @@ __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const t
           // The term of step 0's key here; every later step's was read one step ahead (below), as in the forward.
           terms_by_key = true;
           if (step == 0 && threadIdx.x % 128 < kN) {
-            key_term_value = key_term<T>(mc.terms, seq, w.h, tile_begin * kN + threadIdx.x % 128, kTileExists);
+            key_term_value =
+                key_term<T>(mc.terms, seq, w.h, (tile_begin + first_seen) * kN + threadIdx.x % 128, kTileExists);
           }
         }
         if constexpr (kHasGate<Mask>) {
-          if (gate_of<Mask>(mc).on() && step < steps && threadIdx.x % 128 < kN) {
-            const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
+          if (gate_of<Mask>(mc).on() && step < seen && threadIdx.x % 128 < kN) {
+            const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + first_seen + step) * kN;
             gate_key_delta = gate_delta<T>(gate_of<Mask>(mc), seq, w.hk, j0 + threadIdx.x % 128);
           }
         }
         if (step == 0) q_ring.wait_full(q_use);
-        if (step < steps) kv_ring.wait_full(key_tiles + step);
+        if (step < seen) kv_ring.wait_full(first_use + step);
         if constexpr (kHasAnyTerms<Mask>) {
-          if (terms_by_key && step < steps && threadIdx.x % 128 < kN) {
+          if (terms_by_key && step < seen && threadIdx.x % 128 < kN) {
             sKeyTerms[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = key_term_value;
           }
         }
         if constexpr (kHasKeyTerms<Mask>) {
-          if (step + 1 < steps && threadIdx.x % 128 < kN) {
-            key_term_value =
-                key_term<T>(mc.terms, seq, w.h, (tile_begin + step + 1) * kN + threadIdx.x % 128, kTileExists);
+          if (step + 1 < seen && threadIdx.x % 128 < kN) {
+            const i64 j = (tile_begin + first_seen + step + 1) * kN + threadIdx.x % 128;
+            key_term_value = key_term<T>(mc.terms, seq, w.h, j, kTileExists);
           }
         }
         if constexpr (kHasGate<Mask>) {
-          if (gate_of<Mask>(mc).on() && step < steps && threadIdx.x % 128 < kN) {
+          if (gate_of<Mask>(mc).on() && step < seen && threadIdx.x % 128 < kN) {
             sGateKeys[(consumer * 2 + (step & 1)) * kN + threadIdx.x % 128] = gate_key_delta;
           }
         }
@@ -824,13 +938,12 @@ __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const t
         wgmma::fence();
       };
       auto issue_step_scores = [&](int step) {
-        const int stage = kv_ring.slot(key_tiles + step);
+        const int stage = kv_ring.slot(first_use + step);
         issue_scores<T, kN, Dqk, Dv, kM, kN>(s, dp, q_desc, wgmma::advance(k_desc0, stage * Tile::kK * 2), do_desc,
                                              wgmma::advance(v_desc0, stage * Tile::kV * 2));
       };
       auto issue_dq = [&](int step) {  // dQ += dS K of the tile of step - 1
-        const std::uint64_t k_mn_desc =
-            wgmma::advance(k_mn_desc0, kv_ring.slot(key_tiles + step - 1) * Tile::kK * 2);
+        const std::uint64_t k_mn_desc = wgmma::advance(k_mn_desc0, kv_ring.slot(first_use + step - 1) * Tile::kK * 2);
 #pragma unroll
         for (int kk = 0; kk < kN / 16; ++kk) {
           wgmma::mma_rs_mn<T, Dqk, kN>(wgmma::flat<Dqk>(acc), ds[kk],
@@ -841,8 +954,8 @@ __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const t
       auto make_ds = [&](int step) {  // dS (without the scale) into s
         wgmma::fence_operand(wgmma::flat<kN>(s));
         wgmma::fence_operand(wgmma::flat<kN>(dp));
-        if (step == steps - 1) q_ring.release(q_use);
-        const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + step) * kN;
+        if (step == seen - 1) q_ring.release(q_use);
+        const i64 j0 = (kHasTerms<Mask> ? key_tile : tile_begin + first_seen + step) * kN;
         if constexpr (kHasKeyTerms<Mask>) {
           add_key_terms<kN, true>(s, sKeyTerms + (consumer * 2 + (step & 1)) * kN);
         } else if constexpr (kHasTerms<Mask>) {
@@ -885,10 +998,25 @@ __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const t
         wgmma::wait<0>();
         wgmma::fence_operand(wgmma::flat<Dqk>(acc));
         wgmma::fence_operand(ds);
-        if (step > 0) kv_ring.release(key_tiles + step - 1);
-        if (step < steps) wgmma::to_a_fragments<T, kN>(s, ds);
+        if (step > 0) kv_ring.release(first_use + step - 1);
+        if (step < seen) wgmma::to_a_fragments<T, kN>(s, ds);
       };
-      wgmma::overlapped_steps(steps, begin_step, issue_step_scores, issue_dq, make_ds, land, turns);
+      if (seen > 0) {
+        wgmma::overlapped_steps(seen, begin_step, issue_step_scores, issue_dq, make_ds, land, turns);
+      } else {
+        q_ring.wait_full(q_use);
+        q_ring.release(q_use);
+      }
+      if constexpr (kSkipsUnseenSteps<Mask>) {
+        for (int step = first_seen + seen; step < steps; ++step) {
+          kv_ring.wait_full(key_tiles + step);
+          kv_ring.release(key_tiles + step);
+        }
+        for (; turns_left > 0; --turns_left) {
+          turns.take();
+          turns.pass();
+        }
+      }
       key_tiles += steps;
     }
     store_rows<Dqk>(acc, a.scale, a.scale, a.dq, seq.batch, seq.q_begin + t0 + warp_row0, seq.T - (t0 + warp_row0),
