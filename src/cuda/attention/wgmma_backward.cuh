@@ -550,15 +550,9 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
     std::uint32_t p_a[kM / 16][4], ds_a[kM / 16][4];
     // With kSkips: the ring's use (the walk's step) of the current pipeline step and of the one before, and the
     // current step's query tile relative to tile_begin; begin_step moves them on, passing the unseen uses on (wait,
-    // release). Without, pipeline step i is use i, and make_ds walks the query tiles.
+    // release: Ring::pass_on). Without, pipeline step i is use i, and make_ds walks the query tiles.
     [[maybe_unused]] int use = 0, previous_use = 0, tile = seen_first;
     [[maybe_unused]] int ds_tile = tile_begin;  // without kSkips: the query tile of make_ds's next step
-    auto pass_on = [&](int from, int to) {
-      for (int u = from; u < to; ++u) {
-        step_ring.wait_full(u);
-        step_ring.release(u);
-      }
-    };
     // With kOverlapsUpdate, step i computes S^T and dP^T of query step i while dV += P^T dO and dK += dS^T Q of
     // step i - 1 (its elementwise part done one step earlier) are in flight; its slot was filled by the producer
     // meanwhile.
@@ -567,12 +561,12 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
       if constexpr (kSkips) {
         previous_use = use;
         if (step == 0) {
-          pass_on(0, seen_first);
+          step_ring.pass_on(0, seen_first);
           use = seen_first;
         } else if (step < seen_steps) {
           if (tile == seen_last) {  // the next head's first seen tile
             const int skipped = static_cast<int>(tiles) - 1 - seen_last + seen_first;
-            pass_on(use + 1, use + 1 + skipped);
+            step_ring.pass_on(use + 1, use + 1 + skipped);
             use += skipped + 1;
             tile = seen_first;
           } else {
@@ -689,7 +683,7 @@ __global__ void __launch_bounds__(WgmmaDkvTmaTile<Dqk, Dv>::kThreads, 1)
       finish_step(seen_steps);
       turns.finish();
     }
-    if constexpr (kSkips) pass_on(use + 1, steps);
+    if constexpr (kSkips) step_ring.pass_on(use + 1, steps);
   }
   find_work([&](const auto& seq, const Mask&, const DkvWork& w) {
     store_dkv_rows<true, true>(dk, dv, a, seq, w.split, w.j0 + warp * 16, w.hk);
@@ -876,10 +870,7 @@ __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const t
         // overlapped_steps takes seen + 1 turns
         const int turns_taken = seen > 0 ? seen + 1 : 0, other_turns = other_seen > 0 ? other_seen + 1 : 0;
         turns_left = __shfl_sync(0xffffffffu, max(0, other_turns - turns_taken), 0);
-        for (int step = 0; step < first_seen; ++step) {
-          kv_ring.wait_full(key_tiles + step);
-          kv_ring.release(key_tiles + step);
-        }
+        kv_ring.pass_on(key_tiles, key_tiles + first_seen);
       }
       const unsigned first_use = key_tiles + first_seen;  // the K/V ring's use of step 0
       float s[kN / 8][4], dp[kN / 8][4];
@@ -1004,14 +995,10 @@ __device__ __forceinline__ void attention_dq_wgmma(const AttnArgs<T>& a, const t
       if (seen > 0) {
         wgmma::overlapped_steps(seen, begin_step, issue_step_scores, issue_dq, make_ds, land, turns);
       } else {
-        q_ring.wait_full(q_use);
-        q_ring.release(q_use);
+        q_ring.pass_on(q_use, q_use + 1);
       }
       if constexpr (kSkipsUnseenSteps<Mask>) {
-        for (int step = first_seen + seen; step < steps; ++step) {
-          kv_ring.wait_full(key_tiles + step);
-          kv_ring.release(key_tiles + step);
-        }
+        kv_ring.pass_on(key_tiles + first_seen + seen, key_tiles + steps);
         for (; turns_left > 0; --turns_left) {
           turns.take();
           turns.pass();

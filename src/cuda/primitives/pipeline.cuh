@@ -102,6 +102,14 @@ class Ring {
   // Consumer: wait until the slot of this use is full; release it once nothing reads it any more.
   __device__ __forceinline__ void wait_full(unsigned use) const { wait(full_ + slot(use), parity(use)); }
   __device__ __forceinline__ void release(unsigned use) const { arrive(empty_ + slot(use)); }
+  // Consumer: uses [first, end) that it does not read, passed on in order (each waited for, then released), so
+  // that every release lands in its own use's phase.
+  __device__ __forceinline__ void pass_on(unsigned first, unsigned end) const {
+    for (unsigned use = first; use < end; ++use) {
+      wait_full(use);
+      release(use);
+    }
+  }
   // `count` releases at once: for consumers that do not read this use of the slot.
   __device__ __forceinline__ void release(unsigned use, int count) const { arrive(empty_ + slot(use), count); }
   // The full barrier of this use's slot: a TMA producer's copies complete it (expected bytes, one arrival).
