@@ -42,32 +42,41 @@ def checksum(tensor) -> int:
     return int((bits * weights).sum().item())
 
 
+def nsa_inputs(heads_q: int, heads_kv: int, seqlen: int, inputs: str):
+    """The leaves of an NSA call (q, k, v and the three gates, requiring gradients) and d_o: D = 128, bf16, batch 1,
+    drawn on the GPU from a fixed seed (q and k as sparseattn.bench's drifting tokens where inputs is "drifting")."""
+    import torch
+
+    from sparseattn.bench import drifting_tokens
+
+    generator = torch.Generator(device="cuda")
+    generator.manual_seed(1234)
+
+    def normal(heads):
+        return torch.randn(1, seqlen, heads, 128, device="cuda", generator=generator).bfloat16()
+
+    if inputs == "drifting":
+        q = drifting_tokens(seqlen, heads_q, 128, generator=generator)
+        k = drifting_tokens(seqlen, heads_kv, 128, generator=generator)
+    else:
+        q, k = normal(heads_q), normal(heads_kv)
+    v = normal(heads_kv)
+    gates = [torch.rand(1, seqlen, heads_q, device="cuda", generator=generator).bfloat16() for _ in range(3)]
+    d_o = normal(heads_q)
+    return [t.requires_grad_() for t in (q, k, v, *gates)], d_o
+
+
 def run(label: str, out: str, cases: list[str]) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from sparseattn import NSAConfig, nsa_attention
-    from sparseattn.bench import Timer, drifting_tokens, kernel_name
+    from sparseattn.bench import Timer, kernel_name
 
     timer = Timer(rep_ms=300, warmup_ms=50, max_reps=20)
     results = {}
     for case in cases:
-        heads_q, heads_kv, seqlen, inputs = parse_case(case)
-        generator = torch.Generator(device="cuda")
-        generator.manual_seed(1234)
-
-        def normal(heads):
-            return torch.randn(1, seqlen, heads, 128, device="cuda", generator=generator).bfloat16()
-
-        if inputs == "drifting":
-            q = drifting_tokens(seqlen, heads_q, 128, generator=generator)
-            k = drifting_tokens(seqlen, heads_kv, 128, generator=generator)
-        else:
-            q, k = normal(heads_q), normal(heads_kv)
-        v = normal(heads_kv)
-        gates = [torch.rand(1, seqlen, heads_q, device="cuda", generator=generator).bfloat16() for _ in range(3)]
-        d_o = normal(heads_q)
-        leaves = [t.requires_grad_() for t in (q, k, v, *gates)]
+        leaves, d_o = nsa_inputs(*parse_case(case))
 
         def forward_backward():
             out = nsa_attention(*leaves, config=NSAConfig())
@@ -92,7 +101,7 @@ def run(label: str, out: str, cases: list[str]) -> None:
         results[case] = {"wall_ms": wall_ms, "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])),
                          "kernels_total_ms": sum(kernels.values()), "checksums": sums}
         print(f"{label} {case}: wall {wall_ms:.2f} ms, kernels {sum(kernels.values()):.2f} ms", flush=True)
-        del q, k, v, gates, d_o, leaves
+        del d_o, leaves
         torch.cuda.empty_cache()
     with open(out, "w") as f:
         json.dump(results, f, indent=1)

@@ -6,11 +6,12 @@ cudaProfilerStop (so `ncu --profile-from-start off` records that call's kernels 
 
 `attention`: flash_attention forward and backward (bf16, batch 1; causal unless --no-causal, window (LEFT, 0) with
 --window: 511 is NSA's sliding window); `nsa`: nsa_attention forward and backward with NSA defaults, D = 128, on
-the inputs of sparseattn.bench (drifting: smoothly drifting q and k). --forward profiles the forward alone.
+the inputs of scripts/ab_kernels.py (drifting: smoothly drifting q and k). --forward profiles the forward alone.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -38,16 +39,15 @@ def main(argv: list[str]) -> int:
     import torch
 
     import sparseattn
-    from sparseattn.bench import drifting_tokens
 
     heads_q, heads_kv, seqlen = args.case
-    generator = torch.Generator(device="cuda")
-    generator.manual_seed(1234)
-
-    def normal(heads, dim):
-        return torch.randn(1, seqlen, heads, dim, device="cuda", generator=generator).bfloat16()
-
     if args.op == "attention":
+        generator = torch.Generator(device="cuda")
+        generator.manual_seed(1234)
+
+        def normal(heads, dim):
+            return torch.randn(1, seqlen, heads, dim, device="cuda", generator=generator).bfloat16()
+
         dqk, dv = (int(x) for x in args.dims.split("/"))
         q, k, v, d_o = normal(heads_q, dqk), normal(heads_kv, dqk), normal(heads_kv, dv), normal(heads_q, dv)
         leaves = [t.requires_grad_() for t in (q, k, v)]
@@ -57,14 +57,10 @@ def main(argv: list[str]) -> int:
         def forward():
             return sparseattn.flash_attention(*leaves, causal=args.causal, window=window)
     else:
-        if args.inputs == "drifting":
-            q = drifting_tokens(seqlen, heads_q, 128, generator=generator)
-            k = drifting_tokens(seqlen, heads_kv, 128, generator=generator)
-        else:
-            q, k = normal(heads_q, 128), normal(heads_kv, 128)
-        v, d_o = normal(heads_kv, 128), normal(heads_q, 128)
-        gates = [torch.rand(1, seqlen, heads_q, device="cuda", generator=generator).bfloat16() for _ in range(3)]
-        leaves = [t.requires_grad_() for t in (q, k, v, *gates)]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from ab_kernels import nsa_inputs  # the A/B's inputs, so that a profile sees the tensors an A/B times
+
+        leaves, d_o = nsa_inputs(heads_q, heads_kv, seqlen, args.inputs)
 
         def forward():
             return sparseattn.nsa_attention(*leaves, config=sparseattn.NSAConfig())
